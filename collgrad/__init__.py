@@ -1,0 +1,98 @@
+"""collgrad: coalesced collectives and full-model gradients for DeepSpeed ZeRO, one collective per bucket.
+
+Dependency rule: torch is the only hard dependency. Only ``collgrad.backends.mpi`` imports mpi4py
+(lazily, under an MPI launcher); only the DeepSpeed adapter imports deepspeed.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.distributed import ProcessGroup, ReduceOp
+
+from collgrad.backends.base import Op, Primitive
+from collgrad.backends.policy import Policy
+from collgrad.backends.registry import Capabilities, Registry
+from collgrad.dispatch import Dispatcher
+from collgrad.errors import AgreementError, CollgradError, NoPrimitiveError, PolicyError
+from collgrad.record import BucketRecord, CallRecord, Decision
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "capabilities",
+    "default_dispatcher",
+    "Dispatcher",
+    "Registry",
+    "Policy",
+    "Capabilities",
+    "CallRecord",
+    "BucketRecord",
+    "Decision",
+    "Op",
+    "Primitive",
+    "CollgradError",
+    "AgreementError",
+    "NoPrimitiveError",
+    "PolicyError",
+]
+
+_default: Dispatcher | None = None
+
+
+def default_dispatcher() -> Dispatcher:
+    """The dispatcher behind the module-level functions (its registry reads COLLGRAD_FORCE/FORBID once)."""
+    global _default
+    if _default is None:
+        _default = Dispatcher()
+    return _default
+
+
+def all_reduce_coalesced(
+    tensors: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+    *,
+    bucket_bytes: int | None = None,
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> CallRecord:
+    """All-reduce ``tensors`` in place, one collective per bucket; returns what it did.
+
+    Call on every rank of ``group`` (default: WORLD) with tensors of the same shapes, dtypes and device
+    types in the same order, after ``init_process_group``. Tensors may mix dtypes and devices, be
+    non-contiguous or empty. ``bucket_bytes`` caps each bucket's buffer (default 25 MiB). The first
+    call for a (group, device type) runs one small collective to agree on capabilities.
+    """
+    return (dispatcher or default_dispatcher()).all_reduce(
+        tensors, group, op, bucket_bytes=bucket_bytes, policy=policy
+    )
+
+
+def all_gather_coalesced(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    *,
+    bucket_bytes: int | None = None,
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> CallRecord:
+    """All-gather each ``inputs[i]`` into ``outputs[i]`` (``world_size * inputs[i].numel()`` elements,
+    rank-major, as ``all_gather_into_tensor``), one collective per bucket; returns what it did.
+
+    Same calling rules as ``all_reduce_coalesced``; ``bucket_bytes`` caps the gathered buffer.
+    """
+    return (dispatcher or default_dispatcher()).all_gather(
+        outputs, inputs, group, bucket_bytes=bucket_bytes, policy=policy
+    )
+
+
+def capabilities(
+    device_type: str = "cpu", group: ProcessGroup | None = None, policy: Policy | None = None
+) -> Capabilities:
+    """The agreed capabilities of ``group`` for ``device_type`` tensors. Collective on first use."""
+    return default_dispatcher().registry.capabilities(device_type, group, policy)

@@ -1,0 +1,149 @@
+"""Every torch-version difference collgrad depends on, each with the reason it exists.
+
+collgrad supports torch >= 2.1: that is the first release whose ``_coalescing_manager`` fast path and
+``ProcessGroup.allreduce_coalesced`` work for NCCL as well as Gloo (pytorch PR #98793). Nothing
+outside this module looks at ``torch.__version__`` or probes torch for an attribute.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+__all__ = [
+    "TORCH_VERSION",
+    "torch_version_at_least",
+    "default_group",
+    "group_ranks",
+    "backend_name",
+    "agreement_device",
+    "all_reduce",
+    "all_gather_flat",
+    "all_gather_list",
+    "allreduce_coalesced",
+    "all_gather_coalesced",
+    "gloo_has_all_gather_coalesced",
+]
+
+
+def _parse_version(text: str) -> tuple[int, int]:
+    major, minor = text.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+TORCH_VERSION: tuple[int, int] = _parse_version(torch.__version__)
+
+
+def torch_version_at_least(major: int, minor: int) -> bool:
+    return TORCH_VERSION >= (major, minor)
+
+
+def default_group() -> ProcessGroup:
+    """The WORLD group. ``dist.group.WORLD`` is the public spelling; it is None before init."""
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group() first")
+    return group
+
+
+def group_ranks(group: ProcessGroup) -> list[int]:
+    """Global ranks of ``group`` in group-rank order (``get_process_group_ranks`` exists since 2.0)."""
+    return list(dist.get_process_group_ranks(group))
+
+
+def backend_name(group: ProcessGroup, device_type: str) -> str | None:
+    """Name of the backend that serves ``device_type`` in ``group``, or None if there is none.
+
+    Since 2.0 a ProcessGroup holds one Backend per device type (pytorch PR #88330), so a group made
+    with ``"cpu:gloo,cuda:nccl"`` answers differently per device. ``_get_backend`` raises
+    RuntimeError("No backend type associated with device type ...") where there is none.
+    ``pg._get_backend_name()`` returns one name for the whole group, so it is not used.
+    """
+    try:
+        backend = group._get_backend(torch.device(device_type))
+    except RuntimeError:
+        return None
+    try:
+        return str(backend.name()).lower()
+    except (AttributeError, RuntimeError):
+        pass
+    # Older Backend bindings without name(): parse "cpu:gloo,cuda:nccl" (or a bare "gloo").
+    spec = str(dist.get_backend(group)).lower()
+    if ":" not in spec:
+        return spec
+    for part in spec.split(","):
+        dev, _, name = part.partition(":")
+        if dev.strip() == device_type:
+            return name.strip()
+    return None
+
+
+def agreement_device(device_type: str) -> torch.device:
+    """The device on which a small collective of ``device_type``'s backend can run on this rank.
+
+    NCCL and XCCL need the rank's *current* device, not device 0, or two ranks on one host would
+    both use GPU 0.
+    """
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if device_type == "xpu":
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device(device_type)
+
+
+def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType, group: ProcessGroup) -> dist.Work:
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; the old name still works but emits a
+# FutureWarning on every call (pytorch PR #186123), so use the new name where it exists.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_flat(output: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> dist.Work:
+    """One all-gather of ``inp`` into ``output`` (world_size * inp.numel() elements, rank-major)."""
+    return _all_gather_single(output, inp, group=group, async_op=True)
+
+
+def all_gather_list(outputs: list[torch.Tensor], inp: torch.Tensor, group: ProcessGroup) -> dist.Work:
+    """The list form of all-gather: every backend implements it, torch's MPI backend included."""
+    return dist.all_gather(outputs, inp, group=group, async_op=True)
+
+
+def allreduce_coalesced(
+    group: ProcessGroup, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType
+) -> dist.Work:
+    """One ``ProcessGroup.allreduce_coalesced`` call.
+
+    This is the call the ``_coalescing_manager`` fast path makes; unlike the deprecated
+    ``dist.all_reduce_coalesced`` it returns a Work and emits no FutureWarning (2.13), and
+    the c10d maintainers state it will not be deprecated (pytorch PR #151243).
+    """
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = op
+    if hasattr(opts, "asyncOp"):  # 2.9+: without it some backends block inside the call.
+        opts.asyncOp = True
+    return group.allreduce_coalesced(list(tensors), opts)
+
+
+def all_gather_coalesced(
+    group: ProcessGroup, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> dist.Work:
+    """One coalesced all-gather into single output tensors.
+
+    2.13 renamed ``allgather_into_tensor_coalesced`` to ``all_gather_single_coalesced`` and kept the
+    old name as a deprecated alias (pytorch PRs #186130, #186144).
+    """
+    opts = dist.AllgatherOptions()
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = True
+    method = getattr(group, "all_gather_single_coalesced", None) or group.allgather_into_tensor_coalesced
+    return method(list(outputs), list(inputs), opts)
+
+
+def gloo_has_all_gather_coalesced() -> bool:
+    """Gloo implements ``allgather_into_tensor_coalesced`` since about 2.3 (pytorch PR #118910)."""
+    return torch_version_at_least(2, 3)

@@ -1,0 +1,1 @@
+"""Backend families and the registry that agrees on them per process group."""

@@ -1,0 +1,218 @@
+"""MPI, twice: torch's own ``mpi`` backend (a table of what it can do) and mpi4py (a primitive of its
+own that runs beside any torch backend). This is the only module that imports mpi4py.
+
+torch's ``mpi`` backend (ProcessGroupMPI; pip wheels of torch are built without it):
+- no ``allreduce_coalesced`` ("not supported with MPI", every version) and no coalescing;
+- ``_allgather_base`` exists in some versions only, so all-gathers use the list form;
+- counts are C ``int`` filled from ``numel()`` without a check: above 2**31-1 elements the count
+  goes negative and MPI fails, at 2**32+k only k elements are reduced *silently*. Buckets and
+  chunks are therefore limited to INT32_MAX elements;
+- fp16/bf16 (and AVG) fail with "IndexError: map::at" unless the build maps MPIX types (pytorch
+  issue #139178, PR #170074), so they are offered to mpi4py or upcast instead.
+
+mpi4py (../shared/notes/backend-capabilities.md, measured here with MPICH 5):
+- one ``Allreduce`` of a flat host buffer is the fastest CPU primitive measured (19-24 ms for 6.6M
+  fp32 on two ranks, against 20-42 ms over Gloo);
+- MPICH 5 defines ``MPI.FLOAT16_T`` but ``MPI.BFLOAT16_T`` is MPI_DATATYPE_NULL: a bf16 buffer then
+  fails with "Invalid MPI_Op", so bf16 is only offered where the library defines the type;
+- MPI-4 libraries take large counts (``MPI_Allreduce_c``); older ones raise rather than truncate,
+  so collgrad limits them to INT32_MAX elements;
+- CUDA buffers need a CUDA-aware MPI and mpi4py cannot ask the library: set
+  ``COLLGRAD_MPI_CUDA_AWARE=1`` to allow them;
+- importing mpi4py initializes MPI, so it is imported only in processes started by an MPI launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch.distributed import ReduceOp
+
+from collgrad.primitives import Done
+from collgrad.backends.base import INT32_MAX, UNLIMITED, LocalFinding, Op, Primitive, Reason
+
+NAME = "mpi"
+ENV_CUDA_AWARE = "COLLGRAD_MPI_CUDA_AWARE"
+#: Variables that MPI launchers set in the processes they start (MPICH/Intel MPI hydra, Open MPI,
+#: PMIx launchers such as srun --mpi=pmix, MVAPICH).
+LAUNCHER_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+_TORCH_MPI_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64}
+)
+
+
+def torch_mpi_finding(device_type: str, op: Op, primitive: Primitive, dtype: torch.dtype) -> LocalFinding:
+    """What torch's own ``mpi`` backend can carry."""
+    if device_type != "cpu":
+        return LocalFinding(Reason.DEVICE_UNSUPPORTED, detail="torch's mpi backend: cpu tensors only here")
+    if primitive is Primitive.COALESCED:
+        return LocalFinding(Reason.BACKEND_LACKS, detail="allreduce_coalesced is not supported with MPI")
+    if primitive is Primitive.FLAT and op is Op.ALL_GATHER:
+        return LocalFinding(Reason.BACKEND_LACKS, detail="_allgather_base exists in some torch versions only")
+    if dtype not in _TORCH_MPI_DTYPES:
+        return LocalFinding(Reason.DTYPE_UNSUPPORTED, detail="fp16/bf16 raise 'map::at' (pytorch #139178)")
+    return LocalFinding(Reason.OK, max_elements=INT32_MAX)
+
+
+@dataclass(frozen=True)
+class MpiState:
+    """This rank's view of MPI, shared with the group in the agreement collective."""
+
+    reason: Reason
+    rank: int = -1
+    size: int = -1
+    #: Random number drawn by MPI rank 0 and broadcast over the MPI job; equal tokens prove that the
+    #: ranks of a torch group belong to one MPI job. 0 while unknown.
+    token: int = 0
+    large_counts: bool = False
+    detail: str = ""
+
+
+class MpiLink:
+    """mpi4py on this rank: imported lazily, communicators built per group, calls counted by the caller."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._env = os.environ if environ is None else environ
+        self._mpi: Any = None
+        self._import_error: str | None = None
+        self._token = 0
+
+    # -- local state ------------------------------------------------------------------------------
+    def launched(self) -> bool:
+        return any(var in self._env for var in LAUNCHER_VARS)
+
+    def _import(self) -> Any:
+        if self._mpi is None and self._import_error is None:
+            try:
+                from mpi4py import MPI  # the one import of mpi4py in collgrad
+            except Exception as exc:  # ImportError, or the MPI library failing to load
+                self._import_error = f"{type(exc).__name__}: {exc}"
+            else:
+                self._mpi = MPI
+        return self._mpi
+
+    def state(self, *, group_is_world: bool, group_size: int) -> MpiState:
+        """Local state; may run one MPI broadcast over the MPI job (see ``job_token``)."""
+        if not self.launched():
+            return MpiState(Reason.NOT_LAUNCHED, detail=f"none of {LAUNCHER_VARS} is set")
+        mpi = self._import()
+        if mpi is None:
+            return MpiState(Reason.NOT_INSTALLED, detail=str(self._import_error))
+        comm = mpi.COMM_WORLD
+        rank, size = comm.Get_rank(), comm.Get_size()
+        if group_is_world and size == group_size:
+            self.job_token()
+        return MpiState(
+            Reason.OK, rank=rank, size=size, token=self._token, large_counts=mpi.Get_version() >= (4, 0)
+        )
+
+    def job_token(self) -> int:
+        """A number shared by the whole MPI job, drawn once by MPI rank 0.
+
+        Collective over MPI_COMM_WORLD: only called while the torch WORLD group is being probed and
+        has as many ranks as the MPI job, so every process of the job is making the same call.
+        """
+        if not self._token:
+            mpi = self._mpi
+            mine = random.SystemRandom().randrange(1, 2**62) if mpi.COMM_WORLD.Get_rank() == 0 else 0
+            self._token = int(mpi.COMM_WORLD.bcast(mine, root=0))
+        return self._token
+
+    def datatype(self, dtype: torch.dtype) -> Any:
+        mpi = self._mpi
+        table = {
+            torch.float32: mpi.FLOAT,
+            torch.float64: mpi.DOUBLE,
+            torch.int8: mpi.INT8_T,
+            torch.uint8: mpi.UINT8_T,
+            torch.int32: mpi.INT32_T,
+            torch.int64: mpi.INT64_T,
+            torch.float16: getattr(mpi, "FLOAT16_T", mpi.DATATYPE_NULL),
+            torch.bfloat16: getattr(mpi, "BFLOAT16_T", mpi.DATATYPE_NULL),
+        }
+        found = table.get(dtype, mpi.DATATYPE_NULL)
+        return None if found == mpi.DATATYPE_NULL else found
+
+    def finding(self, state: MpiState, device_type: str, op: Op, dtype: torch.dtype) -> LocalFinding:
+        if state.reason is not Reason.OK:
+            return LocalFinding(state.reason, detail=state.detail)
+        if device_type == "cuda":
+            if self._env.get(ENV_CUDA_AWARE, "") not in ("1", "true", "yes"):
+                return LocalFinding(
+                    Reason.DEVICE_UNSUPPORTED,
+                    detail=f"CUDA-awareness of the MPI library is unknown; set {ENV_CUDA_AWARE}=1 if it is",
+                )
+        elif device_type != "cpu":
+            return LocalFinding(Reason.DEVICE_UNSUPPORTED, detail="mpi4py: cpu (and CUDA-aware cuda) only")
+        if self.datatype(dtype) is None:
+            return LocalFinding(Reason.DTYPE_UNSUPPORTED, detail=f"no MPI datatype for {dtype} in this MPI library")
+        return LocalFinding(Reason.OK, max_elements=UNLIMITED if state.large_counts else INT32_MAX)
+
+    # -- communicators ------------------------------------------------------------------------------
+    def communicator(self, mpi_ranks: Sequence[int], torch_ranks: Sequence[int]) -> Any | None:
+        """An MPI communicator whose rank i is the process at torch group rank i, or None.
+
+        Collective over the members only (MPI_Comm_create_group). The result is checked with one
+        small allgather of every member's torch global rank: every member sees the same list and so
+        reaches the same verdict.
+        """
+        mpi = self._mpi
+        world = mpi.COMM_WORLD
+        if list(mpi_ranks) == list(range(world.Get_size())):
+            comm = world.Dup()
+        else:
+            group = world.Get_group().Incl(list(mpi_ranks))
+            comm = world.Create_group(group)
+            group.Free()
+        seen = comm.allgather(torch.distributed.get_rank())
+        if seen != list(torch_ranks):
+            comm.Free()
+            return None
+        return comm
+
+
+_MPI_OPS = {"SUM": "SUM", "MAX": "MAX", "MIN": "MIN", "PRODUCT": "PROD"}
+
+
+class Mpi4pyChannel:
+    """The MPI4PY primitive: one blocking collective on one flat, contiguous buffer.
+
+    Blocking on purpose: per-tensor ``Iallreduce`` + ``Waitall`` was the slowest MPI option measured,
+    and a CUDA buffer must be synchronized by the caller before MPI reads it (mpi4py cannot).
+    """
+
+    primitive = Primitive.MPI4PY
+
+    def __init__(self, link: MpiLink, comm: Any) -> None:
+        self._link = link
+        self._comm = comm
+        self._mpi = link._mpi
+
+    def _buf(self, tensor: torch.Tensor) -> list[Any]:
+        assert tensor.is_contiguous()
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
+        return [tensor, self._link.datatype(tensor.dtype)]
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> list[Done]:
+        (flat,) = tensors
+        name = _MPI_OPS[_op_name(op)]
+        self._comm.Allreduce(self._mpi.IN_PLACE, self._buf(flat), op=getattr(self._mpi, name))
+        return [Done()]
+
+    def all_gather(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[Done]:
+        (out,), (inp,) = outputs, inputs
+        self._comm.Allgather(self._buf(inp), self._buf(out))
+        return [Done()]
+
+
+def _op_name(op: ReduceOp.RedOpType) -> str:
+    for name in _MPI_OPS:
+        if op == getattr(ReduceOp, name):
+            return name
+    raise ValueError(f"mpi4py path cannot apply {op}")

@@ -1,0 +1,251 @@
+"""Runs a plan: copy in, one collective per bucket, copy out; records what it did.
+
+Two buckets are in flight at most: bucket i+1 is packed and issued while bucket i travels, then i
+is waited on and unpacked. Memory held beyond the caller's tensors is therefore about two buckets,
+and Gloo's two worker threads both have work.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+from collgrad import _compat
+from collgrad.backends.base import Op, Primitive
+from collgrad.backends.mpi import Mpi4pyChannel
+from collgrad.backends.policy import Policy
+from collgrad.backends.registry import Registry
+from collgrad.errors import NoPrimitiveError
+from collgrad.plan import Bucket, BucketRule, Plan, TensorSpec
+from collgrad.planner import DEFAULT_BUCKET_BYTES, bucket_capacity, plan_buckets
+from collgrad.primitives import Channel, Handle, torch_channel
+from collgrad.record import BucketRecord, CallRecord, Decision
+
+__all__ = ["Dispatcher"]
+
+
+@dataclass
+class _InFlight:
+    bucket: Bucket
+    handles: list[Handle]
+    buffers: tuple[Any, ...]
+
+
+class Dispatcher:
+    """Owns a Registry and runs coalesced collectives through it.
+
+    Its methods are collective: every rank of ``group`` must call them with tensors of the same
+    shapes, dtypes and device types, in the same order (as for any torch.distributed collective).
+    """
+
+    def __init__(self, registry: Registry | None = None) -> None:
+        self.registry = registry if registry is not None else Registry()
+
+    # -- public operations --------------------------------------------------------------------------
+    def all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group: ProcessGroup | None = None,
+        op: ReduceOp.RedOpType = ReduceOp.SUM,
+        *,
+        bucket_bytes: int | None = None,
+        policy: Policy | None = None,
+    ) -> CallRecord:
+        tensors = list(tensors)
+        for i, t in enumerate(tensors):
+            _check_tensor(t, f"tensors[{i}]")
+        if op == ReduceOp.AVG:
+            for i, t in enumerate(tensors):
+                if not (t.is_floating_point() or t.is_complex()):
+                    raise TypeError(f"tensors[{i}] is {t.dtype}: ReduceOp.AVG needs floating-point tensors")
+        return self._run(Op.ALL_REDUCE, tensors, None, group, op, bucket_bytes, policy)
+
+    def all_gather(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        group: ProcessGroup | None = None,
+        *,
+        bucket_bytes: int | None = None,
+        policy: Policy | None = None,
+    ) -> CallRecord:
+        outputs, inputs = list(outputs), list(inputs)
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{len(outputs)} outputs for {len(inputs)} inputs")
+        world = (group if group is not None else _compat.default_group()).size()
+        for i, (out, inp) in enumerate(zip(outputs, inputs)):
+            _check_tensor(inp, f"inputs[{i}]")
+            _check_tensor(out, f"outputs[{i}]")
+            if out.numel() != world * inp.numel() or out.dtype != inp.dtype or out.device != inp.device:
+                raise ValueError(
+                    f"outputs[{i}] must have world_size * inputs[{i}].numel() = {world * inp.numel()} elements, "
+                    f"dtype {inp.dtype} and device {inp.device}; got {out.numel()}, {out.dtype}, {out.device}"
+                )
+        return self._run(Op.ALL_GATHER, inputs, outputs, group, None, bucket_bytes, policy)
+
+    # -- planning ---------------------------------------------------------------------------------------
+    def plan(
+        self,
+        op: Op,
+        tensors: Sequence[torch.Tensor],
+        group: ProcessGroup,
+        *,
+        bucket_bytes: int | None = None,
+        policy: Policy | None = None,
+    ) -> tuple[Plan, dict[BucketRule, Channel], tuple[Decision, ...]]:
+        """The plan for ``tensors``, the channel per rule, and the decisions taken. Collective the first
+        time a (group, device type) is seen (the registry agrees on capabilities), local afterwards."""
+        world = group.size()
+        cap_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
+        specs = tuple(TensorSpec(t.numel(), t.dtype, str(t.device)) for t in tensors)
+        rules: dict[tuple[str, torch.dtype], BucketRule] = {}
+        channels: dict[BucketRule, Channel] = {}
+        decisions: list[Decision] = []
+        for spec in specs:
+            key = (spec.device, spec.dtype)
+            if key in rules:
+                continue
+            device_type = torch.device(spec.device).type
+            links = self.registry.links(device_type, group, policy)
+            choice = links.capabilities.choice(op, spec.dtype)
+            if choice.primitive is None:
+                raise NoPrimitiveError(
+                    f"rank {dist.get_rank()}: no primitive can {op.value} {spec.dtype} tensors on {device_type} "
+                    f"in group {list(links.capabilities.group_ranks)} ({choice.why()}); allow one "
+                    "(COLLGRAD_FORCE/COLLGRAD_FORBID, policy=) or cast the tensors"
+                )
+            capacity = bucket_capacity(op, cap_bytes, choice.wire_dtype, world, choice.max_elements)
+            rule = BucketRule(choice.primitive, choice.backend, choice.wire_dtype, capacity)
+            rules[key] = rule
+            if choice.primitive is Primitive.MPI4PY:
+                channels[rule] = Mpi4pyChannel(self.registry.mpi, links.mpi_comm)
+            else:
+                channels[rule] = torch_channel(choice.primitive, group)
+            decisions.append(
+                Decision(device_type, spec.dtype, choice.primitive.value, choice.backend, choice.wire_dtype, choice.why())
+            )
+        plan = plan_buckets(op, specs, rules, world)
+        plan.validate()
+        return plan, channels, tuple(decisions)
+
+    # -- execution ----------------------------------------------------------------------------------------
+    def _run(self, op, inputs, outputs, group, reduce_op, bucket_bytes, policy) -> CallRecord:
+        group = group if group is not None else _compat.default_group()
+        plan, channels, decisions = self.plan(op, inputs, group, bucket_bytes=bucket_bytes, policy=policy)
+        with torch.no_grad():
+            src = [_Work(t) for t in inputs]
+            dst = src if outputs is None else [_Work(t) for t in outputs]
+            records = []
+            in_flight: deque[_InFlight] = deque()
+            for bucket in plan.buckets:
+                channel = channels[bucket.rule]
+                if op is Op.ALL_REDUCE:
+                    in_flight.append(_start_reduce(bucket, channel, src, reduce_op))
+                else:
+                    in_flight.append(_start_gather(bucket, channel, src, dst, plan.world_size))
+                records.append(_record(bucket, len(in_flight[-1].handles)))
+                if len(in_flight) == 2:
+                    _finish(in_flight.popleft(), op, reduce_op, src, dst, plan)
+            while in_flight:
+                _finish(in_flight.popleft(), op, reduce_op, src, dst, plan)
+            for work in dst:
+                work.write_back()
+        return CallRecord(op.value, tuple(_compat.group_ranks(group)), tuple(records), decisions)
+
+
+def _check_tensor(t: Any, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
+    if t.layout is not torch.strided or t.is_meta:
+        raise TypeError(f"{name}: only dense (strided) tensors with storage can be communicated, got {t.layout}")
+
+
+class _Work:
+    """A tensor as the dispatcher sees it: a contiguous flat view, or a contiguous copy of a strided
+    tensor that is written back once all buckets are done (never hand a gapped view to a backend)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.copied = not tensor.is_contiguous()
+        self.flat = (tensor.contiguous() if self.copied else tensor).view(-1)
+
+    def write_back(self) -> None:
+        if self.copied:
+            self.tensor.copy_(self.flat.view(self.tensor.shape))
+
+
+def _wire(op: ReduceOp.RedOpType) -> ReduceOp.RedOpType:
+    # AVG travels as SUM and is divided here: torch's MPI backend, oneCCL and mpi4py have no AVG, and one
+    # home for the division keeps every primitive's result the same.
+    return ReduceOp.SUM if op == ReduceOp.AVG else op
+
+
+def _start_reduce(bucket: Bucket, channel: Channel, src: list[_Work], reduce_op) -> _InFlight:
+    if bucket.primitive.packs:
+        buf = torch.empty(bucket.numel, dtype=bucket.rule.wire_dtype, device=bucket.device)
+        for s in bucket.segments:
+            buf[s.bucket_offset : s.bucket_offset + s.numel].copy_(src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel])
+        return _InFlight(bucket, channel.all_reduce([buf], _wire(reduce_op)), (buf,))
+    views = [src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel] for s in bucket.segments]
+    return _InFlight(bucket, channel.all_reduce(views, _wire(reduce_op)), tuple(views))
+
+
+def _start_gather(bucket: Bucket, channel: Channel, src: list[_Work], dst: list[_Work], world: int) -> _InFlight:
+    wire = bucket.rule.wire_dtype
+    if bucket.primitive.packs:
+        buf = torch.empty(bucket.numel, dtype=wire, device=bucket.device)
+        for s in bucket.segments:
+            buf[s.bucket_offset : s.bucket_offset + s.numel].copy_(src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel])
+        out = torch.empty(world * bucket.numel, dtype=wire, device=bucket.device)
+        return _InFlight(bucket, channel.all_gather([out], [buf]), (out,))
+    inputs, outputs = [], []
+    for s in bucket.segments:
+        inputs.append(src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel])
+        whole = s.numel == src[s.tensor].flat.numel()
+        outputs.append(dst[s.tensor].flat if whole else torch.empty(world * s.numel, dtype=wire, device=bucket.device))
+    return _InFlight(bucket, channel.all_gather(outputs, inputs), tuple(outputs))
+
+
+def _finish(flight: _InFlight, op: Op, reduce_op, src: list[_Work], dst: list[_Work], plan: Plan) -> None:
+    for handle in flight.handles:
+        handle.wait()
+    bucket, world = flight.bucket, plan.world_size
+    if op is Op.ALL_REDUCE:
+        if bucket.primitive.packs:
+            (buf,) = flight.buffers
+            if reduce_op == ReduceOp.AVG:
+                buf.div_(world)
+            for s in bucket.segments:
+                src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel].copy_(buf[s.bucket_offset : s.bucket_offset + s.numel])
+        elif reduce_op == ReduceOp.AVG:
+            for view in flight.buffers:
+                view.div_(world)
+        return
+    for i, s in enumerate(bucket.segments):
+        target = dst[s.tensor].flat.view(world, -1)[:, s.tensor_offset : s.tensor_offset + s.numel]
+        if bucket.primitive.packs:
+            (out,) = flight.buffers
+            target.copy_(out.view(world, bucket.numel)[:, s.bucket_offset : s.bucket_offset + s.numel])
+        elif flight.buffers[i] is not dst[s.tensor].flat:
+            target.copy_(flight.buffers[i].view(world, s.numel))
+
+
+def _record(bucket: Bucket, collectives: int) -> BucketRecord:
+    wire = bucket.rule.wire_dtype
+    return BucketRecord(
+        index=bucket.index,
+        device=bucket.device,
+        dtype=bucket.dtype,
+        wire_dtype=wire,
+        primitive=bucket.primitive.value,
+        backend=bucket.rule.backend,
+        numel=bucket.numel,
+        bytes=bucket.numel * torch.empty((), dtype=wire).element_size(),
+        tensors=len({s.tensor for s in bucket.segments}),
+        collectives=collectives,
+    )

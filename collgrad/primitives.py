@@ -1,0 +1,98 @@
+"""One implementation per primitive that runs over torch.distributed. Each method issues its
+collective calls asynchronously and returns one handle per call issued, so the dispatcher can count
+collectives and keep two buckets in flight. mpi4py's channel lives in backends/mpi.py.
+
+Every tensor handed to these is contiguous (the dispatcher guarantees it): Gloo's plain collectives
+on a strided view with gaps read and write the wrong memory (backends/gloo.py), and XCCL's coalesced
+call does not check (backends/ccl.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+from torch.distributed import ProcessGroup, ReduceOp
+
+from collgrad import _compat
+from collgrad.backends.base import Primitive
+
+__all__ = ["Handle", "Channel", "FlatChannel", "CoalescedChannel", "PerTensorChannel", "torch_channel"]
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+class Done:
+    """Handle of a call that completed before returning (mpi4py's blocking collectives)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class Channel(Protocol):
+    primitive: Primitive
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> list[Handle]: ...
+
+    def all_gather(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[Handle]: ...
+
+
+class FlatChannel:
+    """One call on one packed buffer (``tensors``/``inputs`` hold exactly one tensor)."""
+
+    primitive = Primitive.FLAT
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def all_reduce(self, tensors, op):
+        (flat,) = tensors
+        return [_compat.all_reduce(flat, op, self.group)]
+
+    def all_gather(self, outputs, inputs):
+        (out,), (inp,) = outputs, inputs
+        return [_compat.all_gather_flat(out, inp, self.group)]
+
+
+class CoalescedChannel:
+    """The backend's coalesced call over the bucket's tensors, unpacked: one call."""
+
+    primitive = Primitive.COALESCED
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def all_reduce(self, tensors, op):
+        return [_compat.allreduce_coalesced(self.group, tensors, op)]
+
+    def all_gather(self, outputs, inputs):
+        return [_compat.all_gather_coalesced(self.group, outputs, inputs)]
+
+
+class PerTensorChannel:
+    """The reference path: one call per tensor, all issued before any is waited on."""
+
+    primitive = Primitive.PER_TENSOR
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def all_reduce(self, tensors, op):
+        return [_compat.all_reduce(t, op, self.group) for t in tensors]
+
+    def all_gather(self, outputs, inputs):
+        world = self.group.size()
+        return [
+            _compat.all_gather_list(list(out.view(world, -1).unbind(0)), inp, self.group)
+            for out, inp in zip(outputs, inputs)
+        ]
+
+
+def torch_channel(primitive: Primitive, group: ProcessGroup) -> Channel:
+    return {
+        Primitive.FLAT: FlatChannel,
+        Primitive.COALESCED: CoalescedChannel,
+        Primitive.PER_TENSOR: PerTensorChannel,
+    }[primitive](group)

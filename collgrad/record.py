@@ -1,0 +1,66 @@
+"""What a call did, for the caller to read: buckets, bytes, primitives, backends, fallbacks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BucketRecord", "Decision", "CallRecord"]
+
+
+@dataclass(frozen=True)
+class BucketRecord:
+    index: int
+    device: str
+    dtype: torch.dtype
+    wire_dtype: torch.dtype
+    primitive: str
+    backend: str
+    numel: int  # elements of this rank's contribution
+    bytes: int  # bytes of this rank's contribution, in the wire dtype
+    tensors: int  # distinct tensors with elements in this bucket
+    collectives: int  # collective calls issued for this bucket
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The agreed primitive for one (device type, dtype) in this call, and why better ones were not used."""
+
+    device_type: str
+    dtype: torch.dtype
+    primitive: str
+    backend: str
+    wire_dtype: torch.dtype
+    why: str
+
+    @property
+    def fallback(self) -> bool:
+        return self.primitive == "per_tensor"
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    op: str
+    group_ranks: tuple[int, ...]
+    buckets: tuple[BucketRecord, ...]
+    decisions: tuple[Decision, ...]
+
+    @property
+    def collectives(self) -> int:
+        return sum(b.collectives for b in self.buckets)
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.bytes for b in self.buckets)
+
+    @property
+    def fallbacks(self) -> tuple[Decision, ...]:
+        return tuple(d for d in self.decisions if d.fallback)
+
+    def summary(self) -> str:
+        prims = sorted({f"{b.primitive}/{b.backend}" for b in self.buckets})
+        return (
+            f"{self.op} over ranks {list(self.group_ranks)}: {len(self.buckets)} bucket(s), "
+            f"{self.collectives} collective(s), {self.bytes} bytes per rank via {', '.join(prims) or 'nothing'}"
+        )
