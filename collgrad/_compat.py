@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
+from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
 __all__ = [
     "TORCH_VERSION",
@@ -137,7 +138,7 @@ def all_gather_coalesced(
     2.13 renamed ``allgather_into_tensor_coalesced`` to ``all_gather_single_coalesced`` and kept the
     old name as a deprecated alias (pytorch PRs #186130, #186144).
     """
-    opts = dist.AllgatherOptions()
+    opts = AllgatherOptions()
     if hasattr(opts, "asyncOp"):
         opts.asyncOp = True
     method = getattr(group, "all_gather_single_coalesced", None) or group.allgather_into_tensor_coalesced

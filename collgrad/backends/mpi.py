@@ -216,3 +216,24 @@ def _op_name(op: ReduceOp.RedOpType) -> str:
         if op == getattr(ReduceOp, name):
             return name
     raise ValueError(f"mpi4py path cannot apply {op}")
+
+
+def publish_address() -> tuple[str, str]:
+    """MPI rank 0's host name and a free TCP port, broadcast over MPI_COMM_WORLD.
+
+    Collective over the MPI job: called by ``launch.init_from_environment`` on every rank of a job
+    started by an MPI launcher without MASTER_ADDR. ``MASTER_PORT`` from the environment wins.
+    """
+    import socket
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    address = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = os.environ.get("MASTER_PORT") or str(sock.getsockname()[1])
+        address = (socket.gethostname(), port)
+    host, port = comm.bcast(address, root=0)
+    return host, port

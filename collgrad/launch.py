@@ -1,0 +1,137 @@
+"""Joining a process group the way the job was started, and ``--local N`` for trying things on one host.
+
+collgrad has no launcher of its own for real jobs: under torchrun or the deepspeed launcher the
+usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` are read; under mpiexec/mpirun/srun the
+MPI launcher's rank variables are read and, if no ``MASTER_ADDR`` is set, MPI rank 0 publishes an
+address over MPI. ``run_local`` spawns N ranks over Gloo on this host (the probe's and benchmark's
+``--local N``, and the test suite's harness).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_from_environment", "run_local", "RankError", "default_backend"]
+
+_MPI_RANK_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                  ("PMIX_RANK", "PMIX_SIZE"), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
+
+
+def default_backend() -> str:
+    """Gloo for CPU tensors, plus NCCL (or XCCL) for the accelerator when there is one."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    if getattr(dist, "is_xccl_available", lambda: False)() and torch.xpu.is_available():
+        return "cpu:gloo,xpu:xccl"
+    return "gloo"
+
+
+def init_from_environment(backend: str | None = None) -> bool:
+    """Initialize the default process group from the launcher's environment, if not done already.
+
+    Returns True if it initialized the group (the caller should destroy it). Call on every rank.
+    """
+    if dist.is_initialized():
+        return False
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        for rank_var, size_var in _MPI_RANK_VARS:
+            if rank_var in env and size_var in env:
+                env["RANK"], env["WORLD_SIZE"] = env[rank_var], env[size_var]
+                env.setdefault("LOCAL_RANK", env.get("MPI_LOCALRANKID", env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+                break
+    if "RANK" not in env:
+        raise RuntimeError(
+            "no launcher environment found (RANK/WORLD_SIZE from torchrun or the deepspeed launcher, or "
+            "an MPI launcher's rank variables): start under a launcher, or use --local N on one host"
+        )
+    if "MASTER_ADDR" not in env:
+        from collgrad.backends.mpi import publish_address  # only under an MPI launcher
+
+        env["MASTER_ADDR"], env["MASTER_PORT"] = publish_address()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dist.init_process_group(backend or default_backend())
+    return True
+
+
+class RankError(RuntimeError):
+    """A rank of ``run_local`` failed; ``text`` holds that rank's traceback."""
+
+    def __init__(self, rank: int, text: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{text}")
+        self.rank = rank
+        self.text = text
+
+
+def _entry(fn, rank, world, store_path, backend, env, args, results) -> None:
+    os.environ.update(env)
+    try:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        try:
+            value = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned local ranks; results by rank.
+
+    Ranks rendezvous through a FileStore in a temporary folder. ``fn`` must be importable (defined at
+    module level). ``env`` is set on every rank, ``rank_env[r]`` on rank r only. A rank that raises
+    makes this raise RankError with its traceback; ranks not done within ``timeout`` seconds are killed
+    and a TimeoutError is raised, so a hang never outlives the call.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    base_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    base_env.update(env or {})
+    with tempfile.TemporaryDirectory(prefix="collgrad-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = []
+        for rank in range(world_size):
+            renv = dict(base_env, **(rank_env or {}).get(rank, {}))
+            proc = ctx.Process(target=_entry, args=(fn, rank, world_size, store_path, backend, renv, args, results))
+            proc.start()
+            procs.append(proc)
+        done: dict[int, Any] = {}
+        failed: dict[int, str] = {}
+        try:
+            for _ in range(world_size):
+                try:
+                    rank, ok, value = results.get(timeout=timeout)
+                except queue_mod.Empty:
+                    missing = sorted(set(range(world_size)) - set(done) - set(failed))
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout} s") from None
+                (done if ok else failed)[rank] = value
+        finally:
+            for proc in procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+    if failed:
+        rank = min(failed)
+        raise RankError(rank, failed[rank])
+    return [done[r] for r in range(world_size)]
