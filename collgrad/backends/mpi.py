@@ -226,9 +226,11 @@ def publish_address() -> tuple[str, str]:
     """
     import socket
 
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
+    mpi = MpiLink()._import()
+    if mpi is None:
+        raise RuntimeError("started by an MPI launcher without MASTER_ADDR, and mpi4py cannot be imported: "
+                           "pip install 'collgrad[mpi]', or set MASTER_ADDR/MASTER_PORT")
+    comm = mpi.COMM_WORLD
     address = None
     if comm.Get_rank() == 0:
         with socket.socket() as sock:

@@ -91,7 +91,7 @@ class PrimitiveStatus:
     dtype: torch.dtype
     backend: str
     max_elements: int
-    missing: tuple[tuple[int, Reason], ...]  # (group rank, why) for every rank that cannot use it
+    missing: tuple[tuple[int, Reason], ...]  # (global rank, why) for every rank that cannot use it
 
     @property
     def ok(self) -> bool:
@@ -171,10 +171,10 @@ def decide(
                 "every rank must run the same collgrad version, with the same backend, and pass tensors "
                 "of the same device types in the same order"
             )
-    bad_policy = [r for r, h in enumerate(header) if not h["policy_ok"]]
+    bad_policy = [group_ranks[r] for r, h in enumerate(header) if not h["policy_ok"]]
     if bad_policy:
         raise PolicyError(
-            f"the force/forbid override is invalid on group rank(s) {bad_policy} of {list(group_ranks)}: "
+            f"the force/forbid override is invalid on rank(s) {bad_policy} of group {list(group_ranks)}: "
             "fix COLLGRAD_FORCE/COLLGRAD_FORBID there (that rank's own error names the bad value)"
         )
     mapped = mpi_verified and _mpi_mapping_ok(header)
@@ -183,9 +183,9 @@ def decide(
     for k, (op, prim, dtype) in enumerate(_KEYS):
         reasons = [Reason(row[base + 2 * k]) for row in rows]
         limits = [row[base + 2 * k + 1] for row in rows]
-        missing = tuple((r, why) for r, why in enumerate(reasons) if why is not Reason.OK)
+        missing = tuple((group_ranks[r], why) for r, why in enumerate(reasons) if why is not Reason.OK)
         if prim is Primitive.MPI4PY and not missing and not mapped:
-            missing = tuple((r, Reason.RANK_MAPPING) for r in range(len(rows)))
+            missing = tuple((r, Reason.RANK_MAPPING) for r in group_ranks)
         served = "mpi4py" if prim is Primitive.MPI4PY else backend
         statuses.append(PrimitiveStatus(op, prim, dtype, served, min(limits), missing))
     table = {(s.op, s.primitive, s.dtype): s for s in statuses}

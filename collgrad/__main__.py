@@ -1,0 +1,5 @@
+import sys
+
+from collgrad.cli import main
+
+sys.exit(main())

@@ -1,0 +1,136 @@
+"""``python -m collgrad``: look at what the registry decides on a cluster.
+
+    python -m collgrad probe --local 2             # 2 ranks over Gloo on this host
+    torchrun --nproc-per-node 8 -m collgrad probe  # under torchrun / the deepspeed launcher
+    mpiexec -n 4 python -m collgrad probe          # under an MPI launcher (mpi4py optional)
+
+Under a launcher every rank must run the same command; rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import zlib
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from collgrad import _compat
+from collgrad.backends.base import DTYPES, UNLIMITED, Op, Primitive
+from collgrad.backends.registry import Capabilities, Registry, installed
+from collgrad.launch import init_from_environment, run_local
+
+_SHORT = {
+    torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16",
+    torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64",
+}
+
+
+def _limit(n: int) -> str:
+    return "unlimited" if n >= UNLIMITED else f"{n:,}"
+
+
+def render(caps: Capabilities, name: str) -> str:
+    """The probe table of one group and device type."""
+    lines = [f"  {caps.device_type} tensors -> backend {caps.backend}"]
+    lines.append(f"    {'op':<11} {'primitive':<11} {'max elements':<14} dtypes")
+    for op in Op:
+        for prim in Primitive:
+            statuses = [caps.status(op, prim, d) for d in DTYPES]
+            ok = [_SHORT[s.dtype] for s in statuses if s.ok]
+            limit = _limit(min(s.max_elements for s in statuses if s.ok)) if ok else "-"
+            text = " ".join(ok) if ok else "none"
+            lines.append(f"    {op.value:<11} {prim.value:<11} {limit:<14} {text}")
+            reasons: dict[str, list[str]] = {}
+            for s in statuses:
+                if not s.ok:
+                    reasons.setdefault(s.why_not(), []).append(_SHORT[s.dtype])
+            for why, dts in reasons.items():
+                lines.append(f"    {'':<11} {'':<11} {'':<14} not {' '.join(dts)}: {why}")
+    for op in Op:
+        picks = []
+        for dtype in DTYPES:
+            c = caps.choice(op, dtype)
+            prim = c.primitive.value if c.primitive else "NONE"
+            wire = f" as {_SHORT[c.wire_dtype]}" if c.wire_dtype != dtype else ""
+            picks.append(f"{_SHORT[dtype]}:{prim}{wire}")
+        lines.append(f"    choice {op.value:<10}: {' '.join(picks)}")
+    return "\n".join(lines)
+
+
+def _groups(extra: Sequence[Sequence[int]]) -> list[tuple[str, dist.ProcessGroup | None, list[int]]]:
+    """WORLD, one group per host if there are several, and the groups asked for with --group.
+    ``new_group`` is collective over WORLD, so every rank creates every group, in the same order."""
+    world = dist.get_world_size()
+    groups = [("world", _compat.default_group(), list(range(world)))]
+    # Host identity as a number, so that no object collective (and no numpy) is needed.
+    mine = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+    hosts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(hosts, mine)
+    by_host: dict[int, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(int(host), []).append(rank)
+    if len(by_host) > 1:
+        for ranks in by_host.values():
+            groups.append((f"host of rank {ranks[0]}", dist.new_group(ranks), ranks))
+    for ranks in extra:
+        groups.append(("--group", dist.new_group(list(ranks)), list(ranks)))
+    return groups
+
+
+def probe_rank(rank: int, world: int, extra_groups: Sequence[Sequence[int]] = ()) -> str:
+    """Probe every group on this rank; returns the report (meaningful on rank 0)."""
+    registry = Registry()
+    out = [
+        f"collgrad probe: {world} rank(s), torch {torch.__version__}, "
+        f"process group {dist.get_backend()!r}, this rank on {socket.gethostname()}",
+        "installed on rank 0: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in installed().items()),
+    ]
+    for name, group, ranks in _groups(extra_groups):
+        if dist.get_rank() not in ranks:
+            continue
+        out.append(f"\ngroup {name}: ranks {ranks}")
+        for device_type in ("cpu", "cuda", "xpu"):
+            if _compat.backend_name(group, device_type) is None:
+                continue
+            if device_type != "cpu" and not getattr(torch, device_type).is_available():
+                continue
+            out.append(render(registry.capabilities(device_type, group), name))
+    return "\n".join(out)
+
+
+def _parse_group(text: str) -> list[int]:
+    return [int(r) for r in text.split(",") if r.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m collgrad", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    probe = sub.add_parser("probe", help="print, per process group, what each backend can do and what is chosen")
+    probe.add_argument("--local", type=int, metavar="N", help="spawn N ranks over Gloo on this host")
+    probe.add_argument("--backend", help="process-group backend under a launcher (default: gloo, plus nccl/xccl)")
+    probe.add_argument("--group", type=_parse_group, action="append", default=[], metavar="R,R,...",
+                       help="also probe a sub-group of these global ranks (repeatable)")
+    args = parser.parse_args(argv)
+
+    if args.local:
+        report = run_local(probe_rank, args.local, args.group)[0]
+        print(report)
+        return 0
+    created = init_from_environment(args.backend)
+    try:
+        report = probe_rank(dist.get_rank(), dist.get_world_size(), args.group)
+        if dist.get_rank() == 0:
+            print(report, flush=True)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

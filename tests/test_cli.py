@@ -1,0 +1,21 @@
+"""``python -m collgrad probe`` as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_probe_local_prints_a_table_per_group():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "collgrad", "probe", "--local", "3", "--group", "0,2"],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "group world: ranks [0, 1, 2]" in out and "group --group: ranks [0, 2]" in out
+    assert out.count("cpu tensors -> backend gloo") == 2
+    assert "choice all_reduce: fp32:flat" in out
+    assert "mpi4py" in out and "not started by an MPI launcher" in out
