@@ -185,11 +185,24 @@ def _wire(op: ReduceOp.RedOpType) -> ReduceOp.RedOpType:
     return ReduceOp.SUM if op == ReduceOp.AVG else op
 
 
+def _pack(bucket: Bucket, src: list[_Work]) -> torch.Tensor:
+    """This rank's contribution to a packing primitive as one contiguous buffer.
+
+    A bucket that is one contiguous run of one tensor, in its own dtype, is that run itself (no copy):
+    this is what the ZeRO planner's flat buckets and tensors split across buckets look like.
+    """
+    if len(bucket.segments) == 1 and bucket.rule.wire_dtype == bucket.dtype:
+        (s,) = bucket.segments
+        return src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel]
+    buf = torch.empty(bucket.numel, dtype=bucket.rule.wire_dtype, device=bucket.device)
+    for s in bucket.segments:
+        buf[s.bucket_offset : s.bucket_offset + s.numel].copy_(src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel])
+    return buf
+
+
 def _start_reduce(bucket: Bucket, channel: Channel, src: list[_Work], reduce_op) -> _InFlight:
     if bucket.primitive.packs:
-        buf = torch.empty(bucket.numel, dtype=bucket.rule.wire_dtype, device=bucket.device)
-        for s in bucket.segments:
-            buf[s.bucket_offset : s.bucket_offset + s.numel].copy_(src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel])
+        buf = _pack(bucket, src)
         return _InFlight(bucket, channel.all_reduce([buf], _wire(reduce_op)), (buf,))
     views = [src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel] for s in bucket.segments]
     return _InFlight(bucket, channel.all_reduce(views, _wire(reduce_op)), tuple(views))
@@ -198,10 +211,12 @@ def _start_reduce(bucket: Bucket, channel: Channel, src: list[_Work], reduce_op)
 def _start_gather(bucket: Bucket, channel: Channel, src: list[_Work], dst: list[_Work], world: int) -> _InFlight:
     wire = bucket.rule.wire_dtype
     if bucket.primitive.packs:
-        buf = torch.empty(bucket.numel, dtype=wire, device=bucket.device)
-        for s in bucket.segments:
-            buf[s.bucket_offset : s.bucket_offset + s.numel].copy_(src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel])
-        out = torch.empty(world * bucket.numel, dtype=wire, device=bucket.device)
+        buf = _pack(bucket, src)
+        (first,) = bucket.segments[:1]
+        if len(bucket.segments) == 1 and first.numel == src[first.tensor].flat.numel() and wire == bucket.dtype:
+            out = dst[first.tensor].flat  # the whole tensor in one bucket: gather straight into its output
+        else:
+            out = torch.empty(world * bucket.numel, dtype=wire, device=bucket.device)
         return _InFlight(bucket, channel.all_gather([out], [buf]), (out,))
     inputs, outputs = [], []
     for s in bucket.segments:
@@ -221,7 +236,9 @@ def _finish(flight: _InFlight, op: Op, reduce_op, src: list[_Work], dst: list[_W
             if reduce_op == ReduceOp.AVG:
                 buf.div_(world)
             for s in bucket.segments:
-                src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel].copy_(buf[s.bucket_offset : s.bucket_offset + s.numel])
+                target = src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel]
+                if target.data_ptr() != buf.data_ptr() or target.dtype != buf.dtype:  # not reduced in place
+                    target.copy_(buf[s.bucket_offset : s.bucket_offset + s.numel])
         elif reduce_op == ReduceOp.AVG:
             for view in flight.buffers:
                 view.div_(world)
@@ -230,7 +247,8 @@ def _finish(flight: _InFlight, op: Op, reduce_op, src: list[_Work], dst: list[_W
         target = dst[s.tensor].flat.view(world, -1)[:, s.tensor_offset : s.tensor_offset + s.numel]
         if bucket.primitive.packs:
             (out,) = flight.buffers
-            target.copy_(out.view(world, bucket.numel)[:, s.bucket_offset : s.bucket_offset + s.numel])
+            if out is not dst[s.tensor].flat:
+                target.copy_(out.view(world, bucket.numel)[:, s.bucket_offset : s.bucket_offset + s.numel])
         elif flight.buffers[i] is not dst[s.tensor].flat:
             target.copy_(flight.buffers[i].view(world, s.numel))
 
