@@ -11,7 +11,6 @@ PRIMITIVES = ["auto", "flat", "coalesced", "per_tensor"]
 
 
 def worker(rank, world, device_type):
-    import torch.distributed as dist
 
     import collgrad
     from collgrad import Policy
@@ -26,12 +25,7 @@ def worker(rank, world, device_type):
                 made = [t.t() if t.dim() == 2 else t for t in made]
             return made
 
-        ref = []
-        for t in make():
-            c = t.contiguous().clone()
-            if c.numel():
-                dist.all_reduce(c)
-            ref.append(c)
+        ref = cases.reduce_reference(make())
         for prim in PRIMITIVES:
             tensors = make()
             policy = None if prim == "auto" else Policy(force=prim)
@@ -47,10 +41,7 @@ def worker(rank, world, device_type):
                 failures.append((case, prim, "more than one collective per bucket"))
         outs = [torch.empty(world * t.numel(), dtype=t.dtype, device=t.device) for t in make()]
         collgrad.all_gather_coalesced(outs, make())
-        for out, t in zip(outs, make()):
-            parts = [torch.empty_like(t.contiguous().view(-1)) for _ in range(world)]
-            if t.numel():
-                dist.all_gather(parts, t.contiguous().view(-1))
-            if not torch.equal(out, torch.cat(parts)):
+        for out, ref_out in zip(outs, cases.gather_reference(make(), world)):
+            if not torch.equal(out, ref_out):
                 failures.append((case, "all_gather", "values differ"))
     return failures

@@ -21,18 +21,8 @@ from collgrad.launch import init_from_environment  # noqa: E402
 from tests.ranks import cases  # noqa: E402
 
 
-def reduce_reference(tensors, group):
-    out = []
-    for t in tensors:
-        c = t.contiguous().clone()
-        if c.numel():
-            dist.all_reduce(c, group=group)
-        out.append(c)
-    return out
-
-
 def check_reduce(case, rank, group=None, policy=None, bucket_bytes=None):
-    ref = reduce_reference(cases.make(case, rank), group)
+    ref = cases.reduce_reference(cases.make(case, rank), group=group)
     tensors = cases.make(case, rank)
     record = collgrad.all_reduce_coalesced(tensors, group=group, policy=policy, bucket_bytes=bucket_bytes)
     return {
@@ -44,12 +34,7 @@ def check_reduce(case, rank, group=None, policy=None, bucket_bytes=None):
 
 def check_gather(case, rank, world, policy=None):
     inputs = cases.make(case, rank)
-    ref = []
-    for t in inputs:
-        parts = [torch.empty(t.numel(), dtype=t.dtype) for _ in range(world)]
-        if t.numel():
-            dist.all_gather(parts, t.contiguous().view(-1))
-        ref.append(torch.cat(parts))
+    ref = cases.gather_reference(inputs, world)
     outputs = [torch.empty(world * t.numel(), dtype=t.dtype) for t in inputs]
     record = collgrad.all_gather_coalesced(outputs, inputs, policy=policy)
     return {

@@ -52,3 +52,29 @@ def make(case: str, rank: int) -> list[torch.Tensor]:
 
 EXACT_CASES = [*DTYPES, "mixed", "noncontiguous", "empty", "only_empty", "large", "int64"]
 LARGE_BUCKET_BYTES = 64  # 16 fp32 / 8 fp64 elements per bucket
+
+
+def reduce_reference(tensors, op=None, group=None):
+    """The per-tensor reference: one ``dist.all_reduce`` per (contiguous copy of each) tensor."""
+    import torch.distributed as dist
+
+    out = []
+    for t in tensors:
+        c = t.contiguous().clone()
+        if c.numel():
+            dist.all_reduce(c, op=dist.ReduceOp.SUM if op is None else op, group=group)
+        out.append(c)
+    return out
+
+
+def gather_reference(inputs, world, group=None):
+    """The per-tensor reference: one list ``dist.all_gather`` per input, concatenated rank-major."""
+    import torch.distributed as dist
+
+    out = []
+    for t in inputs:
+        parts = [torch.empty(t.numel(), dtype=t.dtype, device=t.device) for _ in range(world)]
+        if t.numel():
+            dist.all_gather(parts, t.contiguous().view(-1), group=group)
+        out.append(torch.cat(parts))
+    return out

@@ -14,18 +14,6 @@ PRIMITIVES = ["auto", "flat", "coalesced", "per_tensor"]
 GATHER_CASES = [c for c in cases.EXACT_CASES if c != "only_empty"] + ["random_fp32"]
 
 
-def _reference(inputs, world):
-    import torch.distributed as dist
-
-    out = []
-    for t in inputs:
-        parts = [torch.empty(t.numel(), dtype=t.dtype) for _ in range(world)]
-        if t.numel():
-            dist.all_gather(parts, t.contiguous().view(-1))
-        out.append(torch.cat(parts))
-    return out
-
-
 def _outputs(inputs, world, strided):
     """Outputs of world * numel elements; with ``strided``, every other one is a view with gaps."""
     outs = []
@@ -43,7 +31,7 @@ def _worker(rank, world):
 
     results = {}
     for case in GATHER_CASES:
-        reference = _reference(cases.make(case, rank), world)
+        reference = cases.gather_reference(cases.make(case, rank), world)
         for prim in PRIMITIVES:
             for strided in (False, True):
                 inputs = cases.make(case, rank)

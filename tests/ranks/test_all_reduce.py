@@ -18,18 +18,6 @@ PRIMITIVES = ["auto", "flat", "coalesced", "per_tensor"]
 OPS = ["SUM", "AVG", "MAX"]
 
 
-def _reference(tensors, op):
-    import torch.distributed as dist
-
-    out = []
-    for t in tensors:
-        c = t.contiguous().clone()
-        if c.numel():
-            dist.all_reduce(c, op=op)
-        out.append(c)
-    return out
-
-
 def _worker(rank, world):
     import torch.distributed as dist
 
@@ -42,7 +30,7 @@ def _worker(rank, world):
             if case == "int64" and op_name == "AVG":
                 continue
             op = getattr(dist.ReduceOp, op_name)
-            reference = _reference(cases.make(case, rank), op)
+            reference = cases.reduce_reference(cases.make(case, rank), op)
             for prim in PRIMITIVES:
                 policy = None if prim == "auto" else Policy(force=prim)
                 tensors = cases.make(case, rank)
