@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from collgrad import _compat
 from collgrad.backends.base import Op, Primitive
+from collgrad.buffers import adjacent_view
 from collgrad.backends.mpi import Mpi4pyChannel
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import Registry
@@ -34,6 +35,7 @@ class _InFlight:
     bucket: Bucket
     handles: list[Handle]
     buffers: tuple[Any, ...]
+    in_place: bool = False  # the packed buffer *is* the caller's memory: nothing to unpack
 
 
 class Dispatcher:
@@ -185,25 +187,28 @@ def _wire(op: ReduceOp.RedOpType) -> ReduceOp.RedOpType:
     return ReduceOp.SUM if op == ReduceOp.AVG else op
 
 
-def _pack(bucket: Bucket, src: list[_Work]) -> torch.Tensor:
+def _pack(bucket: Bucket, src: list[_Work]) -> tuple[torch.Tensor, bool]:
     """This rank's contribution to a packing primitive as one contiguous buffer.
 
-    A bucket that is one contiguous run of one tensor, in its own dtype, is that run itself (no copy):
-    this is what the ZeRO planner's flat buckets and tensors split across buckets look like.
+    A bucket whose pieces already lie back to back in memory, in the wire dtype, is sent as that run
+    itself (no copy): a tensor split across buckets, or per-parameter views of one flat buffer
+    (DeepSpeed's ZeRO-3 gradient partitions).
     """
-    if len(bucket.segments) == 1 and bucket.rule.wire_dtype == bucket.dtype:
-        (s,) = bucket.segments
-        return src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel]
+    views = [src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel] for s in bucket.segments]
+    if bucket.rule.wire_dtype == bucket.dtype:
+        run = views[0] if len(views) == 1 else adjacent_view(views)
+        if run is not None:
+            return run, True
     buf = torch.empty(bucket.numel, dtype=bucket.rule.wire_dtype, device=bucket.device)
-    for s in bucket.segments:
-        buf[s.bucket_offset : s.bucket_offset + s.numel].copy_(src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel])
-    return buf
+    for s, view in zip(bucket.segments, views):
+        buf[s.bucket_offset : s.bucket_offset + s.numel].copy_(view)
+    return buf, False
 
 
 def _start_reduce(bucket: Bucket, channel: Channel, src: list[_Work], reduce_op) -> _InFlight:
     if bucket.primitive.packs:
-        buf = _pack(bucket, src)
-        return _InFlight(bucket, channel.all_reduce([buf], _wire(reduce_op)), (buf,))
+        buf, in_place = _pack(bucket, src)
+        return _InFlight(bucket, channel.all_reduce([buf], _wire(reduce_op)), (buf,), in_place)
     views = [src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel] for s in bucket.segments]
     return _InFlight(bucket, channel.all_reduce(views, _wire(reduce_op)), tuple(views))
 
@@ -211,7 +216,7 @@ def _start_reduce(bucket: Bucket, channel: Channel, src: list[_Work], reduce_op)
 def _start_gather(bucket: Bucket, channel: Channel, src: list[_Work], dst: list[_Work], world: int) -> _InFlight:
     wire = bucket.rule.wire_dtype
     if bucket.primitive.packs:
-        buf = _pack(bucket, src)
+        buf, _ = _pack(bucket, src)
         (first,) = bucket.segments[:1]
         if len(bucket.segments) == 1 and first.numel == src[first.tensor].flat.numel() and wire == bucket.dtype:
             out = dst[first.tensor].flat  # the whole tensor in one bucket: gather straight into its output
@@ -235,10 +240,9 @@ def _finish(flight: _InFlight, op: Op, reduce_op, src: list[_Work], dst: list[_W
             (buf,) = flight.buffers
             if reduce_op == ReduceOp.AVG:
                 buf.div_(world)
-            for s in bucket.segments:
-                target = src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel]
-                if target.data_ptr() != buf.data_ptr() or target.dtype != buf.dtype:  # not reduced in place
-                    target.copy_(buf[s.bucket_offset : s.bucket_offset + s.numel])
+            if not flight.in_place:
+                for s in bucket.segments:
+                    src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel].copy_(buf[s.bucket_offset : s.bucket_offset + s.numel])
         elif reduce_op == ReduceOp.AVG:
             for view in flight.buffers:
                 view.div_(world)

@@ -73,6 +73,8 @@ class RankError(RuntimeError):
 
 
 def _entry(fn, rank, world, store_path, backend, env, args, results) -> None:
+    # What torchrun sets, so that libraries that read it (DeepSpeed asserts LOCAL_RANK) work here too.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     os.environ.update(env)
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
+from collgrad.agreement import exchange
 from collgrad.backends import ccl, gloo, mpi, nccl
 from collgrad.backends.base import DTYPES, UNLIMITED, LocalFinding, Op, Primitive, Reason
 from collgrad.backends.policy import Policy
@@ -294,10 +295,7 @@ class Registry:
                 f"{device_type}, e.g. backend='cpu:gloo,cuda:nccl', or move the tensors"
             )
         header, findings, policy_error = self._local(group, device_type, backend, policy, len(ranks))
-        row = torch.tensor(encode(header, findings), dtype=torch.int64, device=_compat.agreement_device(device_type))
-        gathered = [torch.empty_like(row) for _ in ranks]
-        dist.all_gather(gathered, row, group=group)
-        rows = [g.tolist() for g in gathered]
+        rows = exchange(group, encode(header, findings), device_type)
         if policy_error is not None:
             raise policy_error  # this rank's own, more precise message; the others raise in decide()
         caps = decide(rows, device_type, backend, ranks)

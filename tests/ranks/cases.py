@@ -42,6 +42,9 @@ def make(case: str, rank: int) -> list[torch.Tensor]:
         return [torch.zeros(0), torch.zeros(2, 0)]
     if case == "large":  # larger than the bucket cap used with it (LARGE_BUCKET_BYTES)
         return [_ints((5,), torch.float32, seed), _ints((100,), torch.float32, seed + 1), _ints((30,), torch.float64, seed + 2)]
+    if case == "adjacent_views":  # back to back in one buffer: reduced in place, no packing copy
+        base = _ints((40,), torch.float32, seed)
+        return [base[0:7], base[7:22], base[22:23], base[23:40]]
     if case == "random_fp32":
         g = torch.Generator().manual_seed(seed)
         return [torch.randn(s, generator=g) for s in SHAPES]
@@ -50,7 +53,7 @@ def make(case: str, rank: int) -> list[torch.Tensor]:
     raise KeyError(case)
 
 
-EXACT_CASES = [*DTYPES, "mixed", "noncontiguous", "empty", "only_empty", "large", "int64"]
+EXACT_CASES = [*DTYPES, "mixed", "noncontiguous", "empty", "only_empty", "large", "int64", "adjacent_views"]
 LARGE_BUCKET_BYTES = 64  # 16 fp32 / 8 fp64 elements per bucket
 
 

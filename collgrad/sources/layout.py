@@ -1,0 +1,114 @@
+"""Where every rank's share of each parameter's gradient lies: plain data, the same on every rank.
+
+Three kinds of gradient group cover DeepSpeed's optimizers (../shared/notes/deepspeed-gradient-layout.md)::
+
+  PARTITIONED_FLAT (ZeRO-1/2): one flat buffer per optimizer param group, padded so that every rank
+  owns an equal contiguous partition of P elements. Parameters may straddle partition edges.
+
+      flat    | a a a a a b b b c c c c c c c . |   (. = tail padding, zero)
+      ranks   | rank 0: [0, 8)  | rank 1: [8, 16) |   P = 8
+      a: offset 0, b: offset 5 (rank 0), c: offset 8 (rank 1), 7 elements
+
+  PER_PARAM (ZeRO-3): every parameter is cut into world equal slices of ceil(numel / world) elements
+  (the last zero-padded); rank r's buffer holds slice r of every parameter, back to back.
+
+      rank r  | a_r a_r a_r | b_r b_r | c_r c_r c_r c_r |     offsets 0, 3, 5 on every rank
+      a       = a_0 + a_1 + ... (concatenated), cut to a.numel
+
+  REPLICATED (BF16_Optimizer, no ZeRO): every rank already holds every full, reduced gradient.
+
+A rank's local buffer for a group is one contiguous tensor of P elements (PARTITIONED_FLAT,
+PER_PARAM) in the group's wire dtype. Nothing here touches a process group.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Kind", "ParamSlot", "GradGroup", "GradLayout", "Fragment", "owned_fragments"]
+
+
+class Kind(str, enum.Enum):
+    PARTITIONED_FLAT = "partitioned_flat"
+    PER_PARAM = "per_param"
+    REPLICATED = "replicated"
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    #: PARTITIONED_FLAT: start in the group's flat buffer; PER_PARAM: start in every rank's buffer.
+    offset: int
+    #: PER_PARAM: elements of each rank's slice; otherwise ``numel``.
+    slice_numel: int
+    #: A tensor- or expert-parallel shard: reconstructed across the data-parallel group only.
+    model_parallel_shard: bool = False
+
+
+@dataclass(frozen=True)
+class GradGroup:
+    index: int
+    kind: Kind
+    group_ranks: tuple[int, ...]  # global ranks of the group the partitions are spread over
+    partition_numel: int  # P: elements of every rank's local buffer
+    wire_dtype: torch.dtype  # dtype of the local buffers
+    out_dtype: torch.dtype  # dtype of the returned gradients
+    params: tuple[ParamSlot, ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.group_ranks)
+
+
+@dataclass(frozen=True)
+class GradLayout:
+    """Every group, and the result order (``engine.module.named_parameters()`` order)."""
+
+    variant: str
+    groups: tuple[GradGroup, ...]
+    order: tuple[str, ...]
+
+    def fingerprint(self) -> int:
+        """A number that differs when names, shapes, dtypes, groups or offsets differ; ranks compare it
+        before moving any data (a mismatch would otherwise scramble results or hang)."""
+        text = repr((self.variant, self.order, [(g.kind, g.group_ranks, g.partition_numel, str(g.wire_dtype),
+                                                  str(g.out_dtype), g.params) for g in self.groups]))
+        return zlib.crc32(text.encode())
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Elements ``[param_offset, param_offset + numel)`` of ``param`` are at ``local_offset`` in this
+    rank's local buffer."""
+
+    param: int
+    param_offset: int
+    local_offset: int
+    numel: int
+
+
+def owned_fragments(group: GradGroup, rank_in_group: int) -> tuple[Fragment, ...]:
+    """The parts of each parameter this rank holds (padding excluded). Over all ranks, every element
+    of every parameter is held exactly once."""
+    out = []
+    if group.kind is Kind.PARTITIONED_FLAT:
+        lo, hi = rank_in_group * group.partition_numel, (rank_in_group + 1) * group.partition_numel
+        for k, p in enumerate(group.params):
+            start, end = max(p.offset, lo), min(p.offset + p.numel, hi)
+            if start < end:
+                out.append(Fragment(k, start - p.offset, start - lo, end - start))
+    elif group.kind is Kind.PER_PARAM:
+        for k, p in enumerate(group.params):
+            start = rank_in_group * p.slice_numel
+            numel = min(p.slice_numel, p.numel - start)
+            if numel > 0:
+                out.append(Fragment(k, start, p.offset, numel))
+    else:
+        out = [Fragment(k, 0, 0, p.numel) for k, p in enumerate(group.params)]
+    return tuple(out)

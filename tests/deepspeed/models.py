@@ -1,0 +1,112 @@
+"""Small models and DeepSpeed engines for the full-gradient tests (CPU, Gloo, DS_ACCELERATOR=cpu).
+
+Inputs are derived from the rank, so every rank can compute every rank's local gradient and hence
+the reference: the mean over ranks (and micro-steps) of plain PyTorch gradients, as DeepSpeed
+averages them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+
+IN, HID, OUT = 7, 9, 5
+
+
+class Net(nn.Module):
+    """Parameter sizes chosen so partition edges fall inside parameters (none divisible by 2 or 3),
+    with a tied weight, a frozen parameter and a (1,)-shaped one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(IN, HID)
+        self.norm = nn.LayerNorm(HID)
+        self.mid = nn.Linear(HID, HID)
+        self.frozen = nn.Linear(HID, HID)
+        self.frozen.requires_grad_(False)
+        self.out = nn.Linear(HID, OUT)
+        self.back = nn.Linear(OUT, HID, bias=False)
+        self.back.weight = nn.Parameter(self.out.weight.t().contiguous())  # replaced below by a tie
+        self.scale = nn.Parameter(torch.ones(1) * 0.5)
+        self.tied_in = nn.Linear(HID, OUT, bias=False)
+        self.tied_out = nn.Linear(HID, OUT, bias=False)
+        self.tied_out.weight = self.tied_in.weight  # tied: appears once in named_parameters()
+        del self.back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = self.norm(h)
+        h = torch.tanh(self.mid(h)) + self.frozen(h)
+        return self.out(h) * self.scale + self.tied_in(h) - 0.5 * self.tied_out(h)
+
+
+def batch(rank: int, micro: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * rank + micro)
+    return torch.randn(4, IN, generator=g).to(dtype), torch.randn(4, OUT, generator=g).to(dtype)
+
+
+def reference_grads(world: int, gas: int = 1) -> dict[str, torch.Tensor]:
+    """Mean over ranks and micro-steps of the local fp32 gradients of a plain copy of Net."""
+    model = Net()
+    total = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    for rank in range(world):
+        for micro in range(gas):
+            model.zero_grad()
+            x, y = batch(rank, micro)
+            nn.functional.mse_loss(model(x), y).backward()
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    total[n] += p.grad
+    return {n: g / (world * gas) for n, g in total.items()}
+
+
+def config(stage: int, *, dtype: str = "fp32", offload: bool = False, gas: int = 1, **zero) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {"stage": stage, **zero},
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "bf16_acc32":
+        cfg["bf16"] = {"enabled": True}
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    return cfg
+
+
+def engine(cfg: dict, model: nn.Module | None = None):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    model = model if model is not None else Net()
+    params = [p for p in model.parameters() if p.requires_grad]
+    eng, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(params, lr=1e-3), config=cfg)
+    return eng
+
+
+def run_backward(eng, rank: int, gas: int = 1, micro_steps: int | None = None) -> None:
+    """``micro_steps`` forward/backward passes (default: up to the accumulation boundary), calling
+    ``step()`` after each but the last, as DeepSpeed requires for accumulation."""
+    dtype = next(eng.module.parameters()).dtype
+    n = gas if micro_steps is None else micro_steps
+    for micro in range(n):
+        x, y = batch(rank, micro, dtype)
+        loss = nn.functional.mse_loss(eng(x).float(), y.float())
+        eng.backward(loss)
+        if micro < n - 1:
+            eng.step()
+
+
+def clone_model() -> nn.Module:
+    return copy.deepcopy(Net())
