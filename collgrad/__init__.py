@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
+from collgrad.api import FullGradRecord, FullGrads, GroupRecord, iter_full_model_grads, safe_get_full_model_grads
 from collgrad.backends.base import Op, Primitive
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import Capabilities, Registry
@@ -21,6 +22,11 @@ from collgrad.record import BucketRecord, CallRecord, Decision
 __version__ = "0.1.0"
 
 __all__ = [
+    "safe_get_full_model_grads",
+    "iter_full_model_grads",
+    "FullGrads",
+    "FullGradRecord",
+    "GroupRecord",
     "all_reduce_coalesced",
     "all_gather_coalesced",
     "capabilities",

@@ -77,7 +77,8 @@ class GradLayout:
     def fingerprint(self) -> int:
         """A number that differs when names, shapes, dtypes, groups or offsets differ; ranks compare it
         before moving any data (a mismatch would otherwise scramble results or hang)."""
-        text = repr((self.variant, self.order, [(g.kind, g.group_ranks, g.partition_numel, str(g.wire_dtype),
+        # Group sizes, not members: expert-parallel ranks legitimately sit in different expert groups.
+        text = repr((self.variant, self.order, [(g.kind, g.world, g.partition_numel, str(g.wire_dtype),
                                                   str(g.out_dtype), g.params) for g in self.groups]))
         return zlib.crc32(text.encode())
 

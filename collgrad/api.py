@@ -1,0 +1,330 @@
+"""Model-wide entry points: the full gradient of every parameter, one collective per bucket.
+
+For each gradient group of the model (see sources/layout.py) one of these plans runs:
+
+  local       nothing to communicate: every rank holds the full reduced gradients (BF16_Optimizer,
+              no ZeRO), or the group has a single rank (expert-parallel experts, AutoTP shards).
+  all_gather  ranks own equal contiguous partitions (ZeRO-1/2 flat groups, ZeRO-3 per-parameter
+              partitions): every rank contributes its partition as it lies, and gathers the rest.
+              Half the bytes of an all-reduce, and no zero fill.
+  all_reduce  zero-padded: every rank writes the elements it owns into a zeroed buffer and the group
+              sums it. Adding zeros is exact, so the result is bitwise what DeepSpeed's
+              ``safe_get_full_grad`` returns (it does the same, one parameter at a time).
+  per_param   DeepSpeed's own accessor, one collective per parameter: optimizers whose layout
+              collgrad does not know.
+
+``auto`` takes ``all_gather`` where the group's backend has a bucket primitive for it and the call
+reads most of the group, else ``all_reduce``; streaming (``iter_full_model_grads``) takes
+``all_reduce`` for ZeRO-1/2 (a bucket of whole parameters is then complete by itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.distributed import ProcessGroup
+
+from collgrad import sources
+from collgrad.agreement import exchange
+from collgrad.backends.base import Op, Primitive
+from collgrad.backends.policy import Policy
+from collgrad.dispatch import Dispatcher
+from collgrad.errors import CollgradError
+from collgrad.planner import DEFAULT_BUCKET_BYTES
+from collgrad.record import CallRecord
+from collgrad.sources import LocalGrads, Problem
+from collgrad.sources.layout import GradGroup, Kind, ParamSlot, owned_fragments
+
+__all__ = ["safe_get_full_model_grads", "iter_full_model_grads", "FullGrads", "GroupRecord", "FullGradRecord", "PLANS"]
+
+PLANS = ("auto", "all_gather", "all_reduce")
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    group: int
+    kind: str
+    plan: str
+    ranks: tuple[int, ...]
+    params: int
+    calls: tuple[CallRecord, ...]
+
+    @property
+    def collectives(self) -> int:
+        return sum(c.collectives for c in self.calls)
+
+
+@dataclass(frozen=True)
+class FullGradRecord:
+    """What a full-gradient call did: per gradient group, the plan and the collectives' records."""
+
+    variant: str
+    groups: tuple[GroupRecord, ...]
+    per_param_collectives: int
+    loss_scale: float
+    unscaled: bool
+
+    @property
+    def collectives(self) -> int:
+        return self.per_param_collectives + sum(g.collectives for g in self.groups)
+
+    @property
+    def buckets(self) -> int:
+        return sum(len(c.buckets) for g in self.groups for c in g.calls)
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for g in self.groups for c in g.calls)
+
+
+class FullGrads(dict):
+    """``dict[name, Tensor]`` of full gradients, plus ``record`` (what was done) and
+    ``model_parallel`` (names of tensor- or expert-parallel shards: full across the data-parallel
+    group, still local across tensor/expert-parallel ranks)."""
+
+    record: FullGradRecord
+    model_parallel: frozenset[str]
+
+
+def safe_get_full_model_grads(
+    model: Any,
+    *,
+    params: Iterable[Any] | None = None,
+    bucket_bytes: int | None = None,
+    plan: str = "auto",
+    unscale: bool = True,
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> FullGrads:
+    """The full, reduced gradient of every trainable parameter of ``model``, in one collective per
+    bucket.
+
+    ``model`` is a DeepSpeed engine, the module it wraps, or a plain module whose ``.grad`` is already
+    reduced. Keys are ``named_parameters()`` names (tied parameters once), in that order; values are
+    shaped like the parameter, in the dtype and on the device ``deepspeed.utils.safe_get_full_grad``
+    returns, and for fp32 and bf16 with fp32 accumulation bitwise equal to it. fp16 gradients are
+    divided by the current loss scale unless ``unscale=False``. ``params`` (names or parameters)
+    limits the call to a subset.
+
+    When and where: on every rank of the data-parallel group, after ``engine.backward()`` of the last
+    micro-step of an accumulation boundary and before ``engine.step()``, with the same ``params`` on
+    every rank. Otherwise every rank raises the same CollgradError before any gradient moves. The
+    engine is not modified.
+    """
+    stream = _Stream(model, params, bucket_bytes, plan, unscale, policy, dispatcher, streaming=False)
+    grads = FullGrads()
+    found = dict(stream)
+    for name in stream.local.layout.order:
+        if name in found:
+            grads[name] = found[name]
+    grads.record = stream.record()
+    grads.model_parallel = stream.local.model_parallel
+    return grads
+
+
+def iter_full_model_grads(
+    model: Any,
+    *,
+    params: Iterable[Any] | None = None,
+    bucket_bytes: int | None = None,
+    plan: str = "auto",
+    unscale: bool = True,
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> "_Stream":
+    """The same gradients as ``safe_get_full_model_grads``, as ``(name, tensor)`` pairs streamed one
+    bucket of whole parameters at a time (in bucket order), so that collgrad holds about two buckets
+    at a time whatever the model size (a parameter larger than a bucket is one bucket by itself).
+
+    Same calling rules, plus: every rank must consume the whole iteration (each bucket is a
+    collective); a rank that stops early leaves the others waiting. The returned object's
+    ``record()`` tells what was done so far.
+    """
+    return _Stream(model, params, bucket_bytes, plan, unscale, policy, dispatcher, streaming=True)
+
+
+class _Stream:
+    def __init__(self, model, params, bucket_bytes, plan, unscale, policy, dispatcher, *, streaming: bool) -> None:
+        if plan not in PLANS:
+            raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+        if bucket_bytes is not None and int(bucket_bytes) <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.local: LocalGrads = sources.read(model, params)
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
+        self.plan = plan
+        self.unscale = unscale and self.local.loss_scale != 1.0
+        self.policy = policy
+        self.dispatcher = dispatcher if dispatcher is not None else _default_dispatcher()
+        self.streaming = streaming
+        self.group_records: list[GroupRecord] = []
+        self.per_param_collectives = 0
+        _agree(self.local)
+        self._iter = self._generate()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._iter
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._iter)
+
+    def record(self) -> FullGradRecord:
+        return FullGradRecord(self.local.layout.variant, tuple(self.group_records), self.per_param_collectives,
+                              self.local.loss_scale, self.unscale)
+
+    # -- execution ------------------------------------------------------------------------------------
+    def _finish(self, grad: torch.Tensor, slot: ParamSlot, out_dtype: torch.dtype) -> torch.Tensor:
+        grad = grad.view(slot.shape)
+        if grad.dtype != out_dtype:
+            grad = grad.to(out_dtype)
+        if self.unscale:
+            grad = grad.div_(self.local.loss_scale)
+        return grad
+
+    def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
+        local = self.local
+        if local.per_param is not None:
+            for name in local.layout.order:
+                grad = local.per_param(local.params[name])
+                self.per_param_collectives += 1
+                if self.unscale:
+                    grad = grad / local.loss_scale
+                yield name, grad
+            return
+        for group, buffer in zip(local.layout.groups, local.buffers):
+            pg = local.groups.get(group.index)
+            plan = self._choose(group, pg)
+            calls: list[CallRecord] = []
+            self.group_records.append(GroupRecord(group.index, group.kind.value, plan, group.group_ranks,
+                                                  len(group.params), ()))
+            for batch in self._batches(group, plan):
+                if plan == "local":
+                    results = list(self._local(group, buffer, batch))
+                elif plan == "all_gather":
+                    results = list(self._all_gather(group, buffer, batch, pg, calls))
+                else:
+                    results = list(self._all_reduce(group, buffer, batch, pg, calls))
+                self.group_records[-1] = GroupRecord(group.index, group.kind.value, plan, group.group_ranks,
+                                                     len(group.params), tuple(calls))
+                yield from results
+
+    def _choose(self, group: GradGroup, pg: ProcessGroup | None) -> str:
+        """The plan for one group: a function of the layout and the agreed capabilities only, so every
+        rank of the group takes the same one."""
+        if group.kind is Kind.REPLICATED or group.world == 1:
+            return "local"
+        if self.plan != "auto":
+            return self.plan
+        if self.streaming and group.kind is Kind.PARTITIONED_FLAT:
+            return "all_reduce"
+        device_type = self.local.device.type
+        caps = self.dispatcher.registry.capabilities(device_type, pg, self.policy)
+        choice = caps.choice(Op.ALL_GATHER, group.wire_dtype)
+        if choice.primitive in (None, Primitive.PER_TENSOR):
+            return "all_reduce"
+        if group.kind is Kind.PARTITIONED_FLAT:
+            wanted = sum(p.numel for p in group.params)
+            if 2 * wanted < group.world * group.partition_numel:  # a small subset: gather less
+                return "all_reduce"
+        return "all_gather"
+
+    def _batches(self, group: GradGroup, plan: str) -> list[list[int]]:
+        """Indices of ``group.params`` per step: all at once, or whole parameters up to a bucket."""
+        everything = list(range(len(group.params)))
+        if not self.streaming or plan == "local" or (plan == "all_gather" and group.kind is Kind.PARTITIONED_FLAT):
+            return [everything] if everything else []
+        itemsize = torch.empty((), dtype=group.out_dtype).element_size()
+        batches, current, size = [], [], 0
+        for k, p in enumerate(group.params):
+            numel = p.numel if plan == "all_reduce" else p.slice_numel * group.world
+            if current and (size + numel) * itemsize > self.bucket_bytes:
+                batches.append(current)
+                current, size = [], 0
+            current.append(k)
+            size += numel
+        if current:
+            batches.append(current)
+        return batches
+
+    def _local(self, group, buffer, batch):
+        if group.kind is Kind.REPLICATED:
+            for k in batch:
+                slot = group.params[k]
+                yield slot.name, self._finish(buffer[k].detach().clone(), slot, group.out_dtype)
+            return
+        for frag in owned_fragments(group, 0):  # a group of one rank owns everything
+            if frag.param in batch:
+                slot = group.params[frag.param]
+                piece = buffer[frag.local_offset : frag.local_offset + frag.numel].to(self.local.device, copy=True)
+                yield slot.name, self._finish(piece, slot, group.out_dtype)
+
+    def _all_gather(self, group, buffer, batch, pg, calls):
+        device, world = self.local.device, group.world
+        if group.kind is Kind.PARTITIONED_FLAT:
+            full = torch.empty(world * group.partition_numel, dtype=group.wire_dtype, device=device)
+            calls.append(self.dispatcher.all_gather([full], [buffer.to(device)], pg,
+                                                    bucket_bytes=self.bucket_bytes, policy=self.policy))
+            for k in batch:
+                slot = group.params[k]
+                yield slot.name, self._finish(full[slot.offset : slot.offset + slot.numel], slot, group.out_dtype)
+            return
+        slots = [group.params[k] for k in batch]
+        local = buffer.to(device)
+        inputs = [local[s.offset : s.offset + s.slice_numel] for s in slots]
+        outputs = [torch.empty(world * s.slice_numel, dtype=group.wire_dtype, device=device) for s in slots]
+        calls.append(self.dispatcher.all_gather(outputs, inputs, pg, bucket_bytes=self.bucket_bytes, policy=self.policy))
+        for s, out in zip(slots, outputs):
+            yield s.name, self._finish(out[: s.numel], s, group.out_dtype)
+
+    def _all_reduce(self, group, buffer, batch, pg, calls):
+        device = self.local.device
+        slots = {k: group.params[k] for k in batch}
+        starts, total = {}, 0
+        for k in batch:
+            starts[k] = total
+            total += slots[k].numel
+        result = torch.zeros(total, dtype=group.out_dtype, device=device)
+        rank = group.group_ranks.index(torch.distributed.get_rank())
+        local = buffer.to(device)
+        for frag in owned_fragments(group, rank):
+            if frag.param in slots:
+                at = starts[frag.param] + frag.param_offset
+                result[at : at + frag.numel].copy_(local[frag.local_offset : frag.local_offset + frag.numel])
+        calls.append(self.dispatcher.all_reduce([result], pg, bucket_bytes=self.bucket_bytes, policy=self.policy))
+        for k in batch:
+            yield slots[k].name, self._finish(result[starts[k] : starts[k] + slots[k].numel], slots[k], group.out_dtype)
+
+
+def _agree(local: LocalGrads) -> None:
+    """Every rank of the control group learns every rank's problem and layout fingerprint, and all raise
+    the same error if any rank cannot read now or planned something else."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if local.control_group is None:
+        if local.problem is not Problem.OK:
+            raise CollgradError(f"rank {rank}: {local.problem.describe()}")
+        return
+    rows = exchange(local.control_group, [int(local.problem), local.layout.fingerprint()])
+    from collgrad import _compat
+
+    ranks = _compat.group_ranks(local.control_group)
+    bad = [(ranks[i], Problem(row[0])) for i, row in enumerate(rows) if row[0] != Problem.OK]
+    if bad:
+        detail = "; ".join(f"rank {r}: {p.describe()}" for r, p in bad)
+        raise CollgradError(f"full gradients cannot be read now ({detail}) [seen by rank {rank}]")
+    prints = [row[1] for row in rows]
+    if len(set(prints)) != 1:
+        groups: dict[int, list[int]] = {}
+        for i, fp in enumerate(prints):
+            groups.setdefault(fp, []).append(ranks[i])
+        raise CollgradError(
+            f"ranks asked for different gradients (parameter names, shapes, dtypes or subsets differ; "
+            f"ranks grouped by what they asked: {sorted(groups.values())}) [seen by rank {rank}]: pass the "
+            "same params=, in the same order, on every rank"
+        )
+
+
+def _default_dispatcher() -> Dispatcher:
+    from collgrad import default_dispatcher
+
+    return default_dispatcher()
