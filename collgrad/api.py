@@ -291,7 +291,10 @@ class _Stream:
             if frag.param in slots:
                 at = starts[frag.param] + frag.param_offset
                 result[at : at + frag.numel].copy_(local[frag.local_offset : frag.local_offset + frag.numel])
-        calls.append(self.dispatcher.all_reduce([result], pg, bucket_bytes=self.bucket_bytes, policy=self.policy))
+        # One tensor per parameter, back to back in ``result``: bucket primitives send them as one run
+        # without copying, the per-tensor fallback sends one collective per parameter.
+        views = [result[starts[k] : starts[k] + slots[k].numel] for k in batch]
+        calls.append(self.dispatcher.all_reduce(views, pg, bucket_bytes=self.bucket_bytes, policy=self.policy))
         for k in batch:
             yield slots[k].name, self._finish(result[starts[k] : starts[k] + slots[k].numel], slots[k], group.out_dtype)
 

@@ -110,3 +110,33 @@ def run_backward(eng, rank: int, gas: int = 1, micro_steps: int | None = None) -
 
 def clone_model() -> nn.Module:
     return copy.deepcopy(Net())
+
+
+class MoENet(nn.Module):
+    """A DeepSpeed MoE layer between two dense layers: expert parameters live in expert-data-parallel
+    groups of their own."""
+
+    def __init__(self, ep_size: int, num_experts: int) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        torch.manual_seed(0)
+        self.inp = nn.Linear(IN, HID)
+        self.moe = MoE(hidden_size=HID, expert=nn.Linear(HID, HID), num_experts=num_experts, ep_size=ep_size,
+                       k=1, min_capacity=0, capacity_factor=4.0, drop_tokens=False)
+        self.out = nn.Linear(HID, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _, _ = self.moe(torch.relu(self.inp(x)))
+        return self.out(h)
+
+
+def moe_engine(cfg: dict, ep_size: int, num_experts: int):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    model = MoENet(ep_size, num_experts)
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
+    eng, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(groups, lr=1e-3), config=cfg)
+    return eng
