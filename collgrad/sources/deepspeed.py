@@ -62,10 +62,14 @@ def _control_group(engine: DeepSpeedEngine):
     return group if group is not None else _compat.default_group()
 
 
-def _window_problem(engine: DeepSpeedEngine) -> Problem:
+def _problem(engine: DeepSpeedEngine, backward_seen: bool) -> Problem:
+    """Whether this is the window between the boundary backward() and step(). ``backward_seen``: the
+    optimizer holds gradients of a backward() run since the last step() (each variant knows how)."""
     managed = getattr(engine, "managed_gradient_accumulation", None)
     if callable(managed) and not managed():
         return Problem.UNMANAGED_ACCUMULATION
+    if not backward_seen:
+        return Problem.NO_BACKWARD
     if not engine.is_gradient_accumulation_boundary():
         return Problem.NOT_BOUNDARY
     return Problem.OK
@@ -86,24 +90,27 @@ def read(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) -> Loca
     kind = type(opt).__name__
     names = {id(p): n for n, p in named}
     model_parallel = frozenset(n for n, p in named if is_model_parallel_parameter(p) or is_moe_param(p))
-    problem = _window_problem(engine)
     if kind == "DeepSpeedZeroOptimizer":
+        # step() resets micro_step_id to -1; the first gradient hook of a backward() advances it.
+        problem = _problem(engine, opt.micro_step_id >= 0)
         return _zero12(engine, opt, named, names, problem, model_parallel)
     if kind == "DeepSpeedZeroOptimizer_Stage3":
+        # Set by the backward epilogue; cleared by zero_grad() in step() and at the next forward.
+        problem = _problem(engine, bool(getattr(opt, "_epilogue_ran_this_backward", True)))
         return _zero3(engine, opt, named, names, problem, model_parallel)
     if kind == "BF16_Optimizer":
-        if problem is Problem.OK and not any(any(flags) for flags in opt.fp32_groups_has_gradients):
-            problem = Problem.NO_BACKWARD  # cleared by zero_grad() in step(), empty before backward
+        # Set when backward adds into the fp32 accumulation buffer; cleared by zero_grad() in step().
+        problem = _problem(engine, any(any(flags) for flags in opt.fp32_groups_has_gradients))
         grads = [getattr(p, "_hp_grad", None) for _, p in named]
         return replicated_grads("deepspeed-bf16-optimizer", named, grads, problem, _control_group(engine),
                                 1.0, model_parallel)
     if engine.zero_optimization_stage() == 0:
         grads = [p.grad for _, p in named]
-        if problem is Problem.OK and named and all(g is None for g in grads):
-            problem = Problem.NO_BACKWARD
+        problem = _problem(engine, not named or any(g is not None for g in grads))
         return replicated_grads("deepspeed-stage0", named, grads, problem, _control_group(engine),
                                 _loss_scale(engine), model_parallel)
     # An optimizer whose layout collgrad does not know: DeepSpeed's accessor, one collective per parameter.
+    problem = _problem(engine, True)
     local = replicated_grads(f"deepspeed-accessor:{kind}", named, [None] * len(named), problem,
                              _control_group(engine), _loss_scale(engine), model_parallel)
     local.per_param = safe_get_full_grad
@@ -115,8 +122,6 @@ def _offset_in(buffer: torch.Tensor, view: torch.Tensor) -> int:
 
 
 def _zero12(engine, opt, named, names, problem, model_parallel) -> LocalGrads:
-    if problem is Problem.OK and opt.micro_step_id < 0:
-        problem = Problem.NO_BACKWARD  # step() resets micro_step_id to -1; backward() advances it
     groups, buffers, pgs = [], [], {}
     device = named[0][1].device if named else torch.device("cpu")
     for i, flat in enumerate(opt.bit16_groups_flat):
@@ -155,8 +160,6 @@ def _zero12(engine, opt, named, names, problem, model_parallel) -> LocalGrads:
 
 
 def _zero3(engine, opt, named, names, problem, model_parallel) -> LocalGrads:
-    if problem is Problem.OK and not getattr(opt, "_epilogue_ran_this_backward", True):
-        problem = Problem.NO_BACKWARD  # set by the backward epilogue, cleared by zero_grad() in step()
     out_dtype = getattr(opt, "master_weights_and_grads_dtype", torch.float32)
     device = named[0][1].device if named else torch.device("cpu")
     by_group: dict[int, list] = {}

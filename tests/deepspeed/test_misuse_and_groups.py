@@ -1,0 +1,139 @@
+"""Calls at invalid times or with diverging arguments raise the same error on every rank, quickly;
+MoE expert groups are reduced within their own group; the call leaves the engine as it was."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+
+def _try(fn):
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def _misuse(rank, world, stage, dtype):
+    import collgrad
+    from tests.deepspeed import models
+
+    eng = models.engine(models.config(stage, dtype=dtype, gas=2))
+    names = [n for n, p in eng.module.named_parameters() if p.requires_grad]
+    out = {"before_backward": _try(lambda: collgrad.safe_get_full_model_grads(eng))}
+    models.run_backward(eng, rank, gas=2, micro_steps=1)  # first micro-step of two: not a boundary
+    out["mid_accumulation"] = _try(lambda: collgrad.safe_get_full_model_grads(eng))
+    eng.step()
+    x, y = models.batch(rank, 1, next(eng.module.parameters()).dtype)
+    eng.backward(torch.nn.functional.mse_loss(eng(x).float(), y.float()))  # the boundary
+    mine = names[:3] if rank == world - 1 else names[:2]  # the last rank asks for something else
+    out["different_subsets"] = _try(lambda: collgrad.safe_get_full_model_grads(eng, params=mine))
+    out["valid"] = _try(lambda: collgrad.safe_get_full_model_grads(eng))
+    eng.step()
+    out["after_step"] = _try(lambda: collgrad.safe_get_full_model_grads(eng))
+    out["iter_after_step"] = _try(lambda: list(collgrad.iter_full_model_grads(eng)))
+    return out
+
+
+MISUSE = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16_acc32"), (2, "bf16_acc32"), (0, "fp32")]
+
+
+def _all_misuse(rank, world):
+    return {(stage, dtype): _misuse(rank, world, stage, dtype) for stage, dtype in MISUSE}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def misuse_results(request):
+    return run_ranks(_all_misuse, request.param, timeout=600)
+
+
+@pytest.mark.parametrize("stage,dtype", MISUSE, ids=[f"zero{s}_{d}" for s, d in MISUSE])
+def test_misuse_raises_the_same_clear_error_on_every_rank(misuse_results, stage, dtype):
+    results = [per_rank[(stage, dtype)] for per_rank in misuse_results]
+    expectations = {
+        "before_backward": "before backward() or after step()",
+        "mid_accumulation": "not a gradient accumulation boundary",
+        "different_subsets": "ranks asked for different gradients",
+        "after_step": "before backward() or after step()",
+        "iter_after_step": "before backward() or after step()",
+    }
+    for phase, text in expectations.items():
+        messages = set()
+        for rank, res in enumerate(results):
+            assert res[phase]["error"] == "CollgradError", (phase, rank, res[phase])
+            assert text in res[phase]["message"], (phase, res[phase]["message"])
+            assert res[phase]["seconds"] < 10
+            messages.add(res[phase]["message"].split(" [seen by")[0])
+        assert len(messages) == 1, messages  # the same error on every rank
+    assert all(res["valid"]["error"] is None for res in results)
+
+
+def _moe(rank, world, ep_size, num_experts, stage, dtype):
+    import collgrad
+    from deepspeed.utils import safe_get_full_grad
+    from tests.deepspeed import models
+
+    eng = models.moe_engine(models.config(stage, dtype=dtype), ep_size, num_experts)
+    models.run_backward(eng, rank)
+    grads = collgrad.safe_get_full_model_grads(eng)
+    ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
+    return {
+        "equal": all(torch.equal(grads[n], ds[n]) for n in ds) and list(grads) == list(ds),
+        "groups": [(g.plan, g.ranks, g.collectives, g.params) for g in grads.record.groups],
+        "model_parallel": sorted(grads.model_parallel),
+    }
+
+
+def _moe_both(rank, world, ep_size):
+    return {dtype: _moe(rank, world, ep_size, world, 2, dtype) for dtype in ("fp32", "bf16_acc32")}
+
+
+@pytest.mark.parametrize("world,ep_size", [(2, 2), (2, 1), (3, 3)])
+def test_moe_expert_parameters_reduced_within_their_expert_data_parallel_group(world, ep_size):
+    for rank, both in enumerate(run_ranks(_moe_both, world, ep_size, timeout=300)):
+        for res in both.values():
+            assert res["equal"], res
+            assert res["model_parallel"] and all("experts" in n for n in res["model_parallel"])
+            expert_groups = [g for g in res["groups"] if g[1] != tuple(range(world))]
+            if ep_size == world:  # one expert per rank: its group is the rank alone, nothing to send
+                assert expert_groups == [("local", (rank,), 0, 2)]
+            else:
+                assert len(res["groups"]) == 2 and all(g[2] >= 1 for g in res["groups"])
+
+
+def _with_and_without_calls(rank, world, stage, dtype):
+    import collgrad
+    from tests.deepspeed import models
+
+    params = []
+    for call in (True, False):
+        eng = models.engine(models.config(stage, dtype=dtype))
+        models.run_backward(eng, rank)
+        if call:
+            collgrad.safe_get_full_model_grads(eng)
+            list(collgrad.iter_full_model_grads(eng, bucket_bytes=128))
+            collgrad.safe_get_full_model_grads(eng, plan="all_reduce")
+        eng.step()
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(eng.module.parameters()), enabled=stage == 3):
+            params.append([p.detach().clone() for p in eng.module.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*params))
+
+
+STEP_CONFIGS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16_acc32"), (2, "bf16_acc32"), (3, "bf16_acc32")]
+
+
+def _all_steps(rank, world):
+    return [_with_and_without_calls(rank, world, stage, dtype) for stage, dtype in STEP_CONFIGS]
+
+
+def test_the_step_after_a_call_is_unchanged():
+    for per_rank in run_ranks(_all_steps, 2, timeout=600):
+        assert dict(zip(STEP_CONFIGS, per_rank)) == dict.fromkeys(STEP_CONFIGS, True)
