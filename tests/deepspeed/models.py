@@ -140,3 +140,32 @@ def moe_engine(cfg: dict, ep_size: int, num_experts: int):
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
     eng, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(groups, lr=1e-3), config=cfg)
     return eng
+
+
+class TPNet(nn.Module):
+    """An MLP whose up/down projections AutoTP shards (column/row) across tensor-parallel ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up_proj = nn.Linear(IN, 8)
+        self.down_proj = nn.Linear(8, OUT)
+        self.head = nn.Linear(OUT, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down_proj(torch.relu(self.up_proj(x))))
+
+
+def autotp_config(stage: int, tp: int) -> dict:
+    cfg = config(stage)
+    cfg["tensor_parallel"] = {
+        "autotp_size": tp,
+        "partition_config": {
+            "use_default_specs": False,
+            "layer_specs": [
+                {"patterns": [r".*up_proj\.weight$", r".*up_proj\.bias$"], "partition_type": "column"},
+                {"patterns": [r".*down_proj\.weight$"], "partition_type": "row"},
+            ],
+        },
+    }
+    return cfg

@@ -1,0 +1,44 @@
+"""AutoTP: tensor-parallel shards are reconstructed across the data-parallel group only, stay local
+across tensor-parallel ranks, and are reported as such. 4 ranks: tensor-parallel 2 x data-parallel 2."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.harness import run_ranks
+
+TP = 2
+
+
+def _worker(rank, world):
+    import collgrad
+    from deepspeed.utils import safe_get_full_grad
+    from tests.deepspeed import models
+
+    out = {}
+    for stage in (2, 3):
+        eng = models.engine(models.autotp_config(stage, TP), models.TPNet())
+        x, y = models.batch(rank // TP, 0)  # tensor-parallel peers see the same batch
+        eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+        grads = collgrad.safe_get_full_model_grads(eng)
+        ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
+        out[stage] = {
+            "equal": list(grads) == list(ds) and all(torch.equal(grads[n], ds[n]) for n in ds),
+            "shapes": {n: tuple(t.shape) for n, t in grads.items()},
+            "model_parallel": sorted(grads.model_parallel),
+            "groups": [(g.plan, g.ranks) for g in grads.record.groups],
+        }
+        eng.step()
+    return out
+
+
+def test_autotp_shards_stay_local_across_tensor_parallel_ranks():
+    results = run_ranks(_worker, 4, timeout=600)
+    for rank, res in enumerate(results):
+        for stage, entry in res.items():
+            assert entry["equal"], (rank, stage)
+            assert entry["model_parallel"] == ["down_proj.weight", "up_proj.bias", "up_proj.weight"]
+            assert entry["shapes"]["up_proj.weight"] == (4, 7)  # the tensor-parallel shard of (8, 7)
+            assert entry["shapes"]["head.weight"] == (5, 5)
+            data_parallel = (rank % TP, rank % TP + TP)
+            assert entry["groups"] == [("all_gather", data_parallel)]
