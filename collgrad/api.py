@@ -256,22 +256,23 @@ class _Stream:
         for frag in owned_fragments(group, 0):  # a group of one rank owns everything
             if frag.param in batch:
                 slot = group.params[frag.param]
-                piece = buffer[frag.local_offset : frag.local_offset + frag.numel].to(self.local.device, copy=True)
+                piece = buffer.range(frag.local_offset, frag.numel).to(self.local.device, copy=True)
                 yield slot.name, self._finish(piece, slot, group.out_dtype)
 
     def _all_gather(self, group, buffer, batch, pg, calls):
         device, world = self.local.device, group.world
         if group.kind is Kind.PARTITIONED_FLAT:
             full = torch.empty(world * group.partition_numel, dtype=group.wire_dtype, device=device)
-            calls.append(self.dispatcher.all_gather([full], [buffer.to(device)], pg,
+            calls.append(self.dispatcher.all_gather([full], [buffer.whole().to(device)], pg,
                                                     bucket_bytes=self.bucket_bytes, policy=self.policy))
             for k in batch:
                 slot = group.params[k]
                 yield slot.name, self._finish(full[slot.offset : slot.offset + slot.numel], slot, group.out_dtype)
             return
         slots = [group.params[k] for k in batch]
-        local = buffer.to(device)
-        inputs = [local[s.offset : s.offset + s.slice_numel] for s in slots]
+        lo = slots[0].offset
+        local = buffer.range(lo, slots[-1].offset + slots[-1].slice_numel - lo).to(device)  # once per bucket
+        inputs = [local[s.offset - lo : s.offset - lo + s.slice_numel] for s in slots]
         outputs = [torch.empty(world * s.slice_numel, dtype=group.wire_dtype, device=device) for s in slots]
         calls.append(self.dispatcher.all_gather(outputs, inputs, pg, bucket_bytes=self.bucket_bytes, policy=self.policy))
         for s, out in zip(slots, outputs):
@@ -286,11 +287,13 @@ class _Stream:
             total += slots[k].numel
         result = torch.zeros(total, dtype=group.out_dtype, device=device)
         rank = group.group_ranks.index(torch.distributed.get_rank())
-        local = buffer.to(device)
-        for frag in owned_fragments(group, rank):
-            if frag.param in slots:
+        mine = [f for f in owned_fragments(group, rank) if f.param in slots]
+        if mine:  # this rank's part of the bucket moves to the device once, then lands per fragment
+            lo = min(f.local_offset for f in mine)
+            local = buffer.range(lo, max(f.local_offset + f.numel for f in mine) - lo).to(device)
+            for frag in mine:
                 at = starts[frag.param] + frag.param_offset
-                result[at : at + frag.numel].copy_(local[frag.local_offset : frag.local_offset + frag.numel])
+                result[at : at + frag.numel].copy_(local[frag.local_offset - lo : frag.local_offset - lo + frag.numel])
         # One tensor per parameter, back to back in ``result``: bucket primitives send them as one run
         # without copying, the per-tensor fallback sends one collective per parameter.
         views = [result[starts[k] : starts[k] + slots[k].numel] for k in batch]

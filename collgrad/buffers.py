@@ -30,3 +30,43 @@ def adjacent_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
         end = p.data_ptr() + p.numel() * p.element_size()
     total = sum(p.numel() for p in parts)
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
+
+
+class Pieces:
+    """A rank's local gradient buffer held as pieces that are logically back to back (DeepSpeed's
+    list of partition fragments), read by range without first concatenating everything."""
+
+    def __init__(self, pieces: Sequence[torch.Tensor]) -> None:
+        self.pieces = [p.reshape(-1) for p in pieces]
+        self.starts = []
+        total = 0
+        for p in self.pieces:
+            self.starts.append(total)
+            total += p.numel()
+        self._numel = total
+
+    def numel(self) -> int:
+        return self._numel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pieces[0].dtype
+
+    def whole(self) -> torch.Tensor:
+        """Everything as one contiguous tensor: a view when the pieces already are back to back."""
+        return self.range(0, self._numel)
+
+    def range(self, offset: int, numel: int) -> torch.Tensor:
+        """Elements ``[offset, offset + numel)``: a view when they lie in one piece (or in adjacent
+        ones), else a copy of just that range."""
+        parts = []
+        end = offset + numel
+        for start, piece in zip(self.starts, self.pieces):
+            stop = start + piece.numel()
+            if stop <= offset or start >= end:
+                continue
+            parts.append(piece[max(offset, start) - start : min(end, stop) - start])
+        if len(parts) == 1:
+            return parts[0]
+        view = adjacent_view(parts)
+        return view if view is not None else torch.cat(parts)

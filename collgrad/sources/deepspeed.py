@@ -35,7 +35,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils import safe_get_full_grad
 
 from collgrad import _compat
-from collgrad.buffers import adjacent_view
+from collgrad.buffers import Pieces
 from collgrad.sources import LocalGrads, Problem, replicated_grads
 from collgrad.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 
@@ -140,7 +140,7 @@ def _zero12(engine, opt, named, names, problem, model_parallel) -> LocalGrads:
             averaged = opt.averaged_gradients.get(i) if isinstance(opt.averaged_gradients, dict) else None
             if averaged is not None:
                 flat_partition = getattr(averaged, "flat_partition", None)  # bf16 + fp32 accumulation
-                local = flat_partition if flat_partition is not None else torch.cat([t.reshape(-1) for t in averaged])
+                local = flat_partition if flat_partition is not None else Pieces(averaged)
         if local is None and problem is Problem.OK:
             problem = Problem.NO_GRADIENT_BUFFERS
         wire = local.dtype if local is not None else flat.dtype
@@ -152,7 +152,7 @@ def _zero12(engine, opt, named, names, problem, model_parallel) -> LocalGrads:
             )
         if slots:
             groups.append(GradGroup(i, Kind.PARTITIONED_FLAT, ranks, size, wire, torch.float32, tuple(slots)))
-            buffers.append(local)
+            buffers.append(local if isinstance(local, Pieces) or local is None else Pieces([local]))
             pgs[i] = pg
     layout = GradLayout(f"deepspeed-zero{engine.zero_optimization_stage()}", tuple(groups), tuple(n for n, _ in named))
     return LocalGrads(layout, buffers if problem is Problem.OK else [], problem, _control_group(engine), pgs,
@@ -192,17 +192,8 @@ def _zero3(engine, opt, named, names, problem, model_parallel) -> LocalGrads:
         parts = [part for _, part in entries]
         wire = parts[0].dtype if parts and parts[0] is not None else out_dtype
         groups.append(GradGroup(index, Kind.PER_PARAM, tuple(_compat.group_ranks(pg)), offset, wire, out_dtype, tuple(slots)))
-        buffers.append(_contiguous_run(parts) if problem is Problem.OK else None)
+        buffers.append(Pieces(parts) if problem is Problem.OK else None)
         group_pgs[index] = pg
     layout = GradLayout("deepspeed-zero3", tuple(groups), tuple(n for n, _ in named))
     return LocalGrads(layout, buffers if problem is Problem.OK else [], problem, _control_group(engine), group_pgs,
                       device, _loss_scale(engine), model_parallel, params=dict(named))
-
-
-def _contiguous_run(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The parts as one contiguous tensor: a view when they lie back to back in one storage (ZeRO-3's
-    flat gradient buffer), else one concatenating copy (offload sub-groups)."""
-    if not parts:
-        return torch.empty(0)
-    view = adjacent_view(parts)
-    return view if view is not None else torch.cat([p.reshape(-1) for p in parts])

@@ -18,3 +18,17 @@ def test_gaps_order_dtype_and_storage_break_adjacency():
     assert adjacent_view([flat[0:2], torch.arange(2.0)]) is None  # another storage
     assert adjacent_view([flat.view(2, 5)[:, :2]]) is None  # not contiguous
     assert adjacent_view([]) is None
+
+
+def test_pieces_read_ranges_across_pieces():
+    from collgrad.buffers import Pieces
+
+    a, b, c = torch.arange(0.0, 5), torch.arange(5.0, 8), torch.arange(8.0, 12)
+    pieces = Pieces([a, b.view(3, 1), c])
+    assert pieces.numel() == 12 and torch.equal(pieces.whole(), torch.arange(12.0))
+    inside = pieces.range(1, 3)
+    assert torch.equal(inside, torch.tensor([1.0, 2, 3])) and inside.data_ptr() == a[1:].data_ptr()  # a view
+    assert torch.equal(pieces.range(4, 6), torch.arange(4.0, 10))  # spans three pieces: a copy
+    flat = torch.arange(6.0)
+    adjacent = Pieces([flat[:2], flat[2:6]])
+    assert adjacent.whole().data_ptr() == flat.data_ptr()  # back to back already: no copy
