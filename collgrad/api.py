@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.distributed import ProcessGroup
 
-from collgrad import sources
+from collgrad import _compat, sources
 from collgrad.agreement import exchange
 from collgrad.backends.base import Op, Primitive
 from collgrad.backends.policy import Policy
@@ -34,7 +34,7 @@ from collgrad.dispatch import Dispatcher
 from collgrad.errors import CollgradError
 from collgrad.planner import DEFAULT_BUCKET_BYTES
 from collgrad.record import CallRecord
-from collgrad.sources import LocalGrads, Problem
+from collgrad.sources import LocalGrads, Problem, Source
 from collgrad.sources.layout import GradGroup, Kind, ParamSlot, owned_fragments
 
 __all__ = ["safe_get_full_model_grads", "iter_full_model_grads", "FullGrads", "GroupRecord", "FullGradRecord", "PLANS"]
@@ -65,6 +65,7 @@ class FullGradRecord:
     per_param_collectives: int
     loss_scale: float
     unscaled: bool
+    plan_cached: bool  # the layout and plans were reused from an earlier call (no planning work)
 
     @property
     def collectives(self) -> int:
@@ -116,11 +117,11 @@ def safe_get_full_model_grads(
     stream = _Stream(model, params, bucket_bytes, plan, unscale, policy, dispatcher, streaming=False)
     grads = FullGrads()
     found = dict(stream)
-    for name in stream.local.layout.order:
+    for name in stream.source.layout.order:
         if name in found:
             grads[name] = found[name]
     grads.record = stream.record()
-    grads.model_parallel = stream.local.model_parallel
+    grads.model_parallel = stream.source.model_parallel
     return grads
 
 
@@ -151,16 +152,17 @@ class _Stream:
             raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
         if bucket_bytes is not None and int(bucket_bytes) <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        self.local: LocalGrads = sources.read(model, params)
+        self.dispatcher = dispatcher if dispatcher is not None else _default_dispatcher()
+        self.source, self.cached = _source(self.dispatcher, model, params)
+        self.local: LocalGrads = self.source.read()
         self.bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
         self.plan = plan
         self.unscale = unscale and self.local.loss_scale != 1.0
         self.policy = policy
-        self.dispatcher = dispatcher if dispatcher is not None else _default_dispatcher()
         self.streaming = streaming
         self.group_records: list[GroupRecord] = []
         self.per_param_collectives = 0
-        _agree(self.local)
+        _agree(self.source, self.local)
         self._iter = self._generate()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -170,8 +172,8 @@ class _Stream:
         return next(self._iter)
 
     def record(self) -> FullGradRecord:
-        return FullGradRecord(self.local.layout.variant, tuple(self.group_records), self.per_param_collectives,
-                              self.local.loss_scale, self.unscale)
+        return FullGradRecord(self.source.layout.variant, tuple(self.group_records), self.per_param_collectives,
+                              self.local.loss_scale, self.unscale, self.cached)
 
     # -- execution ------------------------------------------------------------------------------------
     def _finish(self, grad: torch.Tensor, slot: ParamSlot, out_dtype: torch.dtype) -> torch.Tensor:
@@ -183,17 +185,17 @@ class _Stream:
         return grad
 
     def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
-        local = self.local
-        if local.per_param is not None:
-            for name in local.layout.order:
-                grad = local.per_param(local.params[name])
+        source, local = self.source, self.local
+        if source.per_param is not None:
+            for name in source.layout.order:
+                grad = source.per_param(source.params[name])
                 self.per_param_collectives += 1
                 if self.unscale:
                     grad = grad / local.loss_scale
                 yield name, grad
             return
-        for group, buffer in zip(local.layout.groups, local.buffers):
-            pg = local.groups.get(group.index)
+        for group, buffer in zip(source.layout.groups, local.buffers):
+            pg = source.groups.get(group.index)
             plan = self._choose(group, pg)
             calls: list[CallRecord] = []
             self.group_records.append(GroupRecord(group.index, group.kind.value, plan, group.group_ranks,
@@ -218,7 +220,7 @@ class _Stream:
             return self.plan
         if self.streaming and group.kind is Kind.PARTITIONED_FLAT:
             return "all_reduce"
-        device_type = self.local.device.type
+        device_type = self.source.device.type
         caps = self.dispatcher.registry.capabilities(device_type, pg, self.policy)
         choice = caps.choice(Op.ALL_GATHER, group.wire_dtype)
         if choice.primitive in (None, Primitive.PER_TENSOR):
@@ -256,11 +258,11 @@ class _Stream:
         for frag in owned_fragments(group, 0):  # a group of one rank owns everything
             if frag.param in batch:
                 slot = group.params[frag.param]
-                piece = buffer.range(frag.local_offset, frag.numel).to(self.local.device, copy=True)
+                piece = buffer.range(frag.local_offset, frag.numel).to(self.source.device, copy=True)
                 yield slot.name, self._finish(piece, slot, group.out_dtype)
 
     def _all_gather(self, group, buffer, batch, pg, calls):
-        device, world = self.local.device, group.world
+        device, world = self.source.device, group.world
         if group.kind is Kind.PARTITIONED_FLAT:
             full = torch.empty(world * group.partition_numel, dtype=group.wire_dtype, device=device)
             calls.append(self.dispatcher.all_gather([full], [buffer.whole().to(device)], pg,
@@ -279,7 +281,7 @@ class _Stream:
             yield s.name, self._finish(out[: s.numel], s, group.out_dtype)
 
     def _all_reduce(self, group, buffer, batch, pg, calls):
-        device = self.local.device
+        device = self.source.device
         slots = {k: group.params[k] for k in batch}
         starts, total = {}, 0
         for k in batch:
@@ -302,18 +304,16 @@ class _Stream:
             yield slots[k].name, self._finish(result[starts[k] : starts[k] + slots[k].numel], slots[k], group.out_dtype)
 
 
-def _agree(local: LocalGrads) -> None:
+def _agree(source: Source, local: LocalGrads) -> None:
     """Every rank of the control group learns every rank's problem and layout fingerprint, and all raise
     the same error if any rank cannot read now or planned something else."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if local.control_group is None:
+    if source.control_group is None:
         if local.problem is not Problem.OK:
             raise CollgradError(f"rank {rank}: {local.problem.describe()}")
         return
-    rows = exchange(local.control_group, [int(local.problem), local.layout.fingerprint()])
-    from collgrad import _compat
-
-    ranks = _compat.group_ranks(local.control_group)
+    rows = exchange(source.control_group, [int(local.problem), source.fingerprint])
+    ranks = _compat.group_ranks(source.control_group)
     bad = [(ranks[i], Problem(row[0])) for i, row in enumerate(rows) if row[0] != Problem.OK]
     if bad:
         detail = "; ".join(f"rank {r}: {p.describe()}" for r, p in bad)
@@ -328,6 +328,20 @@ def _agree(local: LocalGrads) -> None:
             f"ranks grouped by what they asked: {sorted(groups.values())}) [seen by rank {rank}]: pass the "
             "same params=, in the same order, on every rank"
         )
+
+
+def _source(dispatcher: Dispatcher, model: Any, params: Iterable[Any] | None) -> tuple[Source, bool]:
+    """The cached Source of ``model`` for this ``params`` selection if its layout still holds, else a
+    new one. Cached on the dispatcher, weakly per model: released with the model."""
+    params = None if params is None else list(params)
+    key = None if params is None else tuple(p if isinstance(p, str) else id(p) for p in params)
+    per_model = dispatcher.model_cache.setdefault(model, {})
+    source = per_model.get(key)
+    if source is not None and source.valid():
+        return source, True
+    source = sources.open_source(model, params)
+    per_model[key] = source
+    return source, False
 
 
 def _default_dispatcher() -> Dispatcher:

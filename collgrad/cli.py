@@ -1,5 +1,6 @@
 """``python -m collgrad``: look at what the registry decides on a cluster.
 
+    python -m collgrad bench                       # DeepSpeed ZeRO-2 on 2 local ranks: collgrad vs the rest
     python -m collgrad probe --local 2             # 2 ranks over Gloo on this host
     torchrun --nproc-per-node 8 -m collgrad probe  # under torchrun / the deepspeed launcher
     mpiexec -n 4 python -m collgrad probe          # under an MPI launcher (mpi4py optional)
@@ -115,8 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe.add_argument("--backend", help="process-group backend under a launcher (default: gloo, plus nccl/xccl)")
     probe.add_argument("--group", type=_parse_group, action="append", default=[], metavar="R,R,...",
                        help="also probe a sub-group of these global ranks (repeatable)")
+    bench = sub.add_parser("bench", help="time full-model gradient access against DeepSpeed's accessor and the raw collective")
+    from collgrad import bench as bench_mod
+
+    bench_mod.add_arguments(bench)
     args = parser.parse_args(argv)
 
+    if args.command == "bench":
+        return bench_mod.main(args)
     if args.local:
         report = run_local(probe_rank, args.local, args.group)[0]
         print(report)

@@ -7,6 +7,7 @@ and Gloo's two worker threads both have work.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -47,6 +48,8 @@ class Dispatcher:
 
     def __init__(self, registry: Registry | None = None) -> None:
         self.registry = registry if registry is not None else Registry()
+        #: Per model (weakly): gradient sources and their layouts, reused while valid (see api.py).
+        self.model_cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
     # -- public operations --------------------------------------------------------------------------
     def all_reduce(

@@ -1,5 +1,10 @@
-"""Where gradient fragments come from. ``read`` returns this rank's view of a model's gradients
-without communicating: the layout (the same on every rank) and the local buffers.
+"""Where gradient fragments come from.
+
+``open_source(model, params)`` inspects a model once and returns a ``Source``: the gradient layout
+(plain data, the same on every rank) and how to find this rank's buffers. ``Source.read()`` then
+returns, each call and without communicating, the local buffers and whether reading is valid now.
+Sources are cached per model by the caller while ``Source.valid()`` holds, so a second call does no
+planning work.
 
 Only ``collgrad.sources.deepspeed`` imports deepspeed, and only when a DeepSpeed engine is passed.
 """
@@ -8,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -18,7 +23,7 @@ from torch.distributed import ProcessGroup
 from collgrad import _compat
 from collgrad.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 
-__all__ = ["Problem", "LocalGrads", "read"]
+__all__ = ["Problem", "LocalGrads", "Source", "ReplicatedSource", "open_source", "select"]
 
 
 class Problem(enum.IntEnum):
@@ -45,24 +50,43 @@ class Problem(enum.IntEnum):
 
 @dataclass
 class LocalGrads:
-    """This rank's gradients as read from the model, before any communication."""
+    """One call's view of this rank's gradients."""
+
+    problem: Problem
+    #: per layout group: a ``buffers.Pieces`` (PARTITIONED_FLAT, PER_PARAM) or a list of full
+    #: gradients per parameter (REPLICATED); empty when ``problem`` is set.
+    buffers: list[Any]
+    loss_scale: float = 1.0
+
+
+class Source:
+    """A model's gradient layout and how to read this rank's part of it."""
 
     layout: GradLayout
-    #: per group: the contiguous local buffer (PARTITIONED_FLAT, PER_PARAM) or one full gradient per
-    #: parameter (REPLICATED); empty when ``problem`` is set.
-    buffers: list[Any]
-    problem: Problem
-    control_group: ProcessGroup  # the ranks that must all call, and agree before data moves
-    groups: dict[int, ProcessGroup]  # group index -> process group
+    fingerprint: int
+    control_group: ProcessGroup | None  # the ranks that must all call, and agree before data moves
+    groups: dict[int, ProcessGroup]  # layout group index -> process group
     device: torch.device  # where results are returned
-    loss_scale: float = 1.0  # fp16: gradients are still multiplied by it
-    model_parallel: frozenset[str] = field(default_factory=frozenset)
-    #: Per-parameter fallback for optimizers without a known layout: name -> full gradient (collective).
+    model_parallel: frozenset[str] = frozenset()
+    #: Per-parameter fallback (optimizers without a known layout): parameter -> full gradient.
     per_param: Callable[[nn.Parameter], torch.Tensor] | None = None
-    params: dict[str, nn.Parameter] = field(default_factory=dict)
+    params: dict[str, nn.Parameter]
+
+    def valid(self) -> bool:
+        """Whether the layout still describes the model (cheap; checked before reusing a cached source)."""
+        return True
+
+    def read(self) -> LocalGrads:
+        raise NotImplementedError
 
 
-def _selected(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, nn.Parameter]]:
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def select(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, nn.Parameter]]:
+    """The trainable ``(name, parameter)`` pairs of ``module`` in ``named_parameters()`` order, limited
+    to ``params`` (names or parameters) if given."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if params is None:
         return named
@@ -73,7 +97,7 @@ def _selected(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str
         if isinstance(item, str):
             if item not in names:
                 raise KeyError(f"rank {_rank()}: {item!r} is not a trainable parameter of this model; "
-                               f"pass names from model.named_parameters()")
+                               "pass names from model.named_parameters()")
             wanted.add(item)
         elif isinstance(item, torch.Tensor):
             if id(item) not in by_id:
@@ -85,46 +109,57 @@ def _selected(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str
     return [(n, p) for n, p in named if n in wanted]
 
 
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def read(model: Any, params: Iterable[Any] | None = None) -> LocalGrads:
-    """This rank's gradients of ``model`` (a DeepSpeed engine, the module it wraps, or a plain module
-    whose ``.grad`` already holds reduced gradients, as after DDP). Local: no communication."""
+def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
+    """The Source of ``model``: a DeepSpeed engine, the module it wraps, or a plain module whose
+    ``.grad`` already holds reduced gradients (after DDP, or on one process). Local: no communication."""
     if "deepspeed" in sys.modules or _looks_like_engine(model):
         from collgrad.sources import deepspeed as ds_source
 
         engine = ds_source.find_engine(model)
         if engine is not None:
-            return ds_source.read(engine, _selected(engine.module, params))
+            return ds_source.open_engine(engine, select(engine.module, params))
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"rank {_rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
         )
-    return _read_plain(model, _selected(model, params))
+    named = select(model, params)
+    group = _compat.default_group() if torch.distributed.is_initialized() else None
+    return ReplicatedSource("torch", named, lambda: [p.grad for _, p in named], group)
 
 
 def _looks_like_engine(model: Any) -> bool:
     return type(model).__name__.endswith("Engine") and hasattr(model, "optimizer")
 
 
-def _read_plain(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> LocalGrads:
-    """No ZeRO: ``param.grad`` is the full gradient (after DDP's all-reduce, or on one process)."""
-    grads = [p.grad for _, p in named]
-    problem = Problem.NO_BACKWARD if named and all(g is None for g in grads) else Problem.OK
-    return replicated_grads(
-        "torch", named, grads, problem, _compat.default_group() if torch.distributed.is_initialized() else None
-    )
+class ReplicatedSource(Source):
+    """Every rank holds every full, reduced gradient: ``grads()`` returns them (None where absent)."""
 
+    def __init__(self, variant, named, grads, group, *, problem=None, loss_scale=lambda: 1.0,
+                 model_parallel=frozenset(), dtype=None) -> None:
+        self._grads = grads
+        self._problem = problem
+        self._loss_scale = loss_scale
+        self.params = dict(named)
+        self.device = named[0][1].device if named else torch.device("cpu")
+        self.control_group = group
+        self.groups = {0: group}
+        self.model_parallel = frozenset(model_parallel)
+        out = dtype or (named[0][1].dtype if named else torch.float32)
+        slots = tuple(ParamSlot(n, tuple(p.shape), p.numel(), 0, p.numel(), n in model_parallel) for n, p in named)
+        ranks = tuple(_compat.group_ranks(group)) if group is not None else (0,)
+        self.layout = GradLayout(variant, (GradGroup(0, Kind.REPLICATED, ranks, 0, out, out, slots),),
+                                 tuple(n for n, _ in named))
+        self.fingerprint = self.layout.fingerprint()
 
-def replicated_grads(variant, named, grads, problem, group, loss_scale=1.0, model_parallel=frozenset()) -> LocalGrads:
-    """LocalGrads for sources where every rank holds every full gradient."""
-    device = named[0][1].device if named else torch.device("cpu")
-    dtype = next((g.dtype for g in grads if g is not None), torch.float32)
-    slots = tuple(ParamSlot(n, tuple(p.shape), p.numel(), 0, p.numel(), n in model_parallel) for n, p in named)
-    ranks = tuple(_compat.group_ranks(group)) if group is not None else (0,)
-    layout = GradLayout(variant, (GradGroup(0, Kind.REPLICATED, ranks, 0, dtype, dtype, slots),), tuple(n for n, _ in named))
-    full = [g if g is not None else torch.zeros_like(p, dtype=dtype) for (_, p), g in zip(named, grads)]
-    return LocalGrads(layout, [full] if problem is Problem.OK else [], problem, group, {0: group}, device,
-                      loss_scale, frozenset(model_parallel), params=dict(named))
+    def read(self) -> LocalGrads:
+        grads = self._grads()
+        if self._problem is not None:
+            problem = self._problem()
+        else:
+            problem = Problem.NO_BACKWARD if grads and all(g is None for g in grads) else Problem.OK
+        if problem is not Problem.OK:
+            return LocalGrads(problem, [])
+        out = self.layout.groups[0].out_dtype
+        full = [g if g is not None else torch.zeros(p.shape, dtype=out, device=p.device)
+                for p, g in zip(self.params.values(), grads)]
+        return LocalGrads(problem, [full], self._loss_scale())

@@ -7,9 +7,9 @@ partition (../shared/notes/deepspeed-gradient-layout.md, verified on two CPU ran
   owns ``partition_size[i]`` elements. The partition is read from, in this order: the CPU-offload
   fp32 ``single_partition_of_fp32_groups[i].grad``; the fp32 ``averaged_gradients[i].flat_partition``
   kept with bf16 + fp32 accumulation (preferred to the bf16 staging gradients); the list
-  ``averaged_gradients[i]`` of fragments (one copy to make it contiguous). Parameter offsets come
-  from the flat buffer itself (parameters are views of ``bit16_groups_flat[i]``), never from
-  ``_hp_mapping``: with ``round_robin_gradients`` DeepSpeed's mapping points at the wrong places.
+  ``averaged_gradients[i]`` of fragments. Parameter offsets come from the flat buffer itself
+  (parameters are views of ``bit16_groups_flat[i]``), never from ``_hp_mapping``: with
+  ``round_robin_gradients`` DeepSpeed's mapping points at the wrong places.
 - ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): every parameter's partition, as DeepSpeed's own local
   accessor ``_get_fp32_grad_state_partition`` returns it (flat buffer, CPU offload or NVMe), grouped
   by the parameter's partition group.
@@ -18,6 +18,9 @@ partition (../shared/notes/deepspeed-gradient-layout.md, verified on two CPU ran
   gradient there and is never read.
 - ZeRO stage 0: ``param.grad`` is already all-reduced by the engine.
 - Any other optimizer: DeepSpeed's per-parameter ``safe_get_full_grad``, recorded as a fallback.
+
+Whether reading is valid now ("a backward() ran since the last step()") is told by state each
+optimizer keeps for itself; see ``_problem``.
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ from deepspeed.utils import safe_get_full_grad
 
 from collgrad import _compat
 from collgrad.buffers import Pieces
-from collgrad.sources import LocalGrads, Problem, replicated_grads
+from collgrad.sources import LocalGrads, Problem, ReplicatedSource, Source
 from collgrad.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 
-__all__ = ["find_engine", "read"]
+__all__ = ["find_engine", "open_engine"]
 
 
 def find_engine(model: Any) -> DeepSpeedEngine | None:
@@ -85,115 +88,186 @@ def _loss_scale(engine: DeepSpeedEngine) -> float:
     return float(scale)
 
 
-def read(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) -> LocalGrads:
+def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) -> Source:
     opt = engine.optimizer
     kind = type(opt).__name__
-    names = {id(p): n for n, p in named}
     model_parallel = frozenset(n for n, p in named if is_model_parallel_parameter(p) or is_moe_param(p))
     if kind == "DeepSpeedZeroOptimizer":
-        # step() resets micro_step_id to -1; the first gradient hook of a backward() advances it.
-        problem = _problem(engine, opt.micro_step_id >= 0)
-        return _zero12(engine, opt, named, names, problem, model_parallel)
+        return _Zero12(engine, named, model_parallel)
     if kind == "DeepSpeedZeroOptimizer_Stage3":
-        # Set by the backward epilogue; cleared by zero_grad() in step() and at the next forward.
-        problem = _problem(engine, bool(getattr(opt, "_epilogue_ran_this_backward", True)))
-        return _zero3(engine, opt, named, names, problem, model_parallel)
+        return _Zero3(engine, named, model_parallel)
+    group = _control_group(engine)
     if kind == "BF16_Optimizer":
-        # Set when backward adds into the fp32 accumulation buffer; cleared by zero_grad() in step().
-        problem = _problem(engine, any(any(flags) for flags in opt.fp32_groups_has_gradients))
-        grads = [getattr(p, "_hp_grad", None) for _, p in named]
-        return replicated_grads("deepspeed-bf16-optimizer", named, grads, problem, _control_group(engine),
-                                1.0, model_parallel)
-    if engine.zero_optimization_stage() == 0:
-        grads = [p.grad for _, p in named]
-        problem = _problem(engine, not named or any(g is not None for g in grads))
-        return replicated_grads("deepspeed-stage0", named, grads, problem, _control_group(engine),
-                                _loss_scale(engine), model_parallel)
-    # An optimizer whose layout collgrad does not know: DeepSpeed's accessor, one collective per parameter.
-    problem = _problem(engine, True)
-    local = replicated_grads(f"deepspeed-accessor:{kind}", named, [None] * len(named), problem,
-                             _control_group(engine), _loss_scale(engine), model_parallel)
-    local.per_param = safe_get_full_grad
-    return local
-
-
-def _offset_in(buffer: torch.Tensor, view: torch.Tensor) -> int:
-    return (view.data_ptr() - buffer.data_ptr()) // view.element_size()
-
-
-def _zero12(engine, opt, named, names, problem, model_parallel) -> LocalGrads:
-    groups, buffers, pgs = [], [], {}
-    device = named[0][1].device if named else torch.device("cpu")
-    for i, flat in enumerate(opt.bit16_groups_flat):
-        pg = opt.real_dp_process_group[i]
-        ranks = tuple(_compat.group_ranks(pg))
-        size = opt.partition_size[i]
-        slots = sorted(
-            (ParamSlot(names[id(p)], tuple(p.shape), p.numel(), _offset_in(flat, p), p.numel(), names[id(p)] in model_parallel)
-             for p in opt.bit16_groups[i] if id(p) in names),
-            key=lambda s: s.offset,
+        # fp32_groups_has_gradients: set when backward adds into the fp32 accumulation buffer, cleared
+        # by zero_grad() in step().
+        return ReplicatedSource(
+            "deepspeed-bf16-optimizer", named, lambda: [getattr(p, "_hp_grad", None) for _, p in named], group,
+            problem=lambda: _problem(engine, any(any(f) for f in opt.fp32_groups_has_gradients)),
+            model_parallel=model_parallel, dtype=torch.float32,
         )
-        local = None
-        if opt.cpu_offload:
-            local = opt.single_partition_of_fp32_groups[i].grad
-        else:
-            averaged = opt.averaged_gradients.get(i) if isinstance(opt.averaged_gradients, dict) else None
-            if averaged is not None:
-                flat_partition = getattr(averaged, "flat_partition", None)  # bf16 + fp32 accumulation
-                local = flat_partition if flat_partition is not None else Pieces(averaged)
-        if local is None and problem is Problem.OK:
-            problem = Problem.NO_GRADIENT_BUFFERS
-        wire = local.dtype if local is not None else flat.dtype
-        if local is not None and local.numel() != size:
-            raise RuntimeError(
-                f"rank {torch.distributed.get_rank()}: param group {i}: local gradient partition has "
-                f"{local.numel()} elements, the layout says {size}; this DeepSpeed version's layout is "
-                "not the one collgrad knows: report it, and use deepspeed.utils.safe_get_full_grad meanwhile"
+    if engine.zero_optimization_stage() == 0:
+        grads = lambda: [p.grad for _, p in named]  # noqa: E731
+        return ReplicatedSource(
+            "deepspeed-stage0", named, grads, group,
+            problem=lambda: _problem(engine, not named or any(g is not None for g in grads())),
+            loss_scale=lambda: _loss_scale(engine), model_parallel=model_parallel,
+        )
+    # An optimizer whose layout collgrad does not know: DeepSpeed's accessor, one collective per parameter.
+    source = ReplicatedSource(f"deepspeed-accessor:{kind}", named, lambda: [None] * len(named), group,
+                              problem=lambda: _problem(engine, True), loss_scale=lambda: _loss_scale(engine),
+                              model_parallel=model_parallel, dtype=torch.float32)
+    source.per_param = safe_get_full_grad
+    return source
+
+
+class _EngineSource(Source):
+    def __init__(self, engine: DeepSpeedEngine, named, model_parallel) -> None:
+        self.engine = engine
+        self.opt = engine.optimizer
+        self.params = dict(named)
+        self.names = {id(p): n for n, p in named}
+        self.model_parallel = model_parallel
+        self.device = named[0][1].device if named else torch.device("cpu")
+        self.control_group = _control_group(engine)
+        self.groups = {}
+
+
+class _Zero12(_EngineSource):
+    """ZeRO-1/2: equal contiguous partitions of one padded flat buffer per param group."""
+
+    def __init__(self, engine, named, model_parallel) -> None:
+        super().__init__(engine, named, model_parallel)
+        opt, groups = self.opt, []
+        self.group_ids = []
+        for i, flat in enumerate(opt.bit16_groups_flat):
+            slots = sorted(
+                (ParamSlot(self.names[id(p)], tuple(p.shape), p.numel(),
+                           (p.data_ptr() - flat.data_ptr()) // p.element_size(), p.numel(),
+                           self.names[id(p)] in model_parallel)
+                 for p in opt.bit16_groups[i] if id(p) in self.names),
+                key=lambda s: s.offset,
             )
-        if slots:
-            groups.append(GradGroup(i, Kind.PARTITIONED_FLAT, ranks, size, wire, torch.float32, tuple(slots)))
-            buffers.append(local if isinstance(local, Pieces) or local is None else Pieces([local]))
-            pgs[i] = pg
-    layout = GradLayout(f"deepspeed-zero{engine.zero_optimization_stage()}", tuple(groups), tuple(n for n, _ in named))
-    return LocalGrads(layout, buffers if problem is Problem.OK else [], problem, _control_group(engine), pgs,
-                      device, _loss_scale(engine), model_parallel, params=dict(named))
-
-
-def _zero3(engine, opt, named, names, problem, model_parallel) -> LocalGrads:
-    out_dtype = getattr(opt, "master_weights_and_grads_dtype", torch.float32)
-    device = named[0][1].device if named else torch.device("cpu")
-    by_group: dict[int, list] = {}
-    pgs = {}
-    swappable = getattr(opt, "_swappable_optimizer_subgroup", lambda g: False)
-    for sub_group in opt.fp16_groups:
-        for p in sub_group:
-            if id(p) not in names:
+            if not slots:
                 continue
-            pg = opt._get_param_partition_group(p)
-            key = id(pg)
-            pgs.setdefault(key, pg)
-            part = None
-            if problem is Problem.OK:
-                part, g = opt._get_fp32_grad_state_partition(p, release_swap_buffers=False)
-                if swappable(g):  # NVMe: the swap buffer is released below, keep a copy
-                    part = part.clone()
-            by_group.setdefault(key, []).append((p, part))
-    for g in range(len(opt.fp16_groups)):
-        if problem is Problem.OK and swappable(g) and hasattr(opt, "_release_swap_buffers"):
-            opt._release_swap_buffers(g)
-    groups, buffers, group_pgs = [], [], {}
-    for index, (key, entries) in enumerate(by_group.items()):
-        pg = pgs[key]
-        slots, offset = [], 0
-        for p, _ in entries:
-            name = names[id(p)]
-            slots.append(ParamSlot(name, tuple(p.ds_shape), p.ds_numel, offset, p.partition_numel(), name in model_parallel))
-            offset += p.partition_numel()
-        parts = [part for _, part in entries]
-        wire = parts[0].dtype if parts and parts[0] is not None else out_dtype
-        groups.append(GradGroup(index, Kind.PER_PARAM, tuple(_compat.group_ranks(pg)), offset, wire, out_dtype, tuple(slots)))
-        buffers.append(Pieces(parts) if problem is Problem.OK else None)
-        group_pgs[index] = pg
-    layout = GradLayout("deepspeed-zero3", tuple(groups), tuple(n for n, _ in named))
-    return LocalGrads(layout, buffers if problem is Problem.OK else [], problem, _control_group(engine), group_pgs,
-                      device, _loss_scale(engine), model_parallel, params=dict(named))
+            pg = opt.real_dp_process_group[i]
+            # fp32 where DeepSpeed accumulates in fp32 (offload, or bf16 with grad_accum_dtype fp32).
+            wire = torch.float32 if (opt.cpu_offload or _fp32_accumulation(opt)) else flat.dtype
+            groups.append(GradGroup(i, Kind.PARTITIONED_FLAT, tuple(_compat.group_ranks(pg)),
+                                    opt.partition_size[i], wire, torch.float32, tuple(slots)))
+            self.groups[i] = pg
+            self.group_ids.append(i)
+        self.layout = GradLayout(f"deepspeed-zero{engine.zero_optimization_stage()}", tuple(groups),
+                                 tuple(n for n, _ in named))
+        self.fingerprint = self.layout.fingerprint()
+        self._signature = self._sign()
+
+    def _sign(self):
+        return tuple((f.data_ptr(), f.numel()) for f in self.opt.bit16_groups_flat)
+
+    def valid(self) -> bool:
+        return self._sign() == self._signature
+
+    def read(self) -> LocalGrads:
+        opt = self.opt
+        # step() resets micro_step_id to -1; the first gradient hook of a backward() advances it.
+        problem = _problem(self.engine, opt.micro_step_id >= 0)
+        if problem is not Problem.OK:
+            return LocalGrads(problem, [])
+        buffers = []
+        for group in self.layout.groups:
+            i = group.index
+            if opt.cpu_offload:
+                local = Pieces([opt.single_partition_of_fp32_groups[i].grad])
+            else:
+                averaged = opt.averaged_gradients.get(i) if isinstance(opt.averaged_gradients, dict) else None
+                if averaged is None:
+                    return LocalGrads(Problem.NO_GRADIENT_BUFFERS, [])
+                flat_partition = getattr(averaged, "flat_partition", None)  # bf16 + fp32 accumulation
+                local = Pieces([flat_partition] if flat_partition is not None else averaged)
+            if local.numel() != group.partition_numel or local.dtype != group.wire_dtype:
+                raise RuntimeError(
+                    f"rank {torch.distributed.get_rank()}: param group {i}: local gradient partition is "
+                    f"{local.numel()} x {local.dtype}, the layout says {group.partition_numel} x {group.wire_dtype}: "
+                    "this DeepSpeed version's layout is not the one collgrad knows; report it, and use "
+                    "deepspeed.utils.safe_get_full_grad meanwhile"
+                )
+            buffers.append(local)
+        return LocalGrads(problem, buffers, _loss_scale(self.engine))
+
+
+def _fp32_accumulation(opt) -> bool:
+    """bf16 + ``grad_accum_dtype: fp32`` keeps a compact fp32 partition (GradPartitionBufferGroup)."""
+    accum = getattr(opt, "gradient_accumulation_dtype", None)
+    return accum == torch.float32 and opt.bit16_groups_flat[0].dtype != torch.float32
+
+
+class _Zero3(_EngineSource):
+    """ZeRO-3: every parameter cut into equal slices; a rank's slices lie back to back."""
+
+    def __init__(self, engine, named, model_parallel) -> None:
+        super().__init__(engine, named, model_parallel)
+        opt = self.opt
+        self.out_dtype = getattr(opt, "master_weights_and_grads_dtype", torch.float32)
+        self.members: dict[int, list[nn.Parameter]] = {}
+        pgs = {}
+        for sub_group in opt.fp16_groups:
+            for p in sub_group:
+                if id(p) in self.names:
+                    pg = opt._get_param_partition_group(p)
+                    pgs.setdefault(id(pg), pg)
+                    self.members.setdefault(id(pg), []).append(p)
+        self.swaps = any(getattr(opt, "_swappable_optimizer_subgroup", lambda g: False)(g) for g in range(len(opt.fp16_groups)))
+        groups = []
+        wire = self._wire_dtype()
+        for index, (key, params) in enumerate(self.members.items()):
+            slots, offset = [], 0
+            for p in params:
+                name = self.names[id(p)]
+                slots.append(ParamSlot(name, tuple(p.ds_shape), p.ds_numel, offset, p.partition_numel(), name in model_parallel))
+                offset += p.partition_numel()
+            pg = pgs[key]
+            groups.append(GradGroup(index, Kind.PER_PARAM, tuple(_compat.group_ranks(pg)), offset, wire, self.out_dtype, tuple(slots)))
+            self.groups[index] = pg
+        self.layout = GradLayout("deepspeed-zero3", tuple(groups), tuple(n for n, _ in named))
+        self.fingerprint = self.layout.fingerprint()
+        self._pieces: list[Pieces] | None = None
+        self._signature = self._sign()
+
+    def _wire_dtype(self) -> torch.dtype:
+        opt = self.opt
+        if getattr(opt, "offload_optimizer", False):
+            return opt.fp32_partitioned_groups_flat[0].dtype
+        buffer = getattr(opt, "grad_partitions_flat_buffer", None)
+        return buffer.dtype if buffer is not None else self.out_dtype
+
+    def _sign(self):
+        opt = self.opt
+        buffer = getattr(opt, "grad_partitions_flat_buffer", None)
+        grads = tuple(getattr(g.grad, "data_ptr", lambda: 0)() for g in getattr(opt, "fp32_partitioned_groups_flat", []) if g.grad is not None)
+        return (None if buffer is None else buffer.data_ptr(), grads)
+
+    def valid(self) -> bool:
+        return self._sign() == self._signature
+
+    def read(self) -> LocalGrads:
+        opt = self.opt
+        # Set by the backward epilogue; cleared by zero_grad() in step() and at the next forward.
+        problem = _problem(self.engine, bool(getattr(opt, "_epilogue_ran_this_backward", True)))
+        if problem is not Problem.OK:
+            return LocalGrads(problem, [])
+        if self._pieces is not None and not self.swaps and self._sign() == self._signature:
+            return LocalGrads(problem, self._pieces, _loss_scale(self.engine))  # views of live buffers
+        pieces = []
+        for params in self.members.values():
+            parts = []
+            for p in params:
+                part, _ = opt._get_fp32_grad_state_partition(p, release_swap_buffers=False)
+                parts.append(part.clone() if self.swaps else part)  # NVMe buffers are released below
+            pieces.append(Pieces(parts))
+        if self.swaps and hasattr(opt, "_release_swap_buffers"):
+            for g in range(len(opt.fp16_groups)):
+                if opt._swappable_optimizer_subgroup(g):
+                    opt._release_swap_buffers(g)
+        self._signature = self._sign()
+        self._pieces = None if self.swaps else pieces
+        return LocalGrads(problem, pieces, _loss_scale(self.engine))

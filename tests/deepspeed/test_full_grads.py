@@ -79,6 +79,7 @@ def _worker(rank, world):
                 for k in ("auto", "all_gather", "all_reduce", "per_tensor")
             },
             "iter_record": (stream.record().collectives, stream.record().buckets),
+            "cached": [calls[k].record.plan_cached for k in ("auto", "all_gather", "all_reduce", "subset")],
         }
         if ds is not None:
             entry["ds_equal"] = {n: torch.equal(auto[n], ds[n]) for n in ds}
@@ -157,6 +158,13 @@ def test_plans_taken(results):
     assert entry["zero1_bf16_acc32"]["optimizer"] == "BF16_Optimizer"
     assert entry["zero1_bf16_acc32"]["records"]["auto"][0] == 0
     assert entry["zero0_fp32"]["records"]["auto"][0] == 0
+
+
+def test_layout_and_plans_are_reused_from_the_second_call(results):
+    _, per_rank = results
+    for config, entry in per_rank[0].items():
+        # first call builds; later calls with the same params reuse; a new params= selection builds anew
+        assert entry["cached"] == [False, True, True, False], config
 
 
 def test_streaming_uses_several_buckets(results):

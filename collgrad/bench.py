@@ -1,0 +1,369 @@
+"""``python -m collgrad bench``: full-model gradient access measured side by side, on one engine.
+
+Methods, each timed barrier to barrier over ``--reps`` repetitions after warm-up:
+
+  deepspeed_loop   ``deepspeed.utils.safe_get_full_grad`` for every parameter (the status quo)
+  collgrad_<plan>  ``safe_get_full_model_grads`` for each plan the group allows (all_gather,
+                   all_reduce, and the per-tensor fallback forced through the registry)
+  collgrad_iter    ``iter_full_model_grads`` consumed to the end
+  raw_all_reduce   one all_reduce of a flat buffer holding the model's gradient bytes (the floor)
+  raw_all_gather   one all_gather of each rank's share of those bytes into the full buffer
+
+Reported per method: median, min and max (ms, rank 0's clock), bytes this rank sent into
+collectives, collectives issued, peak extra memory (host RSS sampled every ms; device peak
+allocation on CUDA/XPU), and ratios against the floor and the DeepSpeed loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["BenchConfig", "run_bench", "main"]
+
+
+@dataclass
+class BenchConfig:
+    stage: int = 2
+    dtype: str = "fp32"  # fp32 | bf16 (with fp32 gradient accumulation) | fp16
+    offload: bool = False
+    tensors: int = 400
+    elements: int = 6_553_600
+    bucket_mb: float = 25.0
+    reps: int = 7
+    warmup: int = 2
+    stream_fraction: int = 8  # the streaming check uses a bucket of 1/8 of the model's gradient
+    methods: tuple[str, ...] = ()  # empty: all
+
+
+class VectorModel(nn.Module):
+    """``tensors`` parameters of ``elements / tensors`` elements each; every one gets a gradient."""
+
+    def __init__(self, tensors: int, elements: int) -> None:
+        super().__init__()
+        self.width = max(1, elements // tensors)
+        gen = torch.Generator().manual_seed(0)
+        self.weights = nn.ParameterList(
+            [nn.Parameter(torch.rand(self.width, generator=gen) * 0.1 + 0.95) for _ in range(tensors)]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for w in self.weights:
+            h = h * w
+        return h.float().pow(2).mean()
+
+
+class _PeakRSS:
+    """Peak resident memory above the level at start, sampled every millisecond by a thread."""
+
+    def __init__(self) -> None:
+        self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def _rss(self) -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * self.page
+        except OSError:
+            return 0
+
+    def __enter__(self) -> "_PeakRSS":
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def _ds_config(cfg: BenchConfig) -> dict:
+    zero: dict[str, Any] = {"stage": cfg.stage}
+    if cfg.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    out: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+    }
+    if cfg.dtype == "bf16":
+        out["bf16"] = {"enabled": True}
+        out["data_types"] = {"grad_accum_dtype": "fp32"}
+    elif cfg.dtype == "fp16":
+        out["fp16"] = {"enabled": True}
+    return out
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) -> dict[str, Any]:
+    device = _device()
+    for _ in range(cfg.warmup):
+        fn()
+    times = []
+    peak_host = peak_dev = 0
+    for rep in range(cfg.reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        dist.barrier()
+        with _PeakRSS() as rss:
+            start = time.perf_counter()
+            result = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+            del result  # the output counts in the peak; free it before the next repetition
+        peak_host = max(peak_host, rss.extra)
+        if device.type == "cuda":
+            peak_dev = max(peak_dev, torch.cuda.max_memory_allocated() - before)
+        if progress:
+            print(f"[bench] {label}: {rep + 1}/{cfg.reps}", file=sys.stderr, flush=True)
+    ms = [t * 1e3 for t in times]
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms),
+            "peak_host_mb": peak_host / 2**20, "peak_device_mb": peak_dev / 2**20}
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
+    """Run on every rank of the default group (already initialized). Returns rank 0's report."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    import collgrad
+    from collgrad import Policy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = VectorModel(cfg.tensors, cfg.elements)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-4),
+                                      config=_ds_config(cfg))
+    dtype = next(engine.module.parameters()).dtype
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.rand(2, model.width, generator=gen).to(device=engine.device, dtype=dtype)
+    engine.backward(engine(x))
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
+    bucket = int(cfg.bucket_mb * 2**20)
+    device = _device()
+    flat = torch.ones(numel, dtype=torch.float32, device=device)
+    share = torch.ones(-(-numel // world), dtype=torch.float32, device=device)
+    gathered = torch.empty(share.numel() * world, dtype=torch.float32, device=device)
+
+    methods: dict[str, Callable[[], Any]] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    methods["deepspeed_loop"] = lambda: [safe_get_full_grad(p) for p in params]
+    meta["deepspeed_loop"] = {"collectives": len(params), "bytes": 4 * numel}
+    for plan in ("all_gather", "all_reduce"):
+        methods[f"collgrad_{plan}"] = lambda plan=plan: collgrad.safe_get_full_model_grads(engine, plan=plan, bucket_bytes=bucket)
+    per_tensor = Policy(force="per_tensor")
+    methods["collgrad_per_tensor"] = lambda: collgrad.safe_get_full_model_grads(engine, policy=per_tensor, bucket_bytes=bucket)
+    methods["collgrad_iter"] = lambda: sum(1 for _ in collgrad.iter_full_model_grads(engine, bucket_bytes=bucket))
+    methods["raw_all_reduce"] = lambda: dist.all_reduce(flat)
+    meta["raw_all_reduce"] = {"collectives": 1, "bytes": flat.numel() * 4}
+    methods["raw_all_gather"] = lambda: dist.all_gather_into_tensor(gathered, share) if not hasattr(dist, "all_gather_single") else dist.all_gather_single(gathered, share)
+    meta["raw_all_gather"] = {"collectives": 1, "bytes": share.numel() * 4}
+    if cfg.methods:
+        methods = {k: v for k, v in methods.items() if k in cfg.methods}
+
+    report: dict[str, Any] = {"config": asdict(cfg), "world": world, "backend": str(dist.get_backend()),
+                              "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                              "optimizer": type(engine.optimizer).__name__, "params": len(params),
+                              "numel": numel, "methods": {}}
+    for name, fn in methods.items():
+        row = _timed(fn, cfg, name, progress and rank == 0)
+        if name.startswith("collgrad") and name != "collgrad_iter":
+            rec = fn().record
+            row.update(collectives=rec.collectives, bytes=rec.bytes, plans=[g.plan for g in rec.groups],
+                       plan_cached=getattr(rec, "plan_cached", None))
+        elif name == "collgrad_iter":
+            stream = collgrad.iter_full_model_grads(engine, bucket_bytes=bucket)
+            for _ in stream:
+                pass
+            rec = stream.record()
+            row.update(collectives=rec.collectives, bytes=rec.bytes, plans=[g.plan for g in rec.groups])
+        else:
+            row.update(meta.get(name, {}))
+        report["methods"][name] = row
+
+    # Streaming memory: a bucket of 1/stream_fraction of the model's gradient.
+    small = max(1, 4 * numel // cfg.stream_fraction)
+    def stream_small():
+        for _ in collgrad.iter_full_model_grads(engine, bucket_bytes=small):
+            pass
+    stream_row = _timed(stream_small, BenchConfig(reps=3, warmup=1), "stream_memory", progress and rank == 0)
+    report["stream_memory"] = {"bucket_mb": small / 2**20, "peak_extra_mb": stream_row["peak_host_mb"],
+                               "peak_device_mb": stream_row["peak_device_mb"],
+                               "buckets": stream_row["peak_host_mb"] * 2**20 / small}
+    _ratios(report, cfg)
+    return report
+
+
+def _ratios(report: dict[str, Any], cfg: BenchConfig) -> None:
+    m = report["methods"]
+    best = min((v["median_ms"], k) for k, v in m.items() if k in ("collgrad_all_gather", "collgrad_all_reduce"))[1] if any(
+        k in m for k in ("collgrad_all_gather", "collgrad_all_reduce")) else None
+    floor = "raw_all_gather" if cfg.stage == 3 else "raw_all_reduce"
+    out = {}
+    if best and floor in m:
+        out["collgrad_over_floor"] = m[best]["median_ms"] / m[floor]["median_ms"]
+        out["floor"] = floor
+        out["collgrad_best"] = best
+    if best and "deepspeed_loop" in m:
+        out["deepspeed_loop_over_collgrad"] = m["deepspeed_loop"]["median_ms"] / m[best]["median_ms"]
+    report["ratios"] = out
+
+
+def format_report(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = [
+        f"collgrad bench: ZeRO-{cfg['stage']} {cfg['dtype']}{' offload' if cfg['offload'] else ''}, "
+        f"{report['params']} tensors / {report['numel']:,} elements, {report['world']} ranks over "
+        f"{report['backend']}, {report['optimizer']}, torch {report['torch']}, deepspeed {report['deepspeed']}, "
+        f"bucket {cfg['bucket_mb']} MiB, median of {cfg['reps']}",
+        f"{'method':<22}{'median ms':>11}{'min':>9}{'max':>9}{'MB sent':>10}{'colls':>7}{'peak MB':>9}  plan",
+    ]
+    for name, row in report["methods"].items():
+        plan = ",".join(row.get("plans", []) or [])
+        if row.get("plan_cached") is not None:
+            plan += " (plan from cache)" if row["plan_cached"] else " (plan built)"
+        lines.append(
+            f"{name:<22}{row['median_ms']:>11.1f}{row['min_ms']:>9.1f}{row['max_ms']:>9.1f}"
+            f"{row.get('bytes', 0) / 2**20:>10.1f}{row.get('collectives', 0):>7}"
+            f"{max(row['peak_host_mb'], row['peak_device_mb']):>9.1f}  {plan}"
+        )
+    r = report.get("ratios", {})
+    if r:
+        lines.append(
+            f"ratios: {r.get('collgrad_best')} / {r.get('floor')} = {r.get('collgrad_over_floor', float('nan')):.2f}; "
+            f"deepspeed_loop / {r.get('collgrad_best')} = {r.get('deepspeed_loop_over_collgrad', float('nan')):.1f}x"
+        )
+    s = report.get("stream_memory")
+    if s:
+        lines.append(f"streaming: bucket {s['bucket_mb']:.2f} MiB, peak extra {s['peak_extra_mb']:.2f} MiB "
+                     f"= {s['buckets']:.2f} buckets")
+    if "per_tensor_us" in report:
+        lines.append(f"cost per parameter tensor at fixed bytes: {report['per_tensor_us']:.2f} us (slope of the sweep)")
+    return "\n".join(lines)
+
+
+def _bench_rank(rank: int, world: int, cfg: BenchConfig, sweep: bool) -> dict[str, Any] | None:
+    report = run_bench(cfg)
+    if sweep:
+        report["sweep"] = run_sweep(cfg)
+        report["per_tensor_us"] = report["sweep"]["per_tensor_us"]
+    return report if rank == 0 else None
+
+
+def run_sweep(cfg: BenchConfig) -> dict[str, Any]:
+    """Time against the number of tensors at fixed bytes, and against bytes at fixed tensors."""
+    import deepspeed  # noqa: F401
+
+    points = {"tensors": [], "bytes": []}
+    base = cfg.elements
+    for n in (50, 100, 200, 400, 800, 1600):
+        c = BenchConfig(**{**asdict(cfg), "tensors": n, "elements": base, "reps": max(3, cfg.reps // 2),
+                           "methods": ("collgrad_all_gather", "collgrad_all_reduce", "raw_all_reduce", "deepspeed_loop")})
+        points["tensors"].append({"tensors": n, **{k: v["median_ms"] for k, v in run_bench(c, progress=False)["methods"].items()}})
+    for scale in (0.25, 0.5, 1, 2):
+        c = BenchConfig(**{**asdict(cfg), "elements": int(base * scale), "reps": max(3, cfg.reps // 2),
+                           "methods": ("collgrad_all_gather", "collgrad_all_reduce", "raw_all_reduce", "deepspeed_loop")})
+        points["bytes"].append({"bytes": int(base * scale) * 4, **{k: v["median_ms"] for k, v in run_bench(c, progress=False)["methods"].items()}})
+    xs = [p["tensors"] for p in points["tensors"]]
+    best = [min(p["collgrad_all_gather"], p["collgrad_all_reduce"]) - p["raw_all_reduce"] for p in points["tensors"]]
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(best)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, best)) / sum((x - mean_x) ** 2 for x in xs)
+    points["per_tensor_us"] = slope * 1e3
+    return points
+
+
+def plot_sweep(sweep: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "tensors", "parameter tensors (fixed bytes)"), (axes[1], "bytes", "gradient bytes (fixed tensors)")):
+        rows = sweep[key]
+        xs = [r[key] for r in rows]
+        for method in ("deepspeed_loop", "collgrad_all_gather", "collgrad_all_reduce", "raw_all_reduce"):
+            ax.plot(xs, [r[method] for r in rows], marker="o", label=method)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("median ms")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
+    parser.add_argument("--local", type=int, default=None, metavar="N", help="spawn N ranks over Gloo here (default 2 without a launcher)")
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=d.stage)
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=d.dtype, help="bf16: with fp32 gradient accumulation")
+    parser.add_argument("--offload", action="store_true", help="CPU optimizer offload")
+    parser.add_argument("--tensors", type=int, default=d.tensors)
+    parser.add_argument("--elements", type=int, default=d.elements)
+    parser.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
+    parser.add_argument("--reps", type=int, default=d.reps)
+    parser.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    parser.add_argument("--sweep", action="store_true", help="also sweep tensors and bytes (slow)")
+    parser.add_argument("--png", metavar="PATH", help="with --sweep: write a chart (pip install 'collgrad[plot]')")
+
+
+def main(args: argparse.Namespace) -> int:
+    from collgrad.launch import init_from_environment, run_local
+
+    cfg = BenchConfig(stage=args.stage, dtype=args.dtype, offload=args.offload, tensors=args.tensors,
+                      elements=args.elements, bucket_mb=args.bucket_mb, reps=args.reps)
+    launched = any(v in os.environ for v in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+    if args.local or not launched:
+        report = run_local(_bench_rank, args.local or 2, cfg, args.sweep, timeout=3600)[0]
+    else:
+        created = init_from_environment()
+        try:
+            report = _bench_rank(dist.get_rank(), dist.get_world_size(), cfg, args.sweep)
+        finally:
+            if created:
+                dist.destroy_process_group()
+        if report is None:
+            return 0
+    print(format_report(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.png and "sweep" in report:
+        plot_sweep(report["sweep"], args.png)
+        print(f"chart written to {args.png}")
+    return 0
