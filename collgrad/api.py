@@ -35,7 +35,8 @@ from collgrad.errors import CollgradError
 from collgrad.planner import DEFAULT_BUCKET_BYTES
 from collgrad.record import CallRecord
 from collgrad.sources import LocalGrads, Problem, Source
-from collgrad.sources.layout import GradGroup, Kind, ParamSlot, owned_fragments
+from collgrad.buffers import Pieces
+from collgrad.sources.layout import Fragment, GradGroup, Kind, ParamSlot, owned_fragments
 
 __all__ = ["safe_get_full_model_grads", "iter_full_model_grads", "FullGrads", "GroupRecord", "FullGradRecord", "PLANS"]
 
@@ -116,7 +117,9 @@ def safe_get_full_model_grads(
     """
     stream = _Stream(model, params, bucket_bytes, plan, unscale, policy, dispatcher, streaming=False)
     grads = FullGrads()
-    found = dict(stream)
+    found = {}
+    for results in stream.steps():
+        found.update(results)
     for name in stream.source.layout.order:
         if name in found:
             grads[name] = found[name]
@@ -185,6 +188,13 @@ class _Stream:
         return grad
 
     def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for results in self.steps():
+            results.reverse()
+            while results:  # hand each tensor over and keep no reference: ~2 buckets alive at most
+                yield results.pop()
+
+    def steps(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The results one step (one bucket, or one whole group) at a time."""
         source, local = self.source, self.local
         if source.per_param is not None:
             for name in source.layout.order:
@@ -192,7 +202,7 @@ class _Stream:
                 self.per_param_collectives += 1
                 if self.unscale:
                     grad = grad / local.loss_scale
-                yield name, grad
+                yield [(name, grad)]
             return
         for group, buffer in zip(source.layout.groups, local.buffers):
             pg = source.groups.get(group.index)
@@ -209,7 +219,8 @@ class _Stream:
                     results = list(self._all_reduce(group, buffer, batch, pg, calls))
                 self.group_records[-1] = GroupRecord(group.index, group.kind.value, plan, group.group_ranks,
                                                      len(group.params), tuple(calls))
-                yield from results
+                yield results
+                del results
 
     def _choose(self, group: GradGroup, pg: ProcessGroup | None) -> str:
         """The plan for one group: a function of the layout and the agreed capabilities only, so every
@@ -232,15 +243,24 @@ class _Stream:
         return "all_gather"
 
     def _batches(self, group: GradGroup, plan: str) -> list[list[int]]:
-        """Indices of ``group.params`` per step: all at once, or whole parameters up to a bucket."""
+        """Indices of ``group.params`` per step, whole parameters each.
+
+        ZeRO-3 all-gathers go by buckets of gathered bytes (the staging buffer is one bucket); when
+        streaming, each step's staging and results together stay within a bucket. Streamed all-reduces
+        go by buckets of result bytes. Everything else is one step.
+        """
         everything = list(range(len(group.params)))
-        if not self.streaming or plan == "local" or (plan == "all_gather" and group.kind is Kind.PARTITIONED_FLAT):
+        per_param_gather = plan == "all_gather" and group.kind is Kind.PER_PARAM
+        if plan == "local" or not (self.streaming or per_param_gather) or (
+            plan == "all_gather" and group.kind is Kind.PARTITIONED_FLAT
+        ):
             return [everything] if everything else []
         itemsize = torch.empty((), dtype=group.out_dtype).element_size()
+        budget = self.bucket_bytes // 2 if (self.streaming and per_param_gather) else self.bucket_bytes
         batches, current, size = [], [], 0
         for k, p in enumerate(group.params):
-            numel = p.numel if plan == "all_reduce" else p.slice_numel * group.world
-            if current and (size + numel) * itemsize > self.bucket_bytes:
+            numel = p.slice_numel * group.world if per_param_gather else p.numel
+            if current and (size + numel) * itemsize > budget:
                 batches.append(current)
                 current, size = [], 0
             current.append(k)
@@ -271,14 +291,29 @@ class _Stream:
                 slot = group.params[k]
                 yield slot.name, self._finish(full[slot.offset : slot.offset + slot.numel], slot, group.out_dtype)
             return
+        # ZeRO-3: gather this batch's slices, rank-major, into a staging buffer kept between calls, then
+        # lay each parameter's slices end to end (the copy a rank-major gather always needs).
         slots = [group.params[k] for k in batch]
         lo = slots[0].offset
-        local = buffer.range(lo, slots[-1].offset + slots[-1].slice_numel - lo).to(device)  # once per bucket
-        inputs = [local[s.offset - lo : s.offset - lo + s.slice_numel] for s in slots]
-        outputs = [torch.empty(world * s.slice_numel, dtype=group.wire_dtype, device=device) for s in slots]
-        calls.append(self.dispatcher.all_gather(outputs, inputs, pg, bucket_bytes=self.bucket_bytes, policy=self.policy))
-        for s, out in zip(slots, outputs):
-            yield s.name, self._finish(out[: s.numel], s, group.out_dtype)
+        span = slots[-1].offset + slots[-1].slice_numel - lo
+        local = buffer.range(lo, span).to(device)  # a view of DeepSpeed's flat buffer, or one move
+        staging = self._staging(group.wire_dtype, device, world * span)
+        calls.append(self.dispatcher.all_gather([staging], [local], pg, bucket_bytes=self.bucket_bytes, policy=self.policy))
+        sizes = [s.slice_numel for s in slots]
+        result = torch.empty(world * span, dtype=group.wire_dtype, device=device)
+        for s, src, dst in zip(slots, staging.view(world, span).split(sizes, dim=1), result.split([world * n for n in sizes])):
+            dst.view(world, s.slice_numel).copy_(src)
+            yield s.name, self._finish(dst[: s.numel], s, group.out_dtype)
+
+    def _staging(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        """Scratch for gathered slices, reused across calls (never returned: results are copies).
+        At most one bucket, or one parameter's gathered size where that is larger."""
+        key = (dtype, device)
+        cache = self.source.scratch
+        found = cache.get(key)
+        if found is None or found.numel() < numel:
+            found = cache[key] = torch.empty(numel, dtype=dtype, device=device)
+        return found[:numel]
 
     def _all_reduce(self, group, buffer, batch, pg, calls):
         device = self.source.device
@@ -290,12 +325,14 @@ class _Stream:
         result = torch.zeros(total, dtype=group.out_dtype, device=device)
         rank = group.group_ranks.index(torch.distributed.get_rank())
         mine = [f for f in owned_fragments(group, rank) if f.param in slots]
-        if mine:  # this rank's part of the bucket moves to the device once, then lands per fragment
+        if mine and buffer.device != device:  # offloaded: this rank's part moves once per bucket
             lo = min(f.local_offset for f in mine)
-            local = buffer.range(lo, max(f.local_offset + f.numel for f in mine) - lo).to(device)
-            for frag in mine:
-                at = starts[frag.param] + frag.param_offset
-                result[at : at + frag.numel].copy_(local[frag.local_offset - lo : frag.local_offset - lo + frag.numel])
+            moved = Pieces([buffer.range(lo, max(f.local_offset + f.numel for f in mine) - lo).to(device)])
+            mine = [Fragment(f.param, f.param_offset, f.local_offset - lo, f.numel) for f in mine]
+            buffer = moved
+        for frag in mine:  # straight from where each fragment lies into the zeroed bucket
+            at = starts[frag.param] + frag.param_offset
+            result[at : at + frag.numel].copy_(buffer.range(frag.local_offset, frag.numel))
         # One tensor per parameter, back to back in ``result``: bucket primitives send them as one run
         # without copying, the per-tensor fallback sends one collective per parameter.
         views = [result[starts[k] : starts[k] + slots[k].numel] for k in batch]

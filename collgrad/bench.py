@@ -10,19 +10,21 @@ Methods, each timed barrier to barrier over ``--reps`` repetitions after warm-up
   raw_all_gather   one all_gather of each rank's share of those bytes into the full buffer
 
 Reported per method: median, min and max (ms, rank 0's clock), bytes this rank sent into
-collectives, collectives issued, peak extra memory (host RSS sampled every ms; device peak
+collectives, collectives issued, peak extra memory (host bytes in use, sampled every ms; device peak
 allocation on CUDA/XPU), and ratios against the floor and the DeepSpeed loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -65,21 +67,42 @@ class VectorModel(nn.Module):
         return h.float().pow(2).mean()
 
 
-class _PeakRSS:
-    """Peak resident memory above the level at start, sampled every millisecond by a thread."""
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
-    def __init__(self) -> None:
-        self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-    def _rss(self) -> int:
-        try:
+def _host_bytes_in_use() -> Callable[[], int]:
+    """Bytes the C allocator has handed out and not taken back (glibc ``mallinfo2``: all arenas plus
+    mmapped blocks), where torch's CPU tensors live. Unlike RSS it falls when memory is freed, so a
+    peak above the level at start is the memory a call really held. Falls back to RSS elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Mallinfo2
+
+        def in_use() -> int:
+            info = libc.mallinfo2()
+            return info.uordblks + info.hblkhd
+
+        in_use()
+        return in_use
+    except (OSError, AttributeError):
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def rss() -> int:
             with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * self.page
-        except OSError:
-            return 0
+                return int(f.read().split()[1]) * page
 
-    def __enter__(self) -> "_PeakRSS":
-        self.base = self.peak = self._rss()
+        return rss
+
+
+class _PeakHost:
+    """Peak host memory in use above the level at start, sampled every millisecond by a thread."""
+
+    _measure = staticmethod(_host_bytes_in_use())
+
+    def __enter__(self) -> "_PeakHost":
+        self.base = self.peak = self._measure()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -87,16 +110,16 @@ class _PeakRSS:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.001):
-            self.peak = max(self.peak, self._rss())
+            self.peak = max(self.peak, self._measure())
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._rss())
+        self.peak = max(self.peak, self._measure())
 
     @property
     def extra(self) -> int:
-        return self.peak - self.base
+        return max(0, self.peak - self.base)
 
 
 def _ds_config(cfg: BenchConfig) -> dict:
@@ -135,7 +158,7 @@ def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) 
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         dist.barrier()
-        with _PeakRSS() as rss:
+        with _PeakHost() as rss:
             start = time.perf_counter()
             result = fn()
             if device.type == "cuda":
@@ -186,7 +209,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         methods[f"collgrad_{plan}"] = lambda plan=plan: collgrad.safe_get_full_model_grads(engine, plan=plan, bucket_bytes=bucket)
     per_tensor = Policy(force="per_tensor")
     methods["collgrad_per_tensor"] = lambda: collgrad.safe_get_full_model_grads(engine, policy=per_tensor, bucket_bytes=bucket)
-    methods["collgrad_iter"] = lambda: sum(1 for _ in collgrad.iter_full_model_grads(engine, bucket_bytes=bucket))
+    # deque(maxlen=0) consumes without keeping a reference: what is measured is what collgrad holds.
+    methods["collgrad_iter"] = lambda: deque(collgrad.iter_full_model_grads(engine, bucket_bytes=bucket), maxlen=0)
     methods["raw_all_reduce"] = lambda: dist.all_reduce(flat)
     meta["raw_all_reduce"] = {"collectives": 1, "bytes": flat.numel() * 4}
     methods["raw_all_gather"] = lambda: dist.all_gather_into_tensor(gathered, share) if not hasattr(dist, "all_gather_single") else dist.all_gather_single(gathered, share)
@@ -217,8 +241,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     # Streaming memory: a bucket of 1/stream_fraction of the model's gradient.
     small = max(1, 4 * numel // cfg.stream_fraction)
     def stream_small():
-        for _ in collgrad.iter_full_model_grads(engine, bucket_bytes=small):
-            pass
+        deque(collgrad.iter_full_model_grads(engine, bucket_bytes=small), maxlen=0)
     stream_row = _timed(stream_small, BenchConfig(reps=3, warmup=1), "stream_memory", progress and rank == 0)
     report["stream_memory"] = {"bucket_mb": small / 2**20, "peak_extra_mb": stream_row["peak_host_mb"],
                                "peak_device_mb": stream_row["peak_device_mb"],

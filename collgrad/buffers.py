@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import Sequence
 
 import torch
@@ -52,6 +53,10 @@ class Pieces:
     def dtype(self) -> torch.dtype:
         return self.pieces[0].dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.pieces[0].device
+
     def whole(self) -> torch.Tensor:
         """Everything as one contiguous tensor: a view when the pieces already are back to back."""
         return self.range(0, self._numel)
@@ -61,11 +66,13 @@ class Pieces:
         ones), else a copy of just that range."""
         parts = []
         end = offset + numel
-        for start, piece in zip(self.starts, self.pieces):
+        first = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        for start, piece in zip(self.starts[first:], self.pieces[first:]):
+            if start >= end:
+                break
             stop = start + piece.numel()
-            if stop <= offset or start >= end:
-                continue
-            parts.append(piece[max(offset, start) - start : min(end, stop) - start])
+            if stop > offset:
+                parts.append(piece[max(offset, start) - start : min(end, stop) - start])
         if len(parts) == 1:
             return parts[0]
         view = adjacent_view(parts)

@@ -71,6 +71,8 @@ class Source:
     #: Per-parameter fallback (optimizers without a known layout): parameter -> full gradient.
     per_param: Callable[[nn.Parameter], torch.Tensor] | None = None
     params: dict[str, nn.Parameter]
+    #: Scratch buffers the reader keeps with the source between calls (staging for gathers).
+    scratch: dict
 
     def valid(self) -> bool:
         """Whether the layout still describes the model (cheap; checked before reusing a cached source)."""
@@ -143,6 +145,7 @@ class ReplicatedSource(Source):
         self.device = named[0][1].device if named else torch.device("cpu")
         self.control_group = group
         self.groups = {0: group}
+        self.scratch = {}
         self.model_parallel = frozenset(model_parallel)
         out = dtype or (named[0][1].dtype if named else torch.float32)
         slots = tuple(ParamSlot(n, tuple(p.shape), p.numel(), 0, p.numel(), n in model_parallel) for n, p in named)

@@ -130,6 +130,7 @@ class _EngineSource(Source):
         self.device = named[0][1].device if named else torch.device("cpu")
         self.control_group = _control_group(engine)
         self.groups = {}
+        self.scratch = {}
 
 
 class _Zero12(_EngineSource):
