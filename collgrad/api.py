@@ -181,7 +181,7 @@ class _Stream:
     # -- execution ------------------------------------------------------------------------------------
     def _finish(self, grad: torch.Tensor, slot: ParamSlot, out_dtype: torch.dtype) -> torch.Tensor:
         grad = grad.view(slot.shape)
-        if grad.dtype != out_dtype:
+        if grad.dtype is not out_dtype:
             grad = grad.to(out_dtype)
         if self.unscale:
             grad = grad.div_(self.local.loss_scale)
@@ -287,9 +287,16 @@ class _Stream:
             full = torch.empty(world * group.partition_numel, dtype=group.wire_dtype, device=device)
             calls.append(self.dispatcher.all_gather([full], [buffer.whole().to(device)], pg,
                                                     bucket_bytes=self.bucket_bytes, policy=self.policy))
-            for k in batch:
-                slot = group.params[k]
-                yield slot.name, self._finish(full[slot.offset : slot.offset + slot.numel], slot, group.out_dtype)
+            slots = [group.params[k] for k in batch]
+            # One split of the gathered flat group into [gap, param, gap, param, ...] (C++), then views.
+            sizes, at = [], 0
+            for s in slots:
+                sizes += [s.offset - at, s.numel]
+                at = s.offset + s.numel
+            sizes.append(full.numel() - at)
+            pieces = full.split(sizes)
+            for s, piece in zip(slots, pieces[1::2]):
+                yield s.name, self._finish(piece, s, group.out_dtype)
             return
         # ZeRO-3: gather this batch's slices, rank-major, into a staging buffer kept between calls, then
         # lay each parameter's slices end to end (the copy a rank-major gather always needs).

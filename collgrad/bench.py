@@ -298,33 +298,34 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _bench_rank(rank: int, world: int, cfg: BenchConfig, sweep: bool) -> dict[str, Any] | None:
-    report = run_bench(cfg)
-    if sweep:
-        report["sweep"] = run_sweep(cfg)
-        report["per_tensor_us"] = report["sweep"]["per_tensor_us"]
+SWEEP_METHODS = ("collgrad_all_gather", "collgrad_all_reduce", "raw_all_reduce", "deepspeed_loop")
+
+
+def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None:
+    report = run_bench(cfg, progress=not cfg.methods)
     return report if rank == 0 else None
 
 
-def run_sweep(cfg: BenchConfig) -> dict[str, Any]:
+def sweep_configs(cfg: BenchConfig) -> list[tuple[str, BenchConfig]]:
     """Time against the number of tensors at fixed bytes, and against bytes at fixed tensors."""
-    import deepspeed  # noqa: F401
+    reps = max(3, cfg.reps // 2)
+    points = [("tensors", BenchConfig(**{**asdict(cfg), "tensors": n, "reps": reps, "methods": SWEEP_METHODS}))
+              for n in (50, 100, 200, 400, 800, 1600)]
+    points += [("bytes", BenchConfig(**{**asdict(cfg), "elements": int(cfg.elements * f), "reps": reps, "methods": SWEEP_METHODS}))
+               for f in (0.25, 0.5, 1, 2)]
+    return points
 
-    points = {"tensors": [], "bytes": []}
-    base = cfg.elements
-    for n in (50, 100, 200, 400, 800, 1600):
-        c = BenchConfig(**{**asdict(cfg), "tensors": n, "elements": base, "reps": max(3, cfg.reps // 2),
-                           "methods": ("collgrad_all_gather", "collgrad_all_reduce", "raw_all_reduce", "deepspeed_loop")})
-        points["tensors"].append({"tensors": n, **{k: v["median_ms"] for k, v in run_bench(c, progress=False)["methods"].items()}})
-    for scale in (0.25, 0.5, 1, 2):
-        c = BenchConfig(**{**asdict(cfg), "elements": int(base * scale), "reps": max(3, cfg.reps // 2),
-                           "methods": ("collgrad_all_gather", "collgrad_all_reduce", "raw_all_reduce", "deepspeed_loop")})
-        points["bytes"].append({"bytes": int(base * scale) * 4, **{k: v["median_ms"] for k, v in run_bench(c, progress=False)["methods"].items()}})
+
+def summarize_sweep(results: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    points: dict[str, Any] = {"tensors": [], "bytes": []}
+    for axis, report in results:
+        x = report["params"] if axis == "tensors" else report["numel"] * 4
+        points[axis].append({axis: x, **{k: v["median_ms"] for k, v in report["methods"].items()}})
+    # Host-side cost per parameter tensor: slope of (collgrad - raw collective) against tensors.
     xs = [p["tensors"] for p in points["tensors"]]
-    best = [min(p["collgrad_all_gather"], p["collgrad_all_reduce"]) - p["raw_all_reduce"] for p in points["tensors"]]
-    mean_x, mean_y = statistics.mean(xs), statistics.mean(best)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, best)) / sum((x - mean_x) ** 2 for x in xs)
-    points["per_tensor_us"] = slope * 1e3
+    ys = [min(p["collgrad_all_gather"], p["collgrad_all_reduce"]) - p["raw_all_reduce"] for p in points["tensors"]]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    points["per_tensor_us"] = 1e3 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return points
 
 
@@ -371,17 +372,26 @@ def main(args: argparse.Namespace) -> int:
     cfg = BenchConfig(stage=args.stage, dtype=args.dtype, offload=args.offload, tensors=args.tensors,
                       elements=args.elements, bucket_mb=args.bucket_mb, reps=args.reps)
     launched = any(v in os.environ for v in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+    configs = [("main", cfg)] + (sweep_configs(cfg) if args.sweep else [])
+    results = []
     if args.local or not launched:
-        report = run_local(_bench_rank, args.local or 2, cfg, args.sweep, timeout=3600)[0]
+        for i, (axis, c) in enumerate(configs):  # fresh ranks per point: no engine left over from the last
+            if i:
+                print(f"[bench] sweep point {i}/{len(configs) - 1}: {axis}", file=sys.stderr, flush=True)
+            results.append((axis, run_local(_bench_rank, args.local or 2, c, timeout=3600)[0]))
     else:
         created = init_from_environment()
         try:
-            report = _bench_rank(dist.get_rank(), dist.get_world_size(), cfg, args.sweep)
+            results = [(axis, _bench_rank(dist.get_rank(), dist.get_world_size(), c)) for axis, c in configs]
         finally:
             if created:
                 dist.destroy_process_group()
-        if report is None:
+        if results[0][1] is None:  # not rank 0
             return 0
+    report = results[0][1]
+    if args.sweep:
+        report["sweep"] = summarize_sweep(results[1:])
+        report["per_tensor_us"] = report["sweep"]["per_tensor_us"]
     print(format_report(report), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -38,7 +38,7 @@ class Pieces:
     list of partition fragments), read by range without first concatenating everything."""
 
     def __init__(self, pieces: Sequence[torch.Tensor]) -> None:
-        self.pieces = [p.reshape(-1) for p in pieces]
+        self.pieces = [p if p.dim() == 1 else p.reshape(-1) for p in pieces]
         self.starts = []
         total = 0
         for p in self.pieces:
@@ -64,6 +64,12 @@ class Pieces:
     def range(self, offset: int, numel: int) -> torch.Tensor:
         """Elements ``[offset, offset + numel)``: a view when they lie in one piece (or in adjacent
         ones), else a copy of just that range."""
+        if offset == 0 and numel == self._numel:
+            parts = self.pieces
+            if len(parts) == 1:
+                return parts[0]
+            view = adjacent_view(parts)
+            return view if view is not None else torch.cat(parts)
         parts = []
         end = offset + numel
         first = max(0, bisect.bisect_right(self.starts, offset) - 1)
