@@ -16,7 +16,7 @@ from collgrad.backends.base import Op, Primitive
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import Capabilities, Registry
 from collgrad.dispatch import Dispatcher
-from collgrad.errors import AgreementError, CollgradError, NoPrimitiveError, PolicyError
+from collgrad.errors import AgreementError, CollgradError, CollgradTimeout, NoPrimitiveError, PolicyError
 from collgrad.record import BucketRecord, CallRecord, Decision
 
 __version__ = "0.1.0"
@@ -41,6 +41,7 @@ __all__ = [
     "Op",
     "Primitive",
     "CollgradError",
+    "CollgradTimeout",
     "AgreementError",
     "NoPrimitiveError",
     "PolicyError",

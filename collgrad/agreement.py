@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
+from collgrad.waits import wait_work
 
 __all__ = ["exchange", "control_device_type"]
 
@@ -23,10 +24,14 @@ def control_device_type(group: ProcessGroup, preferred: str = "cpu") -> str:
     raise RuntimeError(f"process group {_compat.group_ranks(group)} has no backend for cpu, cuda or xpu")
 
 
-def exchange(group: ProcessGroup, row: Sequence[int], device_type: str | None = None) -> list[list[int]]:
-    """All-gather ``row`` (same length on every rank) over ``group``; returns every rank's row."""
+def exchange(
+    group: ProcessGroup, row: Sequence[int], device_type: str | None = None, *, timeout_s: float, what: str
+) -> list[list[int]]:
+    """All-gather ``row`` (same length on every rank) over ``group``, waiting at most ``timeout_s``;
+    returns every rank's row. ``what`` names the agreement in a timeout error."""
     device = _compat.agreement_device(device_type or control_device_type(group))
     mine = torch.tensor(list(row), dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(group.size())]
-    dist.all_gather(rows, mine, group=group)
+    work = dist.all_gather(rows, mine, group=group, async_op=True)
+    wait_work(work, timeout_s, f"{what} (a small all_gather over group {_compat.group_ranks(group)})")
     return [r.tolist() for r in rows]

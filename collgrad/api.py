@@ -165,7 +165,7 @@ class _Stream:
         self.streaming = streaming
         self.group_records: list[GroupRecord] = []
         self.per_param_collectives = 0
-        _agree(self.source, self.local)
+        _agree(self.source, self.local, self.dispatcher.timeout)
         self._iter = self._generate()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -348,7 +348,7 @@ class _Stream:
             yield slots[k].name, self._finish(result[starts[k] : starts[k] + slots[k].numel], slots[k], group.out_dtype)
 
 
-def _agree(source: Source, local: LocalGrads) -> None:
+def _agree(source: Source, local: LocalGrads, timeout_s: float) -> None:
     """Every rank of the control group learns every rank's problem and layout fingerprint, and all raise
     the same error if any rank cannot read now or planned something else."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -356,7 +356,8 @@ def _agree(source: Source, local: LocalGrads) -> None:
         if local.problem is not Problem.OK:
             raise CollgradError(f"rank {rank}: {local.problem.describe()}")
         return
-    rows = exchange(source.control_group, [int(local.problem), source.fingerprint])
+    rows = exchange(source.control_group, [int(local.problem), source.fingerprint], timeout_s=timeout_s,
+                    what="the readiness check of safe_get_full_model_grads")
     ranks = _compat.group_ranks(source.control_group)
     bad = [(ranks[i], Problem(row[0])) for i, row in enumerate(rows) if row[0] != Problem.OK]
     if bad:

@@ -27,6 +27,7 @@ from collgrad.plan import Bucket, BucketRule, Plan, TensorSpec
 from collgrad.planner import DEFAULT_BUCKET_BYTES, bucket_capacity, plan_buckets
 from collgrad.primitives import Channel, Handle, torch_channel
 from collgrad.record import BucketRecord, CallRecord, Decision
+from collgrad.waits import timeout_from_env
 
 __all__ = ["Dispatcher"]
 
@@ -46,8 +47,10 @@ class Dispatcher:
     shapes, dtypes and device types, in the same order (as for any torch.distributed collective).
     """
 
-    def __init__(self, registry: Registry | None = None) -> None:
-        self.registry = registry if registry is not None else Registry()
+    def __init__(self, registry: Registry | None = None, timeout: float | None = None) -> None:
+        self.registry = registry if registry is not None else Registry(timeout=timeout)
+        #: Seconds any collective of this dispatcher may wait (COLLGRAD_TIMEOUT, default 120).
+        self.timeout = timeout_from_env(timeout) if timeout is not None or registry is None else registry.timeout
         #: Per model (weakly): gradient sources and their layouts, reused while valid (see api.py).
         self.model_cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
@@ -155,9 +158,9 @@ class Dispatcher:
                     in_flight.append(_start_gather(bucket, channel, src, dst, plan.world_size))
                 records.append(_record(bucket, len(in_flight[-1].handles)))
                 if len(in_flight) == 2:
-                    _finish(in_flight.popleft(), op, reduce_op, src, dst, plan)
+                    _finish(in_flight.popleft(), op, reduce_op, src, dst, plan, self.timeout, group)
             while in_flight:
-                _finish(in_flight.popleft(), op, reduce_op, src, dst, plan)
+                _finish(in_flight.popleft(), op, reduce_op, src, dst, plan, self.timeout, group)
             for work in dst:
                 work.write_back()
         return CallRecord(op.value, tuple(_compat.group_ranks(group)), tuple(records), decisions)
@@ -234,10 +237,12 @@ def _start_gather(bucket: Bucket, channel: Channel, src: list[_Work], dst: list[
     return _InFlight(bucket, channel.all_gather(outputs, inputs), tuple(outputs))
 
 
-def _finish(flight: _InFlight, op: Op, reduce_op, src: list[_Work], dst: list[_Work], plan: Plan) -> None:
-    for handle in flight.handles:
-        handle.wait()
+def _finish(flight: _InFlight, op: Op, reduce_op, src, dst, plan: Plan, timeout_s: float, group) -> None:
     bucket, world = flight.bucket, plan.world_size
+    what = (f"{op.value} of bucket {bucket.index} ({bucket.numel} x {bucket.rule.wire_dtype} on {bucket.device}, "
+            f"{bucket.primitive.value} over {bucket.rule.backend}, group {_compat.group_ranks(group)})")
+    for handle in flight.handles:
+        handle.wait(timeout_s, what)
     if op is Op.ALL_REDUCE:
         if bucket.primitive.packs:
             (buf,) = flight.buffers

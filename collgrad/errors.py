@@ -7,7 +7,7 @@ ranks waiting in a collective while others have already failed.
 
 from __future__ import annotations
 
-__all__ = ["CollgradError", "NoPrimitiveError", "AgreementError", "PolicyError"]
+__all__ = ["CollgradError", "NoPrimitiveError", "AgreementError", "PolicyError", "CollgradTimeout"]
 
 
 class CollgradError(RuntimeError):
@@ -24,3 +24,7 @@ class AgreementError(CollgradError):
 
 class NoPrimitiveError(CollgradError):
     """No primitive can carry a bucket of this (device, dtype) on every rank of the group."""
+
+
+class CollgradTimeout(CollgradError, TimeoutError):
+    """A collective did not complete within collgrad's bounded wait (see collgrad/waits.py)."""

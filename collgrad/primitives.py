@@ -14,21 +14,30 @@ from typing import Protocol, Sequence
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
+import torch.distributed as dist
+
 from collgrad import _compat
 from collgrad.backends.base import Primitive
+from collgrad.waits import wait_work
 
-__all__ = ["Handle", "Channel", "FlatChannel", "CoalescedChannel", "PerTensorChannel", "torch_channel"]
+__all__ = ["Handle", "TorchHandle", "Channel", "FlatChannel", "CoalescedChannel", "PerTensorChannel", "torch_channel"]
 
 
 class Handle(Protocol):
-    def wait(self) -> object: ...
+    def wait(self, timeout_s: float, what: str) -> None:
+        """Block until the call completes, at most ``timeout_s``; raise CollgradTimeout naming ``what``."""
 
 
-class Done:
-    """Handle of a call that completed before returning (mpi4py's blocking collectives)."""
+class TorchHandle:
+    """A torch.distributed Work, waited on with a bound."""
 
-    def wait(self) -> bool:
-        return True
+    __slots__ = ("work",)
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+
+    def wait(self, timeout_s: float, what: str) -> None:
+        wait_work(self.work, timeout_s, what)
 
 
 class Channel(Protocol):
@@ -49,11 +58,11 @@ class FlatChannel:
 
     def all_reduce(self, tensors, op):
         (flat,) = tensors
-        return [_compat.all_reduce(flat, op, self.group)]
+        return [TorchHandle(_compat.all_reduce(flat, op, self.group))]
 
     def all_gather(self, outputs, inputs):
         (out,), (inp,) = outputs, inputs
-        return [_compat.all_gather_flat(out, inp, self.group)]
+        return [TorchHandle(_compat.all_gather_flat(out, inp, self.group))]
 
 
 class CoalescedChannel:
@@ -65,10 +74,10 @@ class CoalescedChannel:
         self.group = group
 
     def all_reduce(self, tensors, op):
-        return [_compat.allreduce_coalesced(self.group, tensors, op)]
+        return [TorchHandle(_compat.allreduce_coalesced(self.group, tensors, op))]
 
     def all_gather(self, outputs, inputs):
-        return [_compat.all_gather_coalesced(self.group, outputs, inputs)]
+        return [TorchHandle(_compat.all_gather_coalesced(self.group, outputs, inputs))]
 
 
 class PerTensorChannel:
@@ -80,12 +89,12 @@ class PerTensorChannel:
         self.group = group
 
     def all_reduce(self, tensors, op):
-        return [_compat.all_reduce(t, op, self.group) for t in tensors]
+        return [TorchHandle(_compat.all_reduce(t, op, self.group)) for t in tensors]
 
     def all_gather(self, outputs, inputs):
         world = self.group.size()
         return [
-            _compat.all_gather_list(list(out.view(world, -1).unbind(0)), inp, self.group)
+            TorchHandle(_compat.all_gather_list(list(out.view(world, -1).unbind(0)), inp, self.group))
             for out, inp in zip(outputs, inputs)
         ]
 

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from collgrad.primitives import Done
+from collgrad.waits import poll_until
 from collgrad.backends.base import INT32_MAX, UNLIMITED, LocalFinding, Op, Primitive, Reason
 
 NAME = "mpi"
@@ -179,11 +179,25 @@ class MpiLink:
 _MPI_OPS = {"SUM": "SUM", "MAX": "MAX", "MIN": "MIN", "PRODUCT": "PROD"}
 
 
-class Mpi4pyChannel:
-    """The MPI4PY primitive: one blocking collective on one flat, contiguous buffer.
+class _MpiHandle:
+    """A nonblocking MPI request (and the buffers it uses), polled with a bound: MPI has no wait with
+    a timeout, and a blocking call could never give up on a rank that does not join."""
 
-    Blocking on purpose: per-tensor ``Iallreduce`` + ``Waitall`` was the slowest MPI option measured,
-    and a CUDA buffer must be synchronized by the caller before MPI reads it (mpi4py cannot).
+    __slots__ = ("request", "buffers")
+
+    def __init__(self, request: Any, *buffers: torch.Tensor) -> None:
+        self.request = request
+        self.buffers = buffers  # alive until the request completes
+
+    def wait(self, timeout_s: float, what: str) -> None:
+        poll_until(self.request.Test, timeout_s, what)
+
+
+class Mpi4pyChannel:
+    """The MPI4PY primitive: one collective on one flat, contiguous buffer.
+
+    One request per bucket (per-tensor Iallreduce + Waitall was the slowest MPI option measured). A
+    CUDA buffer is synchronized before MPI reads it (mpi4py cannot do it).
     """
 
     primitive = Primitive.MPI4PY
@@ -199,16 +213,15 @@ class Mpi4pyChannel:
             torch.cuda.current_stream(tensor.device).synchronize()
         return [tensor, self._link.datatype(tensor.dtype)]
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> list[Done]:
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> list[_MpiHandle]:
         (flat,) = tensors
         name = _MPI_OPS[_op_name(op)]
-        self._comm.Allreduce(self._mpi.IN_PLACE, self._buf(flat), op=getattr(self._mpi, name))
-        return [Done()]
+        request = self._comm.Iallreduce(self._mpi.IN_PLACE, self._buf(flat), op=getattr(self._mpi, name))
+        return [_MpiHandle(request, flat)]
 
-    def all_gather(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[Done]:
+    def all_gather(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[_MpiHandle]:
         (out,), (inp,) = outputs, inputs
-        self._comm.Allgather(self._buf(inp), self._buf(out))
-        return [Done()]
+        return [_MpiHandle(self._comm.Iallgather(self._buf(inp), self._buf(out)), inp, out)]
 
 
 def _op_name(op: ReduceOp.RedOpType) -> str:

@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.agreement import exchange
+from collgrad.waits import timeout_from_env
 from collgrad.backends import ccl, gloo, mpi, nccl
 from collgrad.backends.base import DTYPES, UNLIMITED, LocalFinding, Op, Primitive, Reason
 from collgrad.backends.policy import Policy
@@ -258,8 +259,11 @@ class Registry:
     served from the cache without communication.
     """
 
-    def __init__(self, policy: Policy | None = None, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, policy: Policy | None = None, environ: Mapping[str, str] | None = None, timeout: float | None = None
+    ) -> None:
         self._environ = environ
+        self.timeout = timeout_from_env(timeout, environ)
         self._env_policy = policy if policy is not None else Policy.from_env(environ)
         self.mpi = mpi.MpiLink(environ)
         self._cache: "weakref.WeakKeyDictionary[ProcessGroup, dict]" = weakref.WeakKeyDictionary()
@@ -295,7 +299,8 @@ class Registry:
                 f"{device_type}, e.g. backend='cpu:gloo,cuda:nccl', or move the tensors"
             )
         header, findings, policy_error = self._local(group, device_type, backend, policy, len(ranks))
-        rows = exchange(group, encode(header, findings), device_type)
+        rows = exchange(group, encode(header, findings), device_type, timeout_s=self.timeout,
+                        what=f"the capability agreement for {device_type} tensors")
         if policy_error is not None:
             raise policy_error  # this rank's own, more precise message; the others raise in decide()
         caps = decide(rows, device_type, backend, ranks)

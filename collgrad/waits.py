@@ -1,0 +1,71 @@
+"""Bounded waits: no collective collgrad issues waits longer than a set time.
+
+A rank that never joins a collective (it raised, took another code path, or died) would otherwise
+keep the others waiting for the process group's own timeout (30 minutes for Gloo, 10 for DeepSpeed's
+default). collgrad waits at most ``COLLGRAD_TIMEOUT`` seconds (default 120, or ``timeout=`` on the
+Dispatcher/Registry), then raises CollgradTimeout naming the operation, the bucket and the group.
+
+After a timeout the process group still holds the unfinished collective: the group cannot be used
+for further collectives, and the job should stop (as after any NCCL/Gloo timeout).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Any, Mapping
+
+import torch.distributed as dist
+
+from collgrad.errors import CollgradTimeout
+
+__all__ = ["ENV_TIMEOUT", "DEFAULT_TIMEOUT_S", "timeout_from_env", "wait_work", "poll_until"]
+
+ENV_TIMEOUT = "COLLGRAD_TIMEOUT"
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def timeout_from_env(value: float | None = None, environ: Mapping[str, str] | None = None) -> float:
+    if value is not None:
+        seconds = float(value)
+    else:
+        text = (os.environ if environ is None else environ).get(ENV_TIMEOUT)
+        seconds = float(text) if text else DEFAULT_TIMEOUT_S
+    if not seconds > 0:
+        raise ValueError(f"collgrad timeout must be a positive number of seconds, got {seconds}")
+    return seconds
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def wait_work(work: Any, timeout_s: float, what: str) -> None:
+    """``work.wait`` bounded by ``timeout_s``; a timeout becomes CollgradTimeout naming ``what``."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise CollgradTimeout(_message(what, timeout_s)) from exc
+
+
+def poll_until(done: Any, timeout_s: float, what: str) -> None:
+    """Poll ``done()`` (an MPI request's Test) with a short back-off until true or ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-5
+    while not done():
+        if time.monotonic() > deadline:
+            raise CollgradTimeout(_message(what, timeout_s))
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+def _message(what: str, timeout_s: float) -> str:
+    return (
+        f"rank {_rank()}: {what} did not complete within {timeout_s:g} s: another rank of the group did not "
+        "join it (it raised, returned early, called with other arguments, or stopped). The process group "
+        f"is no longer usable; stop the job and look at the other ranks' errors. Raise {ENV_TIMEOUT} if the "
+        "collective is legitimately slower."
+    )
