@@ -151,13 +151,21 @@ def iter_full_model_grads(
 
 class _Stream:
     def __init__(self, model, params, bucket_bytes, plan, unscale, policy, dispatcher, *, streaming: bool) -> None:
-        if plan not in PLANS:
-            raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
-        if bucket_bytes is not None and int(bucket_bytes) <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.dispatcher = dispatcher if dispatcher is not None else _default_dispatcher()
-        self.source, self.cached = _source(self.dispatcher, model, params)
-        self.local: LocalGrads = self.source.read()
+        try:  # arguments are checked on every rank, and a rank with bad ones tells the others (below)
+            if plan not in PLANS:
+                raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+            if bucket_bytes is not None and int(bucket_bytes) <= 0:
+                raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+            if policy is not None:
+                policy.validate()
+            self.source, self.cached = _source(self.dispatcher, model, params)
+            if not self.source.layout.order:
+                raise ValueError("no trainable parameter is selected (an empty model, or an empty params=)")
+            self.local: LocalGrads = self.source.read()
+        except (TypeError, ValueError, KeyError):
+            _agree_on_bad_arguments(model, self.dispatcher.timeout)
+            raise
         self.bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
         self.plan = plan
         self.unscale = unscale and self.local.loss_scale != 1.0
@@ -359,6 +367,12 @@ def _agree(source: Source, local: LocalGrads, timeout_s: float) -> None:
     rows = exchange(source.control_group, [int(local.problem), source.fingerprint], timeout_s=timeout_s,
                     what="the readiness check of safe_get_full_model_grads")
     ranks = _compat.group_ranks(source.control_group)
+    invalid = [ranks[i] for i, row in enumerate(rows) if row[0] == Problem.INVALID_ARGUMENTS]
+    if invalid:
+        raise CollgradError(
+            f"rank(s) {invalid} passed invalid arguments to safe_get_full_model_grads (their own errors say "
+            f"which) [seen by rank {rank}]"
+        )
     bad = [(ranks[i], Problem(row[0])) for i, row in enumerate(rows) if row[0] != Problem.OK]
     if bad:
         detail = "; ".join(f"rank {r}: {p.describe()}" for r, p in bad)
@@ -375,12 +389,31 @@ def _agree(source: Source, local: LocalGrads, timeout_s: float) -> None:
         )
 
 
+def _agree_on_bad_arguments(model: Any, timeout_s: float) -> None:
+    """This rank's arguments are invalid: take part in the readiness check with that verdict, so ranks
+    whose arguments were fine raise too instead of waiting; the caller then re-raises its own error."""
+    try:
+        group = sources.control_group_of(model)
+    except Exception:  # noqa: BLE001 - the argument error is the one to report
+        group = _compat.default_group() if torch.distributed.is_initialized() else None
+    if group is None:
+        return
+    try:
+        exchange(group, [int(Problem.INVALID_ARGUMENTS), 0], timeout_s=timeout_s,
+                 what="the readiness check of safe_get_full_model_grads")
+    except CollgradError:
+        pass  # the others are not in this check (a wait bounded by the timeout); this rank's error stands
+
+
 def _source(dispatcher: Dispatcher, model: Any, params: Iterable[Any] | None) -> tuple[Source, bool]:
     """The cached Source of ``model`` for this ``params`` selection if its layout still holds, else a
     new one. Cached on the dispatcher, weakly per model: released with the model."""
     params = None if params is None else list(params)
     key = None if params is None else tuple(p if isinstance(p, str) else id(p) for p in params)
-    per_model = dispatcher.model_cache.setdefault(model, {})
+    try:
+        per_model = dispatcher.model_cache.setdefault(model, {})
+    except TypeError:  # not weakly referenceable, so not a model: let open_source say what is wrong
+        return sources.open_source(model, params), False
     source = per_model.get(key)
     if source is not None and source.valid():
         return source, True

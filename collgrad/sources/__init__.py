@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 from collgrad import _compat
 from collgrad.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 
-__all__ = ["Problem", "LocalGrads", "Source", "ReplicatedSource", "open_source", "select"]
+__all__ = ["Problem", "LocalGrads", "Source", "ReplicatedSource", "open_source", "select", "control_group_of"]
 
 
 class Problem(enum.IntEnum):
@@ -34,6 +34,7 @@ class Problem(enum.IntEnum):
     NOT_BOUNDARY = 2
     UNMANAGED_ACCUMULATION = 3
     NO_GRADIENT_BUFFERS = 4
+    INVALID_ARGUMENTS = 5
 
     def describe(self) -> str:
         return {
@@ -45,6 +46,7 @@ class Problem(enum.IntEnum):
             Problem.UNMANAGED_ACCUMULATION: "managed_gradient_accumulation is off: DeepSpeed reduces inside "
             "step(), so there is no moment at which reduced gradients exist before step()",
             Problem.NO_GRADIENT_BUFFERS: "the optimizer holds no reduced gradient buffers",
+            Problem.INVALID_ARGUMENTS: "invalid arguments (that rank's own error says which)",
         }[self]
 
 
@@ -127,6 +129,20 @@ def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
     named = select(model, params)
     group = _compat.default_group() if torch.distributed.is_initialized() else None
     return ReplicatedSource("torch", named, lambda: [p.grad for _, p in named], group)
+
+
+def control_group_of(model: Any) -> ProcessGroup | None:
+    """The group whose ranks must all call for ``model`` (its data-parallel group), found without
+    inspecting gradients: used to tell the other ranks when this rank's arguments are invalid."""
+    if not torch.distributed.is_initialized():
+        return None
+    if "deepspeed" in sys.modules or _looks_like_engine(model):
+        from collgrad.sources import deepspeed as ds_source
+
+        engine = ds_source.find_engine(model)
+        if engine is not None:
+            return ds_source.control_group(engine)
+    return _compat.default_group()
 
 
 def _looks_like_engine(model: Any) -> bool:

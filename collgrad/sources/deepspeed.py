@@ -42,7 +42,7 @@ from collgrad.buffers import Pieces
 from collgrad.sources import LocalGrads, Problem, ReplicatedSource, Source
 from collgrad.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 
-__all__ = ["find_engine", "open_engine"]
+__all__ = ["find_engine", "open_engine", "control_group"]
 
 
 def find_engine(model: Any) -> DeepSpeedEngine | None:
@@ -60,7 +60,7 @@ def find_engine(model: Any) -> DeepSpeedEngine | None:
     return None
 
 
-def _control_group(engine: DeepSpeedEngine):
+def control_group(engine: DeepSpeedEngine):
     group = getattr(engine, "seq_data_parallel_group", None) or getattr(engine, "data_parallel_group", None)
     return group if group is not None else _compat.default_group()
 
@@ -90,13 +90,18 @@ def _loss_scale(engine: DeepSpeedEngine) -> float:
 
 def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) -> Source:
     opt = engine.optimizer
+    if opt is None:
+        raise ValueError(
+            "this DeepSpeed engine has no optimizer, so DeepSpeed reduces no gradient: pass an optimizer to "
+            "deepspeed.initialize, or pass the module itself if its .grad already holds reduced gradients"
+        )
     kind = type(opt).__name__
     model_parallel = frozenset(n for n, p in named if is_model_parallel_parameter(p) or is_moe_param(p))
     if kind == "DeepSpeedZeroOptimizer":
         return _Zero12(engine, named, model_parallel)
     if kind == "DeepSpeedZeroOptimizer_Stage3":
         return _Zero3(engine, named, model_parallel)
-    group = _control_group(engine)
+    group = control_group(engine)
     if kind == "BF16_Optimizer":
         # fp32_groups_has_gradients: set when backward adds into the fp32 accumulation buffer, cleared
         # by zero_grad() in step().
@@ -128,7 +133,7 @@ class _EngineSource(Source):
         self.names = {id(p): n for n, p in named}
         self.model_parallel = model_parallel
         self.device = named[0][1].device if named else torch.device("cpu")
-        self.control_group = _control_group(engine)
+        self.control_group = control_group(engine)
         self.groups = {}
         self.scratch = {}
 

@@ -1,0 +1,98 @@
+"""Bad input gets a clear error on every rank, quickly: never a hang or a wrong value."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+
+def _attempt(fn):
+    start = time.monotonic()
+    try:
+        value = fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"error": None, "value": value, "seconds": time.monotonic() - start}
+
+
+def _cases(rank, world):
+    import deepspeed
+
+    import collgrad
+    from collgrad import Policy
+    from tests.deepspeed import models
+
+    eng = models.engine(models.config(2))
+    models.run_backward(eng, rank)
+    names = [n for n, p in eng.module.named_parameters() if p.requires_grad]
+    other = models.Net()
+    bare, *_ = deepspeed.initialize(model=models.Net(), config=models.config(0))  # no optimizer
+    fast = collgrad.Dispatcher(timeout=5)
+    reference = collgrad.safe_get_full_model_grads(eng)
+    get = collgrad.safe_get_full_model_grads
+    out = {
+        "not_a_model": _attempt(lambda: get(42)),
+        "engine_without_optimizer": _attempt(lambda: get(bare)),
+        "parameters_of_another_model": _attempt(lambda: get(eng, params=[other.inp.weight])),
+        "empty_subset": _attempt(lambda: get(eng, params=[])),
+        "empty_model": _attempt(lambda: get(torch.nn.Sequential())),
+        "invalid_bucket_size": _attempt(lambda: get(eng, bucket_bytes=0)),
+        "unknown_forced_backend": _attempt(lambda: get(eng, policy=Policy(force="glooo"))),
+        "unavailable_forced_backend": _attempt(lambda: get(eng, policy=Policy(force="nccl"))),
+        "unknown_plan": _attempt(lambda: get(eng, plan="scatter")),
+        # one rank alone with bad arguments: the others learn it in the readiness check
+        "bad_bucket_on_one_rank": _attempt(lambda: get(eng, bucket_bytes=-1 if rank == 0 else None, dispatcher=fast)),
+        "reordered_subset": _attempt(lambda: list(get(eng, params=names[::-1] if rank == 0 else names).items())),
+    }
+    out["reordered_subset"]["equal"] = out["reordered_subset"]["error"] is None and all(
+        torch.equal(t, reference[n]) for n, t in out["reordered_subset"].pop("value")
+    )
+    out["valid_after_all_that"] = _attempt(lambda: len(get(eng)))
+    return out
+
+
+EXPECTED = {
+    "not_a_model": ("TypeError", "expected a DeepSpeed engine or a torch.nn.Module"),
+    "engine_without_optimizer": ("ValueError", "has no optimizer"),
+    "parameters_of_another_model": ("KeyError", "not a trainable parameter of this model"),
+    "empty_subset": ("ValueError", "no trainable parameter is selected"),
+    "empty_model": ("ValueError", "no trainable parameter is selected"),
+    "invalid_bucket_size": ("ValueError", "bucket_bytes must be positive"),
+    "unknown_forced_backend": ("PolicyError", "glooo"),
+    "unavailable_forced_backend": ("NoPrimitiveError", "another backend/primitive is forced"),
+    "unknown_plan": ("ValueError", "plan must be one of"),
+}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def results(request):
+    return run_ranks(_cases, request.param, timeout=300)
+
+
+@pytest.mark.parametrize("case", list(EXPECTED))
+def test_bad_input_raises_the_same_clear_error_on_every_rank(results, case):
+    kind, text = EXPECTED[case]
+    for rank, res in enumerate(results):
+        assert res[case]["error"] == kind, (rank, res[case])
+        assert text in res[case]["message"]
+        assert res[case]["seconds"] < 10
+
+
+def test_bad_arguments_on_one_rank_make_every_rank_raise(results):
+    assert results[0]["bad_bucket_on_one_rank"]["error"] == "ValueError"
+    for res in results[1:]:
+        assert res["bad_bucket_on_one_rank"]["error"] == "CollgradError"
+        assert "rank(s) [0] passed invalid arguments" in res["bad_bucket_on_one_rank"]["message"]
+        assert res["bad_bucket_on_one_rank"]["seconds"] < 5
+
+
+def test_parameter_order_does_not_matter(results):
+    assert all(res["reordered_subset"]["equal"] for res in results)  # results keep named_parameters() order
+
+
+def test_the_engine_still_works_after_bad_calls(results):
+    assert all(res["valid_after_all_that"]["error"] is None for res in results)
