@@ -1,0 +1,91 @@
+"""Calling collgrad every step changes nothing in training, and repeated calls hold no memory."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+STEPS = 30
+CONFIGS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16_acc32"), (2, "bf16_acc32"), (3, "bf16_acc32")]
+
+
+def _train(rank, world, stage, dtype, call):
+    import deepspeed
+
+    import collgrad
+    from tests.deepspeed import models
+
+    eng = models.engine(models.config(stage, dtype=dtype))
+    pdtype = next(eng.module.parameters()).dtype
+    for step in range(STEPS):
+        x, y = models.batch(rank, step, pdtype)
+        eng.backward(torch.nn.functional.mse_loss(eng(x).float(), y.float()))
+        if call:
+            plan = ("all_gather", "all_reduce", "auto")[step % 3]
+            collgrad.safe_get_full_model_grads(eng, plan=plan)
+            if step % 5 == 0:
+                for _ in collgrad.iter_full_model_grads(eng, bucket_bytes=128):
+                    pass
+        eng.step()
+    with deepspeed.zero.GatheredParameters(list(eng.module.parameters()), enabled=stage == 3):
+        return [p.detach().clone() for p in eng.module.parameters()]
+
+
+def _both(rank, world):
+    out = {}
+    for stage, dtype in CONFIGS:
+        with_calls = _train(rank, world, stage, dtype, True)
+        without = _train(rank, world, stage, dtype, False)
+        out[(stage, dtype)] = all(torch.equal(a, b) for a, b in zip(with_calls, without))
+    return out
+
+
+def test_thirty_steps_with_a_call_every_step_give_bitwise_identical_parameters():
+    for per_rank in run_ranks(_both, 2, timeout=900):
+        assert per_rank == dict.fromkeys(CONFIGS, True)
+
+
+def _leaks(rank, world):
+    import weakref
+
+    import collgrad
+    from collgrad.bench import VectorModel, _host_bytes_in_use
+    from tests.deepspeed import models
+
+    in_use = _host_bytes_in_use()
+    out = {}
+    for stage in (2, 3):
+        model = VectorModel(50, 200_000)  # 800 kB of gradient: a leaked result per call would show
+        eng = models.engine(models.config(stage), model)
+        eng.backward(eng(torch.rand(2, model.width)))
+        for _ in range(20):  # warm-up: caches, staging buffers, allocator pools
+            collgrad.safe_get_full_model_grads(eng)
+        gc.collect()
+        before = in_use()
+        for i in range(300):
+            grads = collgrad.safe_get_full_model_grads(eng, plan=("all_gather", "all_reduce")[i % 2])
+            del grads
+        gc.collect()
+        out[stage] = in_use() - before
+    # The plan cache holds models weakly: it lets go of a model when the model goes.
+    dispatcher = collgrad.Dispatcher()
+    plain = torch.nn.Linear(4, 3)
+    plain(torch.ones(2, 4)).sum().backward()
+    collgrad.safe_get_full_model_grads(plain, dispatcher=dispatcher)
+    ref = weakref.ref(plain)
+    cached = len(dispatcher.model_cache)
+    del plain
+    gc.collect()
+    out["cache"] = (cached, len(dispatcher.model_cache), ref() is None)
+    return out
+
+
+@pytest.mark.parametrize("world", [2])
+def test_three_hundred_calls_leave_memory_flat_and_the_cache_lets_go(world):
+    for res in run_ranks(_leaks, world, timeout=600):
+        assert abs(res[2]) < 2 * 2**20 and abs(res[3]) < 2 * 2**20, res  # < 2 MiB after 300 calls
+        assert res["cache"] == (1, 0, True)
