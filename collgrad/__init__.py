@@ -66,6 +66,7 @@ def all_reduce_coalesced(
     bucket_bytes: int | None = None,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    atomic: bool = True,
 ) -> CallRecord:
     """All-reduce ``tensors`` in place, one collective per bucket; returns what it did.
 
@@ -73,9 +74,13 @@ def all_reduce_coalesced(
     types in the same order, after ``init_process_group``. Tensors may mix dtypes and devices, be
     non-contiguous or empty. ``bucket_bytes`` caps each bucket's buffer (default 25 MiB). The first
     call for a (group, device type) runs one small collective to agree on capabilities.
+
+    ``atomic`` (default): the tensors are written only after every bucket has completed, so an error
+    leaves them as they were (one more copy of each); ``atomic=False`` reduces in place bucket by
+    bucket, without that copy. Waits are bounded (COLLGRAD_TIMEOUT) and raise CollgradTimeout.
     """
     return (dispatcher or default_dispatcher()).all_reduce(
-        tensors, group, op, bucket_bytes=bucket_bytes, policy=policy
+        tensors, group, op, bucket_bytes=bucket_bytes, policy=policy, atomic=atomic
     )
 
 
@@ -87,6 +92,7 @@ def all_gather_coalesced(
     bucket_bytes: int | None = None,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    atomic: bool = True,
 ) -> CallRecord:
     """All-gather each ``inputs[i]`` into ``outputs[i]`` (``world_size * inputs[i].numel()`` elements,
     rank-major, as ``all_gather_into_tensor``), one collective per bucket; returns what it did.
@@ -94,7 +100,7 @@ def all_gather_coalesced(
     Same calling rules as ``all_reduce_coalesced``; ``bucket_bytes`` caps the gathered buffer.
     """
     return (dispatcher or default_dispatcher()).all_gather(
-        outputs, inputs, group, bucket_bytes=bucket_bytes, policy=policy
+        outputs, inputs, group, bucket_bytes=bucket_bytes, policy=policy, atomic=atomic
     )
 
 

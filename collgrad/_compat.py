@@ -27,6 +27,8 @@ __all__ = [
     "allreduce_coalesced",
     "all_gather_coalesced",
     "gloo_has_all_gather_coalesced",
+    "default_store",
+    "group_key",
 ]
 
 
@@ -148,3 +150,15 @@ def all_gather_coalesced(
 def gloo_has_all_gather_coalesced() -> bool:
     """Gloo implements ``allgather_into_tensor_coalesced`` since about 2.3 (pytorch PR #118910)."""
     return torch_version_at_least(2, 3)
+
+
+def default_store() -> dist.Store:
+    """The key-value store the default group was created with: an out-of-band channel between ranks
+    that needs no collective. Private in torch (``_get_default_store``) since 1.x, still there in 2.13."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def group_key(group: ProcessGroup) -> str:
+    """A name for ``group`` that is the same on every rank (``group_name`` since 2.0)."""
+    name = getattr(group, "group_name", None)
+    return str(name) if name else "-".join(map(str, group_ranks(group)))

@@ -293,7 +293,7 @@ class _Stream:
         device, world = self.source.device, group.world
         if group.kind is Kind.PARTITIONED_FLAT:
             full = torch.empty(world * group.partition_numel, dtype=group.wire_dtype, device=device)
-            calls.append(self.dispatcher.all_gather([full], [buffer.whole().to(device)], pg,
+            calls.append(self.dispatcher.all_gather([full], [buffer.whole().to(device)], pg, atomic=False,
                                                     bucket_bytes=self.bucket_bytes, policy=self.policy))
             slots = [group.params[k] for k in batch]
             # One split of the gathered flat group into [gap, param, gap, param, ...] (C++), then views.
@@ -313,7 +313,8 @@ class _Stream:
         span = slots[-1].offset + slots[-1].slice_numel - lo
         local = buffer.range(lo, span).to(device)  # a view of DeepSpeed's flat buffer, or one move
         staging = self._staging(group.wire_dtype, device, world * span)
-        calls.append(self.dispatcher.all_gather([staging], [local], pg, bucket_bytes=self.bucket_bytes, policy=self.policy))
+        calls.append(self.dispatcher.all_gather([staging], [local], pg, atomic=False, bucket_bytes=self.bucket_bytes,
+                                                policy=self.policy))
         sizes = [s.slice_numel for s in slots]
         result = torch.empty(world * span, dtype=group.wire_dtype, device=device)
         for s, src, dst in zip(slots, staging.view(world, span).split(sizes, dim=1), result.split([world * n for n in sizes])):
@@ -351,7 +352,9 @@ class _Stream:
         # One tensor per parameter, back to back in ``result``: bucket primitives send them as one run
         # without copying, the per-tensor fallback sends one collective per parameter.
         views = [result[starts[k] : starts[k] + slots[k].numel] for k in batch]
-        calls.append(self.dispatcher.all_reduce(views, pg, bucket_bytes=self.bucket_bytes, policy=self.policy))
+        # Not atomic: these are collgrad's own buffers, returned only if the whole call succeeds.
+        calls.append(self.dispatcher.all_reduce(views, pg, atomic=False, bucket_bytes=self.bucket_bytes,
+                                                policy=self.policy))
         for k in batch:
             yield slots[k].name, self._finish(result[starts[k] : starts[k] + slots[k].numel], slots[k], group.out_dtype)
 

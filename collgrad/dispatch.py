@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,8 @@ from collgrad.buffers import adjacent_view
 from collgrad.backends.mpi import Mpi4pyChannel
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import Registry
-from collgrad.errors import NoPrimitiveError
+from collgrad.errors import CollgradError, NoPrimitiveError
+from collgrad.failures import BucketFailures, FaultPoint
 from collgrad.plan import Bucket, BucketRule, Plan, TensorSpec
 from collgrad.planner import DEFAULT_BUCKET_BYTES, bucket_capacity, plan_buckets
 from collgrad.primitives import Channel, Handle, torch_channel
@@ -37,7 +38,8 @@ class _InFlight:
     bucket: Bucket
     handles: list[Handle]
     buffers: tuple[Any, ...]
-    in_place: bool = False  # the packed buffer *is* the caller's memory: nothing to unpack
+    in_place: bool = False  # the packed buffer *is* the working memory: nothing to unpack
+    fallback: str = ""  # why this bucket went per tensor after its primitive raised on every rank
 
 
 class Dispatcher:
@@ -49,6 +51,10 @@ class Dispatcher:
 
     def __init__(self, registry: Registry | None = None, timeout: float | None = None) -> None:
         self.registry = registry if registry is not None else Registry(timeout=timeout)
+        #: Test hook: called with a FaultPoint just before each bucket's collective is issued; an
+        #: exception it raises is handled as a primitive failing on this rank (see failures.py).
+        self.fault_hook: Callable[[FaultPoint], None] | None = None
+        self._calls: dict[str, int] = {}
         #: Seconds any collective of this dispatcher may wait (COLLGRAD_TIMEOUT, default 120).
         self.timeout = timeout_from_env(timeout) if timeout is not None or registry is None else registry.timeout
         #: Per model (weakly): gradient sources and their layouts, reused while valid (see api.py).
@@ -63,7 +69,10 @@ class Dispatcher:
         *,
         bucket_bytes: int | None = None,
         policy: Policy | None = None,
+        atomic: bool = True,
     ) -> CallRecord:
+        """``atomic``: write ``tensors`` only once every bucket has completed (a failure leaves them as
+        they were), at the cost of one more copy of each; False reduces buckets in place as they go."""
         tensors = list(tensors)
         for i, t in enumerate(tensors):
             _check_tensor(t, f"tensors[{i}]")
@@ -71,7 +80,7 @@ class Dispatcher:
             for i, t in enumerate(tensors):
                 if not (t.is_floating_point() or t.is_complex()):
                     raise TypeError(f"tensors[{i}] is {t.dtype}: ReduceOp.AVG needs floating-point tensors")
-        return self._run(Op.ALL_REDUCE, tensors, None, group, op, bucket_bytes, policy)
+        return self._run(Op.ALL_REDUCE, tensors, None, group, op, bucket_bytes, policy, atomic)
 
     def all_gather(
         self,
@@ -81,7 +90,9 @@ class Dispatcher:
         *,
         bucket_bytes: int | None = None,
         policy: Policy | None = None,
+        atomic: bool = True,
     ) -> CallRecord:
+        """``atomic``: write ``outputs`` only once every bucket has completed (see ``all_reduce``)."""
         outputs, inputs = list(outputs), list(inputs)
         if len(outputs) != len(inputs):
             raise ValueError(f"{len(outputs)} outputs for {len(inputs)} inputs")
@@ -94,7 +105,7 @@ class Dispatcher:
                     f"outputs[{i}] must have world_size * inputs[{i}].numel() = {world * inp.numel()} elements, "
                     f"dtype {inp.dtype} and device {inp.device}; got {out.numel()}, {out.dtype}, {out.device}"
                 )
-        return self._run(Op.ALL_GATHER, inputs, outputs, group, None, bucket_bytes, policy)
+        return self._run(Op.ALL_GATHER, inputs, outputs, group, None, bucket_bytes, policy, atomic)
 
     # -- planning ---------------------------------------------------------------------------------------
     def plan(
@@ -133,7 +144,7 @@ class Dispatcher:
             if choice.primitive is Primitive.MPI4PY:
                 channels[rule] = Mpi4pyChannel(self.registry.mpi, links.mpi_comm)
             else:
-                channels[rule] = torch_channel(choice.primitive, group)
+                channels[rule] = torch_channel(choice.primitive, group, choice.backend)
             decisions.append(
                 Decision(device_type, spec.dtype, choice.primitive.value, choice.backend, choice.wire_dtype, choice.why())
             )
@@ -142,28 +153,52 @@ class Dispatcher:
         return plan, channels, tuple(decisions)
 
     # -- execution ----------------------------------------------------------------------------------------
-    def _run(self, op, inputs, outputs, group, reduce_op, bucket_bytes, policy) -> CallRecord:
+    def _run(self, op, inputs, outputs, group, reduce_op, bucket_bytes, policy, atomic) -> CallRecord:
         group = group if group is not None else _compat.default_group()
         plan, channels, decisions = self.plan(op, inputs, group, bucket_bytes=bucket_bytes, policy=policy)
+        key = _compat.group_key(group)
+        self._calls[key] = call = self._calls.get(key, 0) + 1
+        failures = BucketFailures(group, call)
         with torch.no_grad():
-            src = [_Work(t) for t in inputs]
-            dst = src if outputs is None else [_Work(t) for t in outputs]
+            # Atomic: every bucket works on private copies; the caller's tensors are written at the end.
+            src = [_Work(t, private=atomic and op is Op.ALL_REDUCE) for t in inputs]
+            dst = src if outputs is None else [_Work(t, private=atomic, fill=False) for t in outputs]
             records = []
             in_flight: deque[_InFlight] = deque()
             for bucket in plan.buckets:
-                channel = channels[bucket.rule]
-                if op is Op.ALL_REDUCE:
-                    in_flight.append(_start_reduce(bucket, channel, src, reduce_op))
-                else:
-                    in_flight.append(_start_gather(bucket, channel, src, dst, plan.world_size))
-                records.append(_record(bucket, len(in_flight[-1].handles)))
+                flight = self._start(op, bucket, channels[bucket.rule], src, dst, reduce_op, plan, group, failures)
+                in_flight.append(flight)
+                records.append(_record(bucket, len(flight.handles), flight.fallback))
                 if len(in_flight) == 2:
-                    _finish(in_flight.popleft(), op, reduce_op, src, dst, plan, self.timeout, group)
+                    _finish(in_flight.popleft(), op, reduce_op, src, dst, plan, self.timeout, group, failures)
             while in_flight:
-                _finish(in_flight.popleft(), op, reduce_op, src, dst, plan, self.timeout, group)
+                _finish(in_flight.popleft(), op, reduce_op, src, dst, plan, self.timeout, group, failures)
             for work in dst:
                 work.write_back()
         return CallRecord(op.value, tuple(_compat.group_ranks(group)), tuple(records), decisions)
+
+    def _start(self, op, bucket, channel, src, dst, reduce_op, plan, group, failures) -> _InFlight:
+        """Issue one bucket. If this rank cannot (the primitive raised before any data moved), the
+        ranks settle it through ``failures``: all fall back to one collective per tensor, or all raise."""
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(FaultPoint(op.value, bucket.index, bucket.primitive.value, dist.get_rank()))
+            return _start_bucket(op, bucket, channel, src, dst, reduce_op, plan.world_size)
+        except CollgradError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure to issue is settled with the other ranks
+            failures.report(bucket.index, f"{bucket.primitive.value} raised {type(exc).__name__}: {exc}", self.timeout)
+            fallback = torch_channel(Primitive.PER_TENSOR, group, bucket.rule.backend)
+            flight = _start_bucket(op, replace(bucket, rule=replace(bucket.rule, primitive=Primitive.PER_TENSOR)),
+                                   fallback, src, dst, reduce_op, plan.world_size)
+            flight.fallback = f"{bucket.primitive.value} raised on every rank ({type(exc).__name__}: {exc})"
+            return flight
+
+
+def _start_bucket(op, bucket, channel, src, dst, reduce_op, world) -> _InFlight:
+    if op is Op.ALL_REDUCE:
+        return _start_reduce(bucket, channel, src, reduce_op)
+    return _start_gather(bucket, channel, src, dst, world)
 
 
 def _check_tensor(t: Any, name: str) -> None:
@@ -174,13 +209,19 @@ def _check_tensor(t: Any, name: str) -> None:
 
 
 class _Work:
-    """A tensor as the dispatcher sees it: a contiguous flat view, or a contiguous copy of a strided
-    tensor that is written back once all buckets are done (never hand a gapped view to a backend)."""
+    """A tensor as the dispatcher sees it: a contiguous flat view, or a contiguous copy that is written
+    back once all buckets are done: for strided tensors (never hand a gapped view to a backend) and,
+    with ``private``, for every tensor (atomic calls). ``fill``: the copy starts with the tensor's values."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, private: bool = False, fill: bool = True) -> None:
         self.tensor = tensor
-        self.copied = not tensor.is_contiguous()
-        self.flat = (tensor.contiguous() if self.copied else tensor).view(-1)
+        self.copied = private or not tensor.is_contiguous()
+        if not self.copied:
+            self.flat = tensor.view(-1)
+        elif fill:  # contiguous() of a strided tensor already copies (reshape could return a gapped view)
+            self.flat = tensor.contiguous().view(-1) if not tensor.is_contiguous() else tensor.view(-1).clone()
+        else:
+            self.flat = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
 
     def write_back(self) -> None:
         if self.copied:
@@ -237,12 +278,22 @@ def _start_gather(bucket: Bucket, channel: Channel, src: list[_Work], dst: list[
     return _InFlight(bucket, channel.all_gather(outputs, inputs), tuple(outputs))
 
 
-def _finish(flight: _InFlight, op: Op, reduce_op, src, dst, plan: Plan, timeout_s: float, group) -> None:
+def _finish(flight: _InFlight, op: Op, reduce_op, src, dst, plan: Plan, timeout_s: float, group, failures) -> None:
     bucket, world = flight.bucket, plan.world_size
     what = (f"{op.value} of bucket {bucket.index} ({bucket.numel} x {bucket.rule.wire_dtype} on {bucket.device}, "
             f"{bucket.primitive.value} over {bucket.rule.backend}, group {_compat.group_ranks(group)})")
+
+    def watch() -> None:  # another rank reported that it cannot send this bucket: stop waiting
+        if failures.failed_elsewhere(bucket.index):
+            who = failures.acknowledge(bucket.index)
+            raise CollgradError(
+                f"rank {dist.get_rank()}: {what} cannot complete: {who}, before sending its data. The group is "
+                "no longer usable; no output buffer of this call was written. Stop the job and look at that "
+                "rank's error."
+            )
+
     for handle in flight.handles:
-        handle.wait(timeout_s, what)
+        handle.wait(timeout_s, what, watch)
     if op is Op.ALL_REDUCE:
         if bucket.primitive.packs:
             (buf,) = flight.buffers
@@ -265,17 +316,18 @@ def _finish(flight: _InFlight, op: Op, reduce_op, src, dst, plan: Plan, timeout_
             target.copy_(flight.buffers[i].view(world, s.numel))
 
 
-def _record(bucket: Bucket, collectives: int) -> BucketRecord:
+def _record(bucket: Bucket, collectives: int, fallback: str = "") -> BucketRecord:
     wire = bucket.rule.wire_dtype
     return BucketRecord(
         index=bucket.index,
         device=bucket.device,
         dtype=bucket.dtype,
         wire_dtype=wire,
-        primitive=bucket.primitive.value,
+        primitive=Primitive.PER_TENSOR.value if fallback else bucket.primitive.value,
         backend=bucket.rule.backend,
         numel=bucket.numel,
         bytes=bucket.numel * torch.empty((), dtype=wire).element_size(),
         tensors=len({s.tensor for s in bucket.segments}),
         collectives=collectives,
+        fallback=fallback,
     )

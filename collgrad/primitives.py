@@ -9,7 +9,7 @@ call does not check (backends/ccl.py).
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
@@ -24,20 +24,22 @@ __all__ = ["Handle", "TorchHandle", "Channel", "FlatChannel", "CoalescedChannel"
 
 
 class Handle(Protocol):
-    def wait(self, timeout_s: float, what: str) -> None:
-        """Block until the call completes, at most ``timeout_s``; raise CollgradTimeout naming ``what``."""
+    def wait(self, timeout_s: float, what: str, watch: Callable[[], None] | None = None) -> None:
+        """Block until the call completes, at most ``timeout_s``; raise CollgradTimeout naming ``what``.
+        ``watch`` may be run while waiting and raises to abandon the wait."""
 
 
 class TorchHandle:
     """A torch.distributed Work, waited on with a bound."""
 
-    __slots__ = ("work",)
+    __slots__ = ("work", "sliced")
 
-    def __init__(self, work: dist.Work) -> None:
+    def __init__(self, work: dist.Work, sliced: bool) -> None:
         self.work = work
+        self.sliced = sliced  # the backend tolerates waiting again after a timed-out wait (Gloo)
 
-    def wait(self, timeout_s: float, what: str) -> None:
-        wait_work(self.work, timeout_s, what)
+    def wait(self, timeout_s: float, what: str, watch: Callable[[], None] | None = None) -> None:
+        wait_work(self.work, timeout_s, what, watch if self.sliced else None)
 
 
 class Channel(Protocol):
@@ -48,60 +50,60 @@ class Channel(Protocol):
     def all_gather(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[Handle]: ...
 
 
-class FlatChannel:
+class _TorchChannel:
+    def __init__(self, group: ProcessGroup, backend: str) -> None:
+        self.group = group
+        self.sliced = backend == "gloo"
+
+    def _handle(self, work: dist.Work) -> TorchHandle:
+        return TorchHandle(work, self.sliced)
+
+
+class FlatChannel(_TorchChannel):
     """One call on one packed buffer (``tensors``/``inputs`` hold exactly one tensor)."""
 
     primitive = Primitive.FLAT
 
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
-
     def all_reduce(self, tensors, op):
         (flat,) = tensors
-        return [TorchHandle(_compat.all_reduce(flat, op, self.group))]
+        return [self._handle(_compat.all_reduce(flat, op, self.group))]
 
     def all_gather(self, outputs, inputs):
         (out,), (inp,) = outputs, inputs
-        return [TorchHandle(_compat.all_gather_flat(out, inp, self.group))]
+        return [self._handle(_compat.all_gather_flat(out, inp, self.group))]
 
 
-class CoalescedChannel:
+class CoalescedChannel(_TorchChannel):
     """The backend's coalesced call over the bucket's tensors, unpacked: one call."""
 
     primitive = Primitive.COALESCED
 
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
-
     def all_reduce(self, tensors, op):
-        return [TorchHandle(_compat.allreduce_coalesced(self.group, tensors, op))]
+        return [self._handle(_compat.allreduce_coalesced(self.group, tensors, op))]
 
     def all_gather(self, outputs, inputs):
-        return [TorchHandle(_compat.all_gather_coalesced(self.group, outputs, inputs))]
+        return [self._handle(_compat.all_gather_coalesced(self.group, outputs, inputs))]
 
 
-class PerTensorChannel:
+class PerTensorChannel(_TorchChannel):
     """The reference path: one call per tensor, all issued before any is waited on."""
 
     primitive = Primitive.PER_TENSOR
 
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
-
     def all_reduce(self, tensors, op):
-        return [TorchHandle(_compat.all_reduce(t, op, self.group)) for t in tensors]
+        return [self._handle(_compat.all_reduce(t, op, self.group)) for t in tensors]
 
     def all_gather(self, outputs, inputs):
         world = self.group.size()
         return [
-            TorchHandle(_compat.all_gather_list(list(out.view(world, -1).unbind(0)), inp, self.group))
+            self._handle(_compat.all_gather_list(list(out.view(world, -1).unbind(0)), inp, self.group))
             for out, inp in zip(outputs, inputs)
         ]
 
 
-def torch_channel(primitive: Primitive, group: ProcessGroup) -> Channel:
+def torch_channel(primitive: Primitive, group: ProcessGroup, backend: str) -> Channel:
     return {
         Primitive.FLAT: FlatChannel,
         Primitive.COALESCED: CoalescedChannel,
         Primitive.PER_TENSOR: PerTensorChannel,
-    }[primitive](group)
+    }[primitive](group, backend)

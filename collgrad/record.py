@@ -21,6 +21,7 @@ class BucketRecord:
     bytes: int  # bytes of this rank's contribution, in the wire dtype
     tensors: int  # distinct tensors with elements in this bucket
     collectives: int  # collective calls issued for this bucket
+    fallback: str = ""  # set when the agreed primitive raised on every rank and the bucket went per tensor
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
@@ -41,23 +41,45 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def wait_work(work: Any, timeout_s: float, what: str) -> None:
-    """``work.wait`` bounded by ``timeout_s``; a timeout becomes CollgradTimeout naming ``what``."""
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
-            raise
-        raise CollgradTimeout(_message(what, timeout_s)) from exc
+#: With a ``watch``, waits go in slices of this many seconds and ``watch()`` runs between slices.
+SLICE_S = 0.05
 
 
-def poll_until(done: Any, timeout_s: float, what: str) -> None:
-    """Poll ``done()`` (an MPI request's Test) with a short back-off until true or ``timeout_s``."""
+def wait_work(work: Any, timeout_s: float, what: str, watch: Callable[[], None] | None = None) -> None:
+    """``work.wait`` bounded by ``timeout_s``; a timeout becomes CollgradTimeout naming ``what``.
+
+    With ``watch`` (Gloo only: a Gloo Work can be waited on again after a timed-out wait, while NCCL
+    may abort its communicator on a wait timeout), the wait goes in slices and ``watch()`` runs
+    between them; it raises to end the wait early (another rank reported it cannot join).
+    """
     deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        step = min(left, SLICE_S) if watch is not None else left
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=max(step, 1e-3)))
+            return
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                raise
+            if watch is None or time.monotonic() >= deadline:
+                raise CollgradTimeout(_message(what, timeout_s)) from exc
+            watch()
+
+
+def poll_until(done: Any, timeout_s: float, what: str, watch: Callable[[], None] | None = None) -> None:
+    """Poll ``done()`` (an MPI request's Test) with a short back-off until true or ``timeout_s``;
+    ``watch()`` runs every ``SLICE_S`` seconds (see ``wait_work``)."""
+    start = time.monotonic()
+    deadline, next_watch = start + timeout_s, start + SLICE_S
     pause = 1e-5
     while not done():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise CollgradTimeout(_message(what, timeout_s))
+        if watch is not None and now > next_watch:
+            watch()
+            next_watch = now + SLICE_S
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
 

@@ -189,8 +189,8 @@ class _MpiHandle:
         self.request = request
         self.buffers = buffers  # alive until the request completes
 
-    def wait(self, timeout_s: float, what: str) -> None:
-        poll_until(self.request.Test, timeout_s, what)
+    def wait(self, timeout_s: float, what: str, watch: Any = None) -> None:
+        poll_until(self.request.Test, timeout_s, what, watch)
 
 
 class Mpi4pyChannel:

@@ -9,6 +9,8 @@ import torch
 
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.guarantees  # the README's Guarantees section
+
 
 def _attempt(fn):
     start = time.monotonic()

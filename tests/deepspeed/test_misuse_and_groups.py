@@ -10,6 +10,8 @@ import torch
 
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.guarantees  # the README's Guarantees section
+
 
 def _try(fn):
     start = time.monotonic()

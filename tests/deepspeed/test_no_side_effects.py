@@ -9,6 +9,8 @@ import torch
 
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.guarantees  # the README's Guarantees section
+
 STEPS = 30
 CONFIGS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16_acc32"), (2, "bf16_acc32"), (3, "bf16_acc32")]
 
