@@ -20,6 +20,7 @@ reads most of the group, else ``all_reduce``; streaming (``iter_full_model_grads
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -173,7 +174,10 @@ class _Stream:
         self.streaming = streaming
         self.group_records: list[GroupRecord] = []
         self.per_param_collectives = 0
-        _agree(self.source, self.local, self.dispatcher.timeout)
+        # What every rank must also pass alike: it decides the number and size of collectives.
+        forced = None if policy is None else (sorted(policy.force), sorted(policy.forbid))  # sets: sort for a stable repr
+        self.call_print = zlib.crc32(repr((plan, self.bucket_bytes, streaming, forced)).encode())
+        _agree(self.source, self.local, self.dispatcher.timeout, self.call_print)
         self._iter = self._generate()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -359,7 +363,7 @@ class _Stream:
             yield slots[k].name, self._finish(result[starts[k] : starts[k] + slots[k].numel], slots[k], group.out_dtype)
 
 
-def _agree(source: Source, local: LocalGrads, timeout_s: float) -> None:
+def _agree(source: Source, local: LocalGrads, timeout_s: float, call_print: int = 0) -> None:
     """Every rank of the control group learns every rank's problem and layout fingerprint, and all raise
     the same error if any rank cannot read now or planned something else."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -367,7 +371,7 @@ def _agree(source: Source, local: LocalGrads, timeout_s: float) -> None:
         if local.problem is not Problem.OK:
             raise CollgradError(f"rank {rank}: {local.problem.describe()}")
         return
-    rows = exchange(source.control_group, [int(local.problem), source.fingerprint], timeout_s=timeout_s,
+    rows = exchange(source.control_group, [int(local.problem), source.fingerprint ^ call_print], timeout_s=timeout_s,
                     what="the readiness check of safe_get_full_model_grads")
     ranks = _compat.group_ranks(source.control_group)
     invalid = [ranks[i] for i, row in enumerate(rows) if row[0] == Problem.INVALID_ARGUMENTS]
@@ -386,7 +390,8 @@ def _agree(source: Source, local: LocalGrads, timeout_s: float) -> None:
         for i, fp in enumerate(prints):
             groups.setdefault(fp, []).append(ranks[i])
         raise CollgradError(
-            f"ranks asked for different gradients (parameter names, shapes, dtypes or subsets differ; "
+            f"ranks asked for different gradients (parameter names, shapes, dtypes or subsets, or plan=, "
+            f"bucket_bytes=, policy=, or one streaming and one not, differ; "
             f"ranks grouped by what they asked: {sorted(groups.values())}) [seen by rank {rank}]: pass the "
             "same params=, in the same order, on every rank"
         )

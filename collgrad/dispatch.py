@@ -23,7 +23,7 @@ from collgrad.backends.mpi import Mpi4pyChannel
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import Registry
 from collgrad.errors import CollgradError, NoPrimitiveError
-from collgrad.failures import BucketFailures, FaultPoint
+from collgrad.failures import BucketFailures, FaultPoint, next_call
 from collgrad.plan import Bucket, BucketRule, Plan, TensorSpec
 from collgrad.planner import DEFAULT_BUCKET_BYTES, bucket_capacity, plan_buckets
 from collgrad.primitives import Channel, Handle, torch_channel
@@ -54,7 +54,6 @@ class Dispatcher:
         #: Test hook: called with a FaultPoint just before each bucket's collective is issued; an
         #: exception it raises is handled as a primitive failing on this rank (see failures.py).
         self.fault_hook: Callable[[FaultPoint], None] | None = None
-        self._calls: dict[str, int] = {}
         #: Seconds any collective of this dispatcher may wait (COLLGRAD_TIMEOUT, default 120).
         self.timeout = timeout_from_env(timeout) if timeout is not None or registry is None else registry.timeout
         #: Per model (weakly): gradient sources and their layouts, reused while valid (see api.py).
@@ -156,9 +155,7 @@ class Dispatcher:
     def _run(self, op, inputs, outputs, group, reduce_op, bucket_bytes, policy, atomic) -> CallRecord:
         group = group if group is not None else _compat.default_group()
         plan, channels, decisions = self.plan(op, inputs, group, bucket_bytes=bucket_bytes, policy=policy)
-        key = _compat.group_key(group)
-        self._calls[key] = call = self._calls.get(key, 0) + 1
-        failures = BucketFailures(group, call)
+        failures = BucketFailures(group, next_call(group))
         with torch.no_grad():
             # Atomic: every bucket works on private copies; the caller's tensors are written at the end.
             src = [_Work(t, private=atomic and op is Op.ALL_REDUCE) for t in inputs]
@@ -189,8 +186,8 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - any failure to issue is settled with the other ranks
             failures.report(bucket.index, f"{bucket.primitive.value} raised {type(exc).__name__}: {exc}", self.timeout)
             fallback = torch_channel(Primitive.PER_TENSOR, group, bucket.rule.backend)
-            flight = _start_bucket(op, replace(bucket, rule=replace(bucket.rule, primitive=Primitive.PER_TENSOR)),
-                                   fallback, src, dst, reduce_op, plan.world_size)
+            rule = replace(bucket.rule, primitive=Primitive.PER_TENSOR, wire_dtype=bucket.dtype)
+            flight = _start_bucket(op, replace(bucket, rule=rule), fallback, src, dst, reduce_op, plan.world_size)
             flight.fallback = f"{bucket.primitive.value} raised on every rank ({type(exc).__name__}: {exc})"
             return flight
 
@@ -293,7 +290,8 @@ def _finish(flight: _InFlight, op: Op, reduce_op, src, dst, plan: Plan, timeout_
             )
 
     for handle in flight.handles:
-        handle.wait(timeout_s, what, watch)
+        # A bucket that already fell back has its failure notices in the store: nothing to watch.
+        handle.wait(timeout_s, what, None if flight.fallback else watch)
     if op is Op.ALL_REDUCE:
         if bucket.primitive.packs:
             (buf,) = flight.buffers

@@ -20,6 +20,7 @@ by a per-group call counter that advances identically on every rank.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -27,7 +28,17 @@ import torch.distributed as dist
 from collgrad import _compat
 from collgrad.errors import CollgradError
 
-__all__ = ["BucketFailures", "FaultPoint"]
+__all__ = ["BucketFailures", "FaultPoint", "next_call"]
+
+# Calls per process group, counted for the whole process (not per Dispatcher): store keys are shared
+# by the whole job, so two dispatchers must never reuse a call number. Every rank makes its calls on a
+# group in the same order, so the numbers agree. Weak: forgotten with the group.
+_CALLS: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
+
+
+def next_call(group: dist.ProcessGroup) -> int:
+    _CALLS[group] = call = _CALLS.get(group, 0) + 1
+    return call
 
 
 @dataclass(frozen=True)

@@ -244,9 +244,9 @@ def installed() -> dict[str, bool]:
 
 @dataclass(frozen=True)
 class GroupLinks:
-    """What the dispatcher needs besides the decision: the group and, if chosen, its MPI communicator."""
+    """What the dispatcher needs besides the decision: the MPI communicator, if mpi4py was chosen.
+    (No reference to the group: the cache holds groups weakly.)"""
 
-    group: ProcessGroup
     capabilities: Capabilities
     mpi_comm: Any = None
 
@@ -275,7 +275,10 @@ class Registry:
         group = group if group is not None else _compat.default_group()
         effective = self.policy(policy)
         per_group = self._cache.setdefault(group, {})
-        key = (device_type, effective)
+        # Keyed on the call's policy, which every rank passes alike, not on the effective one: the
+        # environment part may differ between ranks, and a cache hit on one rank with a miss on
+        # another would leave ranks in different collectives.
+        key = (device_type, policy)
         if key not in per_group:
             per_group[key] = self._agree(group, device_type, effective)
         return per_group[key]
@@ -310,7 +313,7 @@ class Registry:
             comm = self.mpi.communicator(mpi_ranks, ranks)
             if comm is None:  # every member saw the same allgather, so every member gets here
                 caps = decide(rows, device_type, backend, ranks, mpi_verified=False)
-        return GroupLinks(group, caps, comm)
+        return GroupLinks(caps, comm)
 
     def _local(self, group, device_type, backend, policy, size):
         policy_error = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -126,9 +127,12 @@ def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
         raise TypeError(
             f"rank {_rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
         )
+    params = None if params is None else list(params)
     named = select(model, params)
     group = _compat.default_group() if torch.distributed.is_initialized() else None
-    return ReplicatedSource("torch", named, lambda: [p.grad for _, p in named], group)
+    module = weakref.ref(model)
+    return ReplicatedSource("torch", named, lambda: [p.grad for _, p in named], group,
+                            reselect=lambda: select(module(), params))
 
 
 def control_group_of(model: Any) -> ProcessGroup | None:
@@ -153,8 +157,10 @@ class ReplicatedSource(Source):
     """Every rank holds every full, reduced gradient: ``grads()`` returns them (None where absent)."""
 
     def __init__(self, variant, named, grads, group, *, problem=None, loss_scale=lambda: 1.0,
-                 model_parallel=frozenset(), dtype=None) -> None:
+                 model_parallel=frozenset(), dtype=None, reselect=None) -> None:
         self._grads = grads
+        self._reselect = reselect  # a plain module: trainable parameters can change between calls
+        self._selection = [(n, id(p)) for n, p in named]
         self._problem = problem
         self._loss_scale = loss_scale
         self.params = dict(named)
@@ -169,6 +175,11 @@ class ReplicatedSource(Source):
         self.layout = GradLayout(variant, (GradGroup(0, Kind.REPLICATED, ranks, 0, out, out, slots),),
                                  tuple(n for n, _ in named))
         self.fingerprint = self.layout.fingerprint()
+
+    def valid(self) -> bool:
+        if self._reselect is None:
+            return True
+        return [(n, id(p)) for n, p in self._reselect()] == self._selection
 
     def read(self) -> LocalGrads:
         grads = self._grads()

@@ -26,6 +26,7 @@ optimizer keeps for itself; see ``_problem``.
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Any
 
 import torch
@@ -102,24 +103,25 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) 
     if kind == "DeepSpeedZeroOptimizer_Stage3":
         return _Zero3(engine, named, model_parallel)
     group = control_group(engine)
+    engine_ref = weakref.ref(engine)  # sources are cached keyed weakly by the engine: never hold it
     if kind == "BF16_Optimizer":
         # fp32_groups_has_gradients: set when backward adds into the fp32 accumulation buffer, cleared
         # by zero_grad() in step().
         return ReplicatedSource(
             "deepspeed-bf16-optimizer", named, lambda: [getattr(p, "_hp_grad", None) for _, p in named], group,
-            problem=lambda: _problem(engine, any(any(f) for f in opt.fp32_groups_has_gradients)),
+            problem=lambda: _problem(engine_ref(), any(any(f) for f in opt.fp32_groups_has_gradients)),
             model_parallel=model_parallel, dtype=torch.float32,
         )
     if engine.zero_optimization_stage() == 0:
         grads = lambda: [p.grad for _, p in named]  # noqa: E731
         return ReplicatedSource(
             "deepspeed-stage0", named, grads, group,
-            problem=lambda: _problem(engine, not named or any(g is not None for g in grads())),
-            loss_scale=lambda: _loss_scale(engine), model_parallel=model_parallel,
+            problem=lambda: _problem(engine_ref(), not named or any(g is not None for g in grads())),
+            loss_scale=lambda: _loss_scale(engine_ref()), model_parallel=model_parallel,
         )
     # An optimizer whose layout collgrad does not know: DeepSpeed's accessor, one collective per parameter.
     source = ReplicatedSource(f"deepspeed-accessor:{kind}", named, lambda: [None] * len(named), group,
-                              problem=lambda: _problem(engine, True), loss_scale=lambda: _loss_scale(engine),
+                              problem=lambda: _problem(engine_ref(), True), loss_scale=lambda: _loss_scale(engine_ref()),
                               model_parallel=model_parallel, dtype=torch.float32)
     source.per_param = safe_get_full_grad
     return source
@@ -127,7 +129,7 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) 
 
 class _EngineSource(Source):
     def __init__(self, engine: DeepSpeedEngine, named, model_parallel) -> None:
-        self.engine = engine
+        self._engine = weakref.ref(engine)  # cached keyed weakly by the engine: never hold it
         self.opt = engine.optimizer
         self.params = dict(named)
         self.names = {id(p): n for n, p in named}
@@ -136,6 +138,11 @@ class _EngineSource(Source):
         self.control_group = control_group(engine)
         self.groups = {}
         self.scratch = {}
+
+
+    @property
+    def engine(self) -> DeepSpeedEngine:
+        return self._engine()
 
 
 class _Zero12(_EngineSource):

@@ -48,6 +48,8 @@ def _cases(rank, world):
         "unknown_plan": _attempt(lambda: get(eng, plan="scatter")),
         # one rank alone with bad arguments: the others learn it in the readiness check
         "bad_bucket_on_one_rank": _attempt(lambda: get(eng, bucket_bytes=-1 if rank == 0 else None, dispatcher=fast)),
+        "different_bucket_bytes": _attempt(lambda: get(eng, bucket_bytes=1 << 20 if rank == 0 else None)),
+        "different_plans": _attempt(lambda: get(eng, plan="all_gather" if rank == 0 else "all_reduce")),
         "reordered_subset": _attempt(lambda: list(get(eng, params=names[::-1] if rank == 0 else names).items())),
     }
     out["reordered_subset"]["equal"] = out["reordered_subset"]["error"] is None and all(
@@ -67,6 +69,8 @@ EXPECTED = {
     "unknown_forced_backend": ("PolicyError", "glooo"),
     "unavailable_forced_backend": ("NoPrimitiveError", "another backend/primitive is forced"),
     "unknown_plan": ("ValueError", "plan must be one of"),
+    "different_bucket_bytes": ("CollgradError", "ranks asked for different gradients"),
+    "different_plans": ("CollgradError", "ranks asked for different gradients"),
 }
 
 

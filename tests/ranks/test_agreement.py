@@ -92,3 +92,41 @@ def test_capabilities_are_cached_immutable_and_per_group():
     assert results[0][2].group_ranks == (0, 2) and results[1][2] is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         results[0][1].backend = "nccl"
+
+
+def _env_override_then_same_call_policy(rank, world):
+    import collgrad
+    from collgrad import Policy
+
+    dispatcher = collgrad.Dispatcher(timeout=10)
+    t = torch.full((8,), float(rank + 1))
+    dispatcher.all_reduce([t])  # rank 0 has COLLGRAD_FORCE=flat in its environment, rank 1 not
+    record = dispatcher.all_reduce([t], policy=Policy(force="flat"))  # the same call policy on both
+    return record.collectives, t.tolist()
+
+
+def test_ranks_with_different_environments_reuse_agreements_alike():
+    # Cached agreements are keyed on the call's policy (the same on every rank), not on the merged one.
+    results = run_ranks(_env_override_then_same_call_policy, 2, rank_env={0: {"COLLGRAD_FORCE": "flat"}})
+    assert [r[0] for r in results] == [1, 1]
+    assert results[0][1] == results[1][1] == [6.0] * 8  # 1 + 2 = 3, then 3 + 3
+
+
+def _plain_module_changes(rank, world):
+    import collgrad
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    model[0].requires_grad_(False)
+    model(torch.ones(4, 3)).sum().backward()
+    first = collgrad.safe_get_full_model_grads(model)
+    model[0].requires_grad_(True)
+    model.zero_grad()
+    model(torch.ones(4, 3)).sum().backward()
+    second = collgrad.safe_get_full_model_grads(model)
+    return list(first), first.record.plan_cached, list(second), second.record.plan_cached
+
+
+def test_a_plain_module_whose_trainable_parameters_change_is_planned_anew():
+    for first, cached1, second, cached2 in run_ranks(_plain_module_changes, 2):
+        assert first == ["1.weight", "1.bias"] and not cached1
+        assert second == ["0.weight", "0.bias", "1.weight", "1.bias"] and not cached2

@@ -72,3 +72,21 @@ def test_primitive_raising_on_one_rank_makes_every_rank_raise_and_write_nothing(
             assert "could not be sent" in res["error"] and "injected" in res["error"]
         else:
             assert f"it failed on rank(s) [{world - 1}]" in res["error"]
+
+
+def _fallback_then_other_dispatcher(rank, world):
+    import collgrad
+
+    big = torch.full((20_000_000,), float(rank + 1))  # its per-tensor fallback outlasts a 50 ms wait slice
+    first = collgrad.Dispatcher(timeout=30)
+    first.fault_hook = lambda point: (_ for _ in ()).throw(RuntimeError("injected on every rank"))
+    record = first.all_reduce([big])
+    ok_first = bool((big == world * (world + 1) / 2).all())
+    second = collgrad.Dispatcher(timeout=30)  # a new dispatcher on the same group: fresh store keys
+    small = torch.full((10,), float(rank + 1))
+    second.all_reduce([small])
+    return ok_first, record.buckets[0].fallback != "", bool((small == world * (world + 1) / 2).all())
+
+
+def test_a_long_fallback_and_a_later_dispatcher_on_the_same_group_complete():
+    assert run_ranks(_fallback_then_other_dispatcher, 2, timeout=120) == [(True, True, True)] * 2
