@@ -17,6 +17,7 @@ from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by to
 __all__ = [
     "TORCH_VERSION",
     "torch_version_at_least",
+    "rank",
     "default_group",
     "group_ranks",
     "backend_name",
@@ -42,6 +43,11 @@ TORCH_VERSION: tuple[int, int] = _parse_version(torch.__version__)
 
 def torch_version_at_least(major: int, minor: int) -> bool:
     return TORCH_VERSION >= (major, minor)
+
+
+def rank() -> int:
+    """This process's global rank, or 0 before ``init_process_group`` (for error messages)."""
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def default_group() -> ProcessGroup:

@@ -359,20 +359,23 @@ class _Stream:
         # Not atomic: these are collgrad's own buffers, returned only if the whole call succeeds.
         calls.append(self.dispatcher.all_reduce(views, pg, atomic=False, bucket_bytes=self.bucket_bytes,
                                                 policy=self.policy))
-        for k in batch:
-            yield slots[k].name, self._finish(result[starts[k] : starts[k] + slots[k].numel], slots[k], group.out_dtype)
+        for k, view in zip(batch, views):
+            yield slots[k].name, self._finish(view, slots[k], group.out_dtype)
+
+
+_READINESS = "the readiness check of safe_get_full_model_grads"
 
 
 def _agree(source: Source, local: LocalGrads, timeout_s: float, call_print: int = 0) -> None:
     """Every rank of the control group learns every rank's problem and layout fingerprint, and all raise
     the same error if any rank cannot read now or planned something else."""
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank = _compat.rank()
     if source.control_group is None:
         if local.problem is not Problem.OK:
             raise CollgradError(f"rank {rank}: {local.problem.describe()}")
         return
     rows = exchange(source.control_group, [int(local.problem), source.fingerprint ^ call_print], timeout_s=timeout_s,
-                    what="the readiness check of safe_get_full_model_grads")
+                    what=_READINESS)
     ranks = _compat.group_ranks(source.control_group)
     invalid = [ranks[i] for i, row in enumerate(rows) if row[0] == Problem.INVALID_ARGUMENTS]
     if invalid:
@@ -407,8 +410,7 @@ def _agree_on_bad_arguments(model: Any, timeout_s: float) -> None:
     if group is None:
         return
     try:
-        exchange(group, [int(Problem.INVALID_ARGUMENTS), 0], timeout_s=timeout_s,
-                 what="the readiness check of safe_get_full_model_grads")
+        exchange(group, [int(Problem.INVALID_ARGUMENTS), 0], timeout_s=timeout_s, what=_READINESS)
     except CollgradError:
         pass  # the others are not in this check (a wait bounded by the timeout); this rank's error stands
 

@@ -231,6 +231,11 @@ def _wire(op: ReduceOp.RedOpType) -> ReduceOp.RedOpType:
     return ReduceOp.SUM if op == ReduceOp.AVG else op
 
 
+def _segment_views(bucket: Bucket, works: list[_Work]) -> list[torch.Tensor]:
+    """The part of its tensor that each segment of ``bucket`` covers (contiguous 1-D views)."""
+    return [works[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel] for s in bucket.segments]
+
+
 def _pack(bucket: Bucket, src: list[_Work]) -> tuple[torch.Tensor, bool]:
     """This rank's contribution to a packing primitive as one contiguous buffer.
 
@@ -238,7 +243,7 @@ def _pack(bucket: Bucket, src: list[_Work]) -> tuple[torch.Tensor, bool]:
     itself (no copy): a tensor split across buckets, or per-parameter views of one flat buffer
     (DeepSpeed's ZeRO-3 gradient partitions).
     """
-    views = [src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel] for s in bucket.segments]
+    views = _segment_views(bucket, src)
     if bucket.rule.wire_dtype == bucket.dtype:
         run = views[0] if len(views) == 1 else adjacent_view(views)
         if run is not None:
@@ -253,7 +258,7 @@ def _start_reduce(bucket: Bucket, channel: Channel, src: list[_Work], reduce_op)
     if bucket.primitive.packs:
         buf, in_place = _pack(bucket, src)
         return _InFlight(bucket, channel.all_reduce([buf], _wire(reduce_op)), (buf,), in_place)
-    views = [src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel] for s in bucket.segments]
+    views = _segment_views(bucket, src)
     return _InFlight(bucket, channel.all_reduce(views, _wire(reduce_op)), tuple(views))
 
 
@@ -267,9 +272,8 @@ def _start_gather(bucket: Bucket, channel: Channel, src: list[_Work], dst: list[
         else:
             out = torch.empty(world * bucket.numel, dtype=wire, device=bucket.device)
         return _InFlight(bucket, channel.all_gather([out], [buf]), (out,))
-    inputs, outputs = [], []
+    inputs, outputs = _segment_views(bucket, src), []
     for s in bucket.segments:
-        inputs.append(src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel])
         whole = s.numel == src[s.tensor].flat.numel()
         outputs.append(dst[s.tensor].flat if whole else torch.empty(world * s.numel, dtype=wire, device=bucket.device))
     return _InFlight(bucket, channel.all_gather(outputs, inputs), tuple(outputs))
@@ -298,8 +302,8 @@ def _finish(flight: _InFlight, op: Op, reduce_op, src, dst, plan: Plan, timeout_
             if reduce_op == ReduceOp.AVG:
                 buf.div_(world)
             if not flight.in_place:
-                for s in bucket.segments:
-                    src[s.tensor].flat[s.tensor_offset : s.tensor_offset + s.numel].copy_(buf[s.bucket_offset : s.bucket_offset + s.numel])
+                for s, view in zip(bucket.segments, _segment_views(bucket, src)):
+                    view.copy_(buf[s.bucket_offset : s.bucket_offset + s.numel])
         elif reduce_op == ReduceOp.AVG:
             for view in flight.buffers:
                 view.div_(world)

@@ -16,8 +16,7 @@ import os
 import time
 from typing import Any, Callable, Mapping
 
-import torch.distributed as dist
-
+from collgrad import _compat
 from collgrad.errors import CollgradTimeout
 
 __all__ = ["ENV_TIMEOUT", "DEFAULT_TIMEOUT_S", "timeout_from_env", "wait_work", "poll_until"]
@@ -35,10 +34,6 @@ def timeout_from_env(value: float | None = None, environ: Mapping[str, str] | No
     if not seconds > 0:
         raise ValueError(f"collgrad timeout must be a positive number of seconds, got {seconds}")
     return seconds
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 #: With a ``watch``, waits go in slices of this many seconds and ``watch()`` runs between slices.
@@ -86,7 +81,7 @@ def poll_until(done: Any, timeout_s: float, what: str, watch: Callable[[], None]
 
 def _message(what: str, timeout_s: float) -> str:
     return (
-        f"rank {_rank()}: {what} did not complete within {timeout_s:g} s: another rank of the group did not "
+        f"rank {_compat.rank()}: {what} did not complete within {timeout_s:g} s: another rank of the group did not "
         "join it (it raised, returned early, called with other arguments, or stopped). The process group "
         f"is no longer usable; stop the job and look at the other ranks' errors. Raise {ENV_TIMEOUT} if the "
         "collective is legitimately slower."

@@ -85,10 +85,6 @@ class Source:
         raise NotImplementedError
 
 
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
 def select(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, nn.Parameter]]:
     """The trainable ``(name, parameter)`` pairs of ``module`` in ``named_parameters()`` order, limited
     to ``params`` (names or parameters) if given."""
@@ -101,12 +97,12 @@ def select(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, n
     for item in params:
         if isinstance(item, str):
             if item not in names:
-                raise KeyError(f"rank {_rank()}: {item!r} is not a trainable parameter of this model; "
+                raise KeyError(f"rank {_compat.rank()}: {item!r} is not a trainable parameter of this model; "
                                "pass names from model.named_parameters()")
             wanted.add(item)
         elif isinstance(item, torch.Tensor):
             if id(item) not in by_id:
-                raise KeyError(f"rank {_rank()}: a parameter of shape {tuple(item.shape)} is not a trainable "
+                raise KeyError(f"rank {_compat.rank()}: a parameter of shape {tuple(item.shape)} is not a trainable "
                                "parameter of this model; pass this model's parameters or their names")
             wanted.add(by_id[id(item)])
         else:
@@ -125,7 +121,7 @@ def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
             return ds_source.open_engine(engine, select(engine.module, params))
     if not isinstance(model, nn.Module):
         raise TypeError(
-            f"rank {_rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
+            f"rank {_compat.rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
         )
     params = None if params is None else list(params)
     named = select(model, params)
