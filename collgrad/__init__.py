@@ -11,13 +11,25 @@ from typing import Sequence
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
-from collgrad.api import FullGradRecord, FullGrads, GroupRecord, iter_full_model_grads, safe_get_full_model_grads
-from collgrad.backends.base import Op, Primitive
+from collgrad.grads import FullGradRecord, FullGrads, FullGradStream, GroupRecord, iter_full_model_grads, safe_get_full_model_grads
+from collgrad.core.ops import Op, Primitive
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import Capabilities, Registry
-from collgrad.dispatch import Dispatcher
-from collgrad.errors import AgreementError, CollgradError, CollgradTimeout, NoPrimitiveError, PolicyError
-from collgrad.record import BucketRecord, CallRecord, Decision
+from collgrad.core.dispatch import Dispatcher, default_dispatcher
+from collgrad.errors import (
+    AgreementError,
+    ArgumentMismatchError,
+    CollgradError,
+    CollgradTimeout,
+    InvalidArgumentError,
+    LayoutChangedError,
+    NoBackendError,
+    NoPrimitiveError,
+    NotReadyError,
+    PolicyError,
+    UnknownParameterError,
+)
+from collgrad.core.record import BucketRecord, CallRecord, Decision
 
 __version__ = "0.1.0"
 
@@ -25,6 +37,7 @@ __all__ = [
     "safe_get_full_model_grads",
     "iter_full_model_grads",
     "FullGrads",
+    "FullGradStream",
     "FullGradRecord",
     "GroupRecord",
     "all_reduce_coalesced",
@@ -42,21 +55,16 @@ __all__ = [
     "Primitive",
     "CollgradError",
     "CollgradTimeout",
+    "InvalidArgumentError",
+    "UnknownParameterError",
+    "ArgumentMismatchError",
+    "NotReadyError",
+    "LayoutChangedError",
+    "NoBackendError",
     "AgreementError",
     "NoPrimitiveError",
     "PolicyError",
 ]
-
-_default: Dispatcher | None = None
-
-
-def default_dispatcher() -> Dispatcher:
-    """The dispatcher behind the module-level functions (its registry reads COLLGRAD_FORCE/FORBID once)."""
-    global _default
-    if _default is None:
-        _default = Dispatcher()
-    return _default
-
 
 def all_reduce_coalesced(
     tensors: Sequence[torch.Tensor],

@@ -30,6 +30,8 @@ __all__ = [
     "gloo_has_all_gather_coalesced",
     "default_store",
     "group_key",
+    "xccl_available",
+    "xpu_available",
 ]
 
 
@@ -88,6 +90,16 @@ def backend_name(group: ProcessGroup, device_type: str) -> str | None:
         if dev.strip() == device_type:
             return name.strip()
     return None
+
+
+def xccl_available() -> bool:
+    """torch's native XCCL backend (XPU builds from 2.8); ``is_xccl_available`` is missing before."""
+    return bool(getattr(dist, "is_xccl_available", lambda: False)())
+
+
+def xpu_available() -> bool:
+    """An XPU device is usable; ``torch.xpu`` itself is missing from some older builds."""
+    return hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
 def agreement_device(device_type: str) -> torch.device:

@@ -32,6 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from collgrad import _compat
+from collgrad.backends import mpi as mpi_launcher  # launcher facts only: mpi4py is imported lazily there
+
 __all__ = ["BenchConfig", "run_bench", "main"]
 
 
@@ -179,16 +182,13 @@ def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run on every rank of the default group (already initialized). Returns rank 0's report."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
-
     import collgrad
+    from collgrad.grads.sources import deepspeed as ds  # the adapter: collgrad's one door to DeepSpeed
     from collgrad import Policy
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = VectorModel(cfg.tensors, cfg.elements)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-4),
-                                      config=_ds_config(cfg))
+    engine = ds.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-4), _ds_config(cfg))
     dtype = next(engine.module.parameters()).dtype
     gen = torch.Generator().manual_seed(rank)
     x = torch.rand(2, model.width, generator=gen).to(device=engine.device, dtype=dtype)
@@ -203,7 +203,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
 
     methods: dict[str, Callable[[], Any]] = {}
     meta: dict[str, dict[str, Any]] = {}
-    methods["deepspeed_loop"] = lambda: [safe_get_full_grad(p) for p in params]
+    methods["deepspeed_loop"] = lambda: [ds.safe_get_full_grad(p) for p in params]
     meta["deepspeed_loop"] = {"collectives": len(params), "bytes": 4 * numel}
     for plan in ("all_gather", "all_reduce"):
         methods[f"collgrad_{plan}"] = lambda plan=plan: collgrad.safe_get_full_model_grads(engine, plan=plan, bucket_bytes=bucket)
@@ -213,13 +213,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     methods["collgrad_iter"] = lambda: deque(collgrad.iter_full_model_grads(engine, bucket_bytes=bucket), maxlen=0)
     methods["raw_all_reduce"] = lambda: dist.all_reduce(flat)
     meta["raw_all_reduce"] = {"collectives": 1, "bytes": flat.numel() * 4}
-    methods["raw_all_gather"] = lambda: dist.all_gather_into_tensor(gathered, share) if not hasattr(dist, "all_gather_single") else dist.all_gather_single(gathered, share)
+    methods["raw_all_gather"] = lambda: _compat.all_gather_flat(gathered, share, dist.group.WORLD).wait()
     meta["raw_all_gather"] = {"collectives": 1, "bytes": share.numel() * 4}
     if cfg.methods:
         methods = {k: v for k, v in methods.items() if k in cfg.methods}
 
     report: dict[str, Any] = {"config": asdict(cfg), "world": world, "backend": str(dist.get_backend()),
-                              "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                              "torch": torch.__version__, "deepspeed": ds.VERSION,
                               "optimizer": type(engine.optimizer).__name__, "params": len(params),
                               "numel": numel, "methods": {}}
     for name, fn in methods.items():
@@ -371,7 +371,7 @@ def main(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(stage=args.stage, dtype=args.dtype, offload=args.offload, tensors=args.tensors,
                       elements=args.elements, bucket_mb=args.bucket_mb, reps=args.reps)
-    launched = any(v in os.environ for v in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+    launched = "RANK" in os.environ or mpi_launcher.rank_and_size(os.environ) is not None
     configs = [("main", cfg)] + (sweep_configs(cfg) if args.sweep else [])
     results = []
     if args.local or not launched:

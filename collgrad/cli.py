@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from collgrad import _compat
-from collgrad.backends.base import DTYPES, UNLIMITED, Op, Primitive
+from collgrad.core.ops import Op, Primitive
+from collgrad.backends.base import DTYPES, UNLIMITED
 from collgrad.backends.registry import Capabilities, Registry, installed
 from collgrad.launch import init_from_environment, run_local
 

@@ -1,21 +1,75 @@
-"""Exception types raised by collgrad.
+"""Exception types raised by collgrad: one per way a call can fail, all under ``CollgradError``.
 
 Every error that depends on the state of a process group is raised on *every* rank of that group
 together (the decision to raise is taken from data all ranks share), so a mistake never leaves some
-ranks waiting in a collective while others have already failed.
+ranks waiting in a collective while others have already failed::
+
+    CollgradError (RuntimeError)
+      InvalidArgumentError (also ValueError, TypeError)   this rank's arguments are wrong
+        UnknownParameterError (also KeyError)            a name or tensor that is not a trainable parameter
+        PolicyError                                      a force/forbid override collgrad cannot use
+      ArgumentMismatchError     ranks passed different arguments, or another rank's were invalid
+      NotReadyError             gradients cannot be read now (before backward, mid-accumulation, after step)
+      LayoutChangedError        the gradient buffers no longer match the layout a cached plan was built from
+      NoBackendError            the process group has no backend for the tensors' device
+      AgreementError            the ranks disagree on something they must share (backend, device)
+      NoPrimitiveError          no primitive can carry a bucket on every rank
+      CollgradTimeout (also TimeoutError)   a bounded wait ran out (see collgrad/core/waits.py)
 """
 
 from __future__ import annotations
 
-__all__ = ["CollgradError", "NoPrimitiveError", "AgreementError", "PolicyError", "CollgradTimeout"]
+__all__ = [
+    "CollgradError",
+    "InvalidArgumentError",
+    "UnknownParameterError",
+    "PolicyError",
+    "ArgumentMismatchError",
+    "NotReadyError",
+    "LayoutChangedError",
+    "NoBackendError",
+    "AgreementError",
+    "NoPrimitiveError",
+    "CollgradTimeout",
+]
 
 
 class CollgradError(RuntimeError):
     """Base class of collgrad's errors."""
 
 
-class PolicyError(CollgradError, ValueError):
+class InvalidArgumentError(CollgradError, ValueError, TypeError):
+    """An argument of this rank's call is invalid. Also a ``ValueError``/``TypeError``, which is what
+    code written against plain torch.distributed catches for bad arguments."""
+
+
+class UnknownParameterError(InvalidArgumentError, KeyError):
+    """``params=`` names a parameter (or holds a tensor) that is not a trainable parameter of the model."""
+
+    # KeyError quotes its message; these messages are sentences.
+    __str__ = BaseException.__str__
+
+
+class PolicyError(InvalidArgumentError):
     """A force/forbid override names something collgrad does not know, or is contradictory."""
+
+
+class ArgumentMismatchError(CollgradError):
+    """The ranks of a group passed different arguments to one collective call (or another rank passed
+    invalid ones): the message names the ranks and what differs."""
+
+
+class NotReadyError(CollgradError):
+    """Full gradients cannot be read or written now: before ``backward()``, at a micro-step that is not
+    an accumulation boundary, or after ``step()``."""
+
+
+class LayoutChangedError(CollgradError):
+    """The gradient buffers no longer have the shape the (cached) layout describes."""
+
+
+class NoBackendError(CollgradError):
+    """The process group has no backend for the tensors' device type."""
 
 
 class AgreementError(CollgradError):
@@ -27,4 +81,4 @@ class NoPrimitiveError(CollgradError):
 
 
 class CollgradTimeout(CollgradError, TimeoutError):
-    """A collective did not complete within collgrad's bounded wait (see collgrad/waits.py)."""
+    """A collective did not complete within collgrad's bounded wait (see collgrad/core/waits.py)."""

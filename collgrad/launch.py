@@ -13,23 +13,25 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from collgrad import _compat
+from collgrad.backends import mpi as mpi_launcher  # launcher facts only: mpi4py is imported lazily there
+
 __all__ = ["init_from_environment", "run_local", "RankError", "default_backend"]
 
-_MPI_RANK_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                  ("PMIX_RANK", "PMIX_SIZE"), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
 
 
 def default_backend() -> str:
     """Gloo for CPU tensors, plus NCCL (or XCCL) for the accelerator when there is one."""
     if torch.cuda.is_available() and dist.is_nccl_available():
         return "cpu:gloo,cuda:nccl"
-    if getattr(dist, "is_xccl_available", lambda: False)() and torch.xpu.is_available():
+    if _compat.xccl_available() and _compat.xpu_available():
         return "cpu:gloo,xpu:xccl"
     return "gloo"
 
@@ -43,11 +45,10 @@ def init_from_environment(backend: str | None = None) -> bool:
         return False
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
-        for rank_var, size_var in _MPI_RANK_VARS:
-            if rank_var in env and size_var in env:
-                env["RANK"], env["WORLD_SIZE"] = env[rank_var], env[size_var]
-                env.setdefault("LOCAL_RANK", env.get("MPI_LOCALRANKID", env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
-                break
+        found = mpi_launcher.rank_and_size(env)
+        if found is not None:
+            env["RANK"], env["WORLD_SIZE"] = found
+            env.setdefault("LOCAL_RANK", mpi_launcher.local_rank(env))
     if "RANK" not in env:
         raise RuntimeError(
             "no launcher environment found (RANK/WORLD_SIZE from torchrun or the deepspeed launcher, or "
@@ -64,12 +65,19 @@ def init_from_environment(backend: str | None = None) -> bool:
 
 
 class RankError(RuntimeError):
-    """A rank of ``run_local`` failed; ``text`` holds that rank's traceback."""
+    """Ranks of ``run_local`` failed; ``text`` holds the first failed rank's traceback, ``failures``
+    every failed rank's, and ``missing`` the ranks that had not finished by the deadline."""
 
-    def __init__(self, rank: int, text: str) -> None:
-        super().__init__(f"rank {rank} failed:\n{text}")
+    def __init__(self, rank: int, text: str, failures: dict[int, str] | None = None,
+                 missing: list[int] | None = None) -> None:
         self.rank = rank
         self.text = text
+        self.failures = dict(failures or {rank: text})
+        self.missing = list(missing or [])
+        parts = [f"rank {r} failed:\n{t}" for r, t in sorted(self.failures.items())]
+        if self.missing:
+            parts.append(f"ranks {self.missing} did not finish by the deadline (killed)")
+        super().__init__("\n".join(parts))
 
 
 def _entry(fn, rank, world, store_path, backend, env, args, results) -> None:
@@ -101,9 +109,10 @@ def run_local(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned local ranks; results by rank.
 
     Ranks rendezvous through a FileStore in a temporary folder. ``fn`` must be importable (defined at
-    module level). ``env`` is set on every rank, ``rank_env[r]`` on rank r only. A rank that raises
-    makes this raise RankError with its traceback; ranks not done within ``timeout`` seconds are killed
-    and a TimeoutError is raised, so a hang never outlives the call.
+    module level). ``env`` is set on every rank, ``rank_env[r]`` on rank r only. Ranks that raise make
+    this raise RankError with every failed rank's traceback; ranks not done within ``timeout`` seconds
+    of the start (one deadline for the whole run) are killed, and a RankError naming them (or a
+    TimeoutError, if no rank failed) is raised, so a hang never outlives the call.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -119,21 +128,24 @@ def run_local(
             procs.append(proc)
         done: dict[int, Any] = {}
         failed: dict[int, str] = {}
+        deadline = time.monotonic() + timeout  # one deadline for the whole run, not one per rank
         try:
-            for _ in range(world_size):
+            while len(done) + len(failed) < world_size:
                 try:
-                    rank, ok, value = results.get(timeout=timeout)
+                    rank, ok, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue_mod.Empty:
-                    missing = sorted(set(range(world_size)) - set(done) - set(failed))
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout} s") from None
+                    break
                 (done if ok else failed)[rank] = value
         finally:
             for proc in procs:
-                proc.join(timeout=10)
+                proc.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
-    if failed:
+    missing = sorted(set(range(world_size)) - set(done) - set(failed))
+    if failed:  # every failed rank's traceback, and who never finished
         rank = min(failed)
-        raise RankError(rank, failed[rank])
+        raise RankError(rank, failed[rank], failed, missing)
+    if missing:
+        raise TimeoutError(f"ranks {missing} did not finish within {timeout} s")
     return [done[r] for r in range(world_size)]

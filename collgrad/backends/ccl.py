@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from collgrad.backends.base import LocalFinding, Op, Primitive, Reason
+from collgrad.core.ops import Op, Primitive
+
+from collgrad.backends.base import LocalFinding, Reason
 
 CCL_DEVICES = frozenset({"cpu", "xpu"})
 XCCL_DEVICES = frozenset({"xpu"})

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from collgrad import _compat
-from collgrad.backends.base import LocalFinding, Op, Primitive, Reason
+from collgrad.core.ops import Op, Primitive
+from collgrad.backends.base import LocalFinding, Reason
 
 NAME = "gloo"
 DEVICES = frozenset({"cpu", "cuda"})

@@ -32,14 +32,32 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from collgrad.waits import poll_until
-from collgrad.backends.base import INT32_MAX, UNLIMITED, LocalFinding, Op, Primitive, Reason
+from collgrad.core.waits import poll_until
+from collgrad.core.ops import Op, Primitive
+from collgrad.backends.base import INT32_MAX, UNLIMITED, LocalFinding, Reason
 
 NAME = "mpi"
 ENV_CUDA_AWARE = "COLLGRAD_MPI_CUDA_AWARE"
-#: Variables that MPI launchers set in the processes they start (MPICH/Intel MPI hydra, Open MPI,
-#: PMIx launchers such as srun --mpi=pmix, MVAPICH).
-LAUNCHER_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+#: (rank, size) variables that MPI launchers set in the processes they start: MPICH/Intel MPI hydra,
+#: Open MPI, PMIx launchers such as srun --mpi=pmix, MVAPICH. Every launcher fact of collgrad is here.
+RANK_SIZE_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                  ("PMIX_RANK", "PMIX_SIZE"), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
+LAUNCHER_VARS = tuple(rank for rank, _ in RANK_SIZE_VARS)
+#: The rank within the node: MPICH/Intel MPI hydra, Open MPI, MVAPICH.
+LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
+
+
+def rank_and_size(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """The (rank, world size) an MPI launcher gave this process, or None if none started it."""
+    for rank_var, size_var in RANK_SIZE_VARS:
+        if rank_var in env and size_var in env:
+            return env[rank_var], env[size_var]
+    return None
+
+
+def local_rank(env: Mapping[str, str]) -> str:
+    """This process's rank on its node as the MPI launcher says, "0" if it says nothing."""
+    return next((env[v] for v in LOCAL_RANK_VARS if v in env), "0")
 
 _TORCH_MPI_DTYPES = frozenset(
     {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64}

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from collgrad.backends.base import LocalFinding, Op, Primitive, Reason
+from collgrad.core.ops import Op, Primitive
+
+from collgrad.backends.base import LocalFinding, Reason
 
 NAME = "nccl"
 DEVICES = frozenset({"cuda"})

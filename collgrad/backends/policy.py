@@ -12,7 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from collgrad.backends.base import Primitive, Reason
+from collgrad.core.ops import Primitive
+
+from collgrad.backends.base import Reason
 from collgrad.errors import PolicyError
 
 __all__ = ["Policy", "BACKEND_NAMES", "PRIMITIVE_NAMES", "ENV_FORCE", "ENV_FORBID"]

@@ -22,12 +22,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
-from collgrad.agreement import exchange
-from collgrad.waits import timeout_from_env
+from collgrad.core.agreement import exchange
+from collgrad.core.waits import timeout_from_env
 from collgrad.backends import ccl, gloo, mpi, nccl
-from collgrad.backends.base import DTYPES, UNLIMITED, LocalFinding, Op, Primitive, Reason
+from collgrad.core.ops import Op, Primitive
+from collgrad.backends.base import DTYPES, UNLIMITED, LocalFinding, Reason
 from collgrad.backends.policy import Policy
-from collgrad.errors import AgreementError, PolicyError
+from collgrad.errors import AgreementError, NoBackendError, PolicyError
 
 __all__ = ["Capabilities", "Choice", "PrimitiveStatus", "Registry", "decide", "preference", "installed"]
 
@@ -234,11 +235,11 @@ def installed() -> dict[str, bool]:
         "gloo": dist.is_gloo_available(),
         "nccl": dist.is_nccl_available(),
         "mpi (torch)": dist.is_mpi_available(),
-        "xccl": getattr(dist, "is_xccl_available", lambda: False)(),
+        "xccl": _compat.xccl_available(),
         "ccl (oneccl_bindings_for_pytorch)": importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None,
         "mpi4py": importlib.util.find_spec("mpi4py") is not None,
         "cuda device": torch.cuda.is_available(),
-        "xpu device": hasattr(torch, "xpu") and torch.xpu.is_available(),
+        "xpu device": _compat.xpu_available(),
     }
 
 
@@ -296,7 +297,7 @@ class Registry:
         if backend is None:
             # The group's backends are fixed at creation and identical on every rank, so every rank
             # raises here, before any communication.
-            raise AgreementError(
+            raise NoBackendError(
                 f"rank {dist.get_rank()}: process group {ranks} has no backend for {device_type} tensors "
                 f"(it was created with {dist.get_backend(group)!r}); create it with a backend for "
                 f"{device_type}, e.g. backend='cpu:gloo,cuda:nccl', or move the tensors"

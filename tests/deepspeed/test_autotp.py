@@ -3,6 +3,10 @@ across tensor-parallel ranks, and are reported as such. 4 ranks: tensor-parallel
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
+
 import torch
 
 from tests.harness import run_ranks

@@ -3,6 +3,10 @@ figures are measurements, reported in the README and issue notes, never asserted
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
+
 import json
 import os
 import subprocess

@@ -8,6 +8,10 @@ tolerance, with plain PyTorch gradients of the same data averaged as DeepSpeed a
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
+
+import pytest
 import torch
 
 from tests.harness import run_ranks
@@ -44,6 +48,7 @@ def _worker(rank, world):
     import collgrad
     from collgrad import Policy
     from deepspeed.utils import safe_get_full_grad
+    from tests.counting import count_collectives, count_planning
     from tests.deepspeed import models
 
     out = {}
@@ -65,6 +70,13 @@ def _worker(rank, world):
         calls["subset"] = collgrad.safe_get_full_model_grads(eng, params=subset)
         ds_after = None if ds is None else {n: safe_get_full_grad(p) for n, p in trainable}
         auto = calls["auto"]
+        # The same call again, observed from outside: what torch receives, and whether anything is planned.
+        with count_collectives() as seen, count_planning() as planned:
+            again = collgrad.safe_get_full_model_grads(eng)
+        second = {"calls": dict(seen), "agreements": seen.agreements, "total": seen.total, "planned": dict(planned),
+                  "buckets": again.record.buckets, "plan_cached": again.record.plan_cached,
+                  "local": all(g.plan == "local" for g in again.record.groups),
+                  "equal": all(torch.equal(again[n], auto[n]) for n in auto)}
         entry = {
             "optimizer": type(eng.optimizer).__name__,
             "keys": {k: list(v) for k, v in calls.items()},
@@ -79,7 +91,9 @@ def _worker(rank, world):
                 for k in ("auto", "all_gather", "all_reduce", "per_tensor")
             },
             "iter_record": (stream.record().collectives, stream.record().buckets),
-            "cached": [calls[k].record.plan_cached for k in ("auto", "all_gather", "all_reduce", "subset")],
+            "cached": [calls[k].record.layout_cached for k in ("auto", "all_gather", "all_reduce", "subset")],
+            "plans_cached": [calls[k].record.plan_cached for k in ("auto", "all_gather", "all_reduce", "subset")],
+            "second_call": second,
         }
         if ds is not None:
             entry["ds_equal"] = {n: torch.equal(auto[n], ds[n]) for n in ds}
@@ -165,6 +179,22 @@ def test_layout_and_plans_are_reused_from_the_second_call(results):
     for config, entry in per_rank[0].items():
         # first call builds; later calls with the same params reuse; a new params= selection builds anew
         assert entry["cached"] == [False, True, True, False], config
+        # plans: each new plan= (or selection) is planned once, a repeated call plans nothing
+        assert entry["plans_cached"] == [False, False, False, False], config
+        assert entry["second_call"]["plan_cached"], config
+
+
+def test_a_second_call_plans_nothing_and_sends_only_the_readiness_check_and_the_buckets(results):
+    _, per_rank = results
+    for config, entry in per_rank[0].items():
+        second = entry["second_call"]
+        assert second["equal"], config
+        assert second["planned"] == {}, (config, second)  # neither the gradient plan nor a bucket plan
+        assert second["agreements"] == 1, (config, second)  # the readiness/fingerprint exchange, nothing more
+        # every other collective torch received is one bucket's (none at all for a local plan)
+        assert second["total"] == 1 + second["buckets"], (config, second)
+        if second["local"]:
+            assert second["total"] == 1, (config, second)
 
 
 def test_streaming_uses_several_buckets(results):

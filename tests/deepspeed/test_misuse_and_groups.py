@@ -3,6 +3,10 @@ MoE expert groups are reduced within their own group; the call leaves the engine
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
+
 import time
 
 import pytest
@@ -59,16 +63,16 @@ def misuse_results(request):
 def test_misuse_raises_the_same_clear_error_on_every_rank(misuse_results, stage, dtype):
     results = [per_rank[(stage, dtype)] for per_rank in misuse_results]
     expectations = {
-        "before_backward": "before backward() or after step()",
-        "mid_accumulation": "not a gradient accumulation boundary",
-        "different_subsets": "ranks asked for different gradients",
-        "after_step": "before backward() or after step()",
-        "iter_after_step": "before backward() or after step()",
+        "before_backward": ("NotReadyError", "before backward() or after step()"),
+        "mid_accumulation": ("NotReadyError", "not a gradient accumulation boundary"),
+        "different_subsets": ("ArgumentMismatchError", "parameter names, shapes, dtypes or subsets (params=) differ"),
+        "after_step": ("NotReadyError", "before backward() or after step()"),
+        "iter_after_step": ("NotReadyError", "before backward() or after step()"),
     }
-    for phase, text in expectations.items():
+    for phase, (kind, text) in expectations.items():
         messages = set()
         for rank, res in enumerate(results):
-            assert res[phase]["error"] == "CollgradError", (phase, rank, res[phase])
+            assert res[phase]["error"] == kind, (phase, rank, res[phase])
             assert text in res[phase]["message"], (phase, res[phase]["message"])
             assert res[phase]["seconds"] < 10
             messages.add(res[phase]["message"].split(" [seen by")[0])

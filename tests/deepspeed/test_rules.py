@@ -3,6 +3,10 @@ matter by what a reader that broke them would return."""
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
+
 import torch
 
 from tests.harness import run_ranks

@@ -1,4 +1,5 @@
-"""CUDA/NCCL leg (tox -e cuda-nccl): skipped, with the reason, where there is no CUDA device."""
+"""CUDA leg (tox -e cuda-nccl): two ranks, one GPU each over NCCL (beside Gloo for CPU tensors), or
+two ranks sharing one GPU over Gloo; skipped, saying why, otherwise."""
 
 from __future__ import annotations
 
@@ -16,7 +17,24 @@ pytestmark = [
 ]
 
 
-def test_nccl_and_gloo_in_one_group_match_per_tensor_collectives():
-    world = min(2, torch.cuda.device_count())  # NCCL needs one GPU per rank
-    results = run_ranks(accelerator_cases.worker, world, "cuda", backend="cpu:gloo,cuda:nccl")
+def test_cuda_tensors_on_two_ranks_match_per_tensor_collectives():
+    found = accelerator_cases.layout("cuda", "nccl")
+    if isinstance(found, str):
+        pytest.skip(found)
+    world, backend = found
+    results = run_ranks(accelerator_cases.worker, world, "cuda", backend=backend)
     assert results == [[]] * world
+
+
+def _nccl_alone(rank, world):
+    import collgrad
+
+    torch.cuda.set_device(0)
+    tensors = [torch.full((1000 + i,), 1.0 + rank, device="cuda") for i in range(8)]
+    record = collgrad.all_reduce_coalesced(tensors)
+    return [b.backend for b in record.buckets], record.collectives, all(bool((t == 1.0).all()) for t in tensors)
+
+
+def test_nccl_at_world_size_one_runs_one_collective_per_bucket():
+    (backends, collectives, equal), = run_ranks(_nccl_alone, 1, backend="nccl")
+    assert backends == ["nccl"] and collectives == 1 and equal

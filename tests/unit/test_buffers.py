@@ -1,6 +1,6 @@
 import torch
 
-from collgrad.buffers import adjacent_view
+from collgrad.core.buffers import adjacent_view
 
 
 def test_adjacent_views_of_one_buffer_become_one_view():
@@ -21,7 +21,7 @@ def test_gaps_order_dtype_and_storage_break_adjacency():
 
 
 def test_pieces_read_ranges_across_pieces():
-    from collgrad.buffers import Pieces
+    from collgrad.core.buffers import Pieces
 
     a, b, c = torch.arange(0.0, 5), torch.arange(5.0, 8), torch.arange(8.0, 12)
     pieces = Pieces([a, b.view(3, 1), c])

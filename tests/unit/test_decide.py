@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from collgrad.backends import gloo
-from collgrad.backends.base import DTYPES, INT32_MAX, UNLIMITED, LocalFinding, Op, Primitive, Reason
+from collgrad.core.ops import Op, Primitive
+from collgrad.backends.base import DTYPES, INT32_MAX, UNLIMITED, LocalFinding, Reason
 from collgrad.backends.mpi import torch_mpi_finding
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import _HEADER, _KEYS, FORMAT, _code, decide, encode

@@ -7,9 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.backends.base import INT32_MAX, UNLIMITED, Op, Primitive
-from collgrad.plan import BucketRule, Segment, TensorSpec
-from collgrad.planner import bucket_capacity, plan_buckets, split_stream
+from collgrad.core.ops import Op, Primitive
+
+from collgrad.backends.base import INT32_MAX, UNLIMITED
+from collgrad.core.plan import BucketRule, Segment, TensorSpec
+from collgrad.core.planner import bucket_capacity, plan_buckets, split_stream
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 DEVICES = ["cpu", "cuda:0"]

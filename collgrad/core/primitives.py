@@ -1,6 +1,7 @@
 """One implementation per primitive that runs over torch.distributed. Each method issues its
 collective calls asynchronously and returns one handle per call issued, so the dispatcher can count
-collectives and keep two buckets in flight. mpi4py's channel lives in backends/mpi.py.
+collectives and keep two buckets in flight. mpi4py's channel lives in backends/mpi.py (the only module
+that imports mpi4py); ``make_channel`` builds every channel, that one included.
 
 Every tensor handed to these is contiguous (the dispatcher guarantees it): Gloo's plain collectives
 on a strided view with gaps read and write the wrong memory (backends/gloo.py), and XCCL's coalesced
@@ -9,7 +10,7 @@ call does not check (backends/ccl.py).
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
@@ -17,10 +18,12 @@ from torch.distributed import ProcessGroup, ReduceOp
 import torch.distributed as dist
 
 from collgrad import _compat
-from collgrad.backends.base import Primitive
-from collgrad.waits import wait_work
+from collgrad.backends.mpi import MpiLink, Mpi4pyChannel
+from collgrad.errors import CollgradError
+from collgrad.core.ops import Primitive
+from collgrad.core.waits import wait_work
 
-__all__ = ["Handle", "TorchHandle", "Channel", "FlatChannel", "CoalescedChannel", "PerTensorChannel", "torch_channel"]
+__all__ = ["Handle", "TorchHandle", "Channel", "FlatChannel", "CoalescedChannel", "PerTensorChannel", "make_channel"]
 
 
 class Handle(Protocol):
@@ -101,9 +104,20 @@ class PerTensorChannel(_TorchChannel):
         ]
 
 
-def torch_channel(primitive: Primitive, group: ProcessGroup, backend: str) -> Channel:
-    return {
-        Primitive.FLAT: FlatChannel,
-        Primitive.COALESCED: CoalescedChannel,
-        Primitive.PER_TENSOR: PerTensorChannel,
-    }[primitive](group, backend)
+_TORCH_CHANNELS = {
+    Primitive.FLAT: FlatChannel,
+    Primitive.COALESCED: CoalescedChannel,
+    Primitive.PER_TENSOR: PerTensorChannel,
+}
+
+
+def make_channel(
+    primitive: Primitive, group: ProcessGroup, backend: str, mpi: MpiLink | None = None, mpi_comm: Any = None
+) -> Channel:
+    """The one place channels are built: torch.distributed primitives over ``group``'s ``backend``, or
+    mpi4py over ``mpi_comm`` (the communicator the registry built for the group)."""
+    if primitive is Primitive.MPI4PY:
+        if mpi is None or mpi_comm is None:
+            raise CollgradError(f"rank {_compat.rank()}: mpi4py was chosen but no MPI communicator was built")
+        return Mpi4pyChannel(mpi, mpi_comm)
+    return _TORCH_CHANNELS[primitive](group, backend)

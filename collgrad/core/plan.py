@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from collgrad.backends.base import Op, Primitive
+from collgrad.core.ops import Op, Primitive
+from collgrad.errors import CollgradError
 
 __all__ = ["TensorSpec", "Segment", "Bucket", "BucketRule", "Plan"]
 
@@ -74,18 +75,26 @@ class Plan:
     buckets: tuple[Bucket, ...]
 
     def validate(self) -> None:
-        """Internal invariants: every element of every tensor lands exactly once, no bucket over its
-        capacity, segments tile each bucket without gaps, one (device, dtype) per bucket."""
+        """Check the plan's invariants: every element of every tensor lands exactly once, no bucket over
+        its capacity, segments tile each bucket without gaps, one (device, dtype) per bucket. A
+        violation is a bug in the planner; it raises (not ``assert``: checked under ``python -O`` too)
+        before any data moves."""
         covered = [0] * len(self.tensors)
         for bucket in self.buckets:
-            assert 0 < bucket.numel <= bucket.rule.capacity, (bucket.index, bucket.numel)
+            _require(0 < bucket.numel <= bucket.rule.capacity, f"bucket {bucket.index} holds {bucket.numel} elements")
             offset = 0
             for seg in bucket.segments:
                 spec = self.tensors[seg.tensor]
-                assert (spec.device, spec.dtype) == (bucket.device, bucket.dtype)
-                assert seg.bucket_offset == offset and seg.numel > 0
-                assert seg.tensor_offset == covered[seg.tensor], "segments of a tensor out of order"
+                _require((spec.device, spec.dtype) == (bucket.device, bucket.dtype),
+                         f"tensor {seg.tensor} is not of bucket {bucket.index}'s device and dtype")
+                _require(seg.bucket_offset == offset and seg.numel > 0, f"a gap in bucket {bucket.index}")
+                _require(seg.tensor_offset == covered[seg.tensor], f"segments of tensor {seg.tensor} out of order")
                 covered[seg.tensor] += seg.numel
                 offset += seg.numel
-            assert offset == bucket.numel
-        assert covered == [t.numel for t in self.tensors], "some element is missing or doubled"
+            _require(offset == bucket.numel, f"bucket {bucket.index}'s segments do not fill it")
+        _require(covered == [t.numel for t in self.tensors], "some element is missing or doubled")
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise CollgradError(f"internal error in collgrad's bucket plan: {what}; please report it")

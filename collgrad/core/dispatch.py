@@ -9,28 +9,30 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from collgrad import _compat
-from collgrad.backends.base import Op, Primitive
-from collgrad.buffers import adjacent_view
-from collgrad.backends.mpi import Mpi4pyChannel
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import Registry
-from collgrad.errors import CollgradError, NoPrimitiveError
-from collgrad.failures import BucketFailures, FaultPoint, next_call
-from collgrad.plan import Bucket, BucketRule, Plan, TensorSpec
-from collgrad.planner import DEFAULT_BUCKET_BYTES, bucket_capacity, plan_buckets
-from collgrad.primitives import Channel, Handle, torch_channel
-from collgrad.record import BucketRecord, CallRecord, Decision
-from collgrad.waits import timeout_from_env
+from collgrad.core import planner
+from collgrad.core.agreement import Field, agree_on_call, stable_hash, tell_invalid
+from collgrad.core.buffers import adjacent_view
+from collgrad.core.failures import BucketFailures, FaultPoint, next_call
+from collgrad.core.ops import Op, Primitive
+from collgrad.core.plan import Bucket, BucketRule, Plan, TensorSpec
+from collgrad.core.planner import DEFAULT_BUCKET_BYTES
+from collgrad.core.primitives import Channel, Handle, make_channel
+from collgrad.core.record import BucketRecord, CallRecord, Decision
+from collgrad.core.waits import timeout_from_env
+from collgrad.errors import CollgradError, InvalidArgumentError, NoPrimitiveError
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "Prepared", "default_dispatcher", "checked_bucket_bytes"]
 
 
 @dataclass
@@ -42,11 +44,31 @@ class _InFlight:
     fallback: str = ""  # why this bucket went per tensor after its primitive raised on every rank
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A bucket plan with what runs it: the channel per rule and the decisions taken. Built once per
+    (tensor specs, group, bucket size, policy) and reusable for any tensors of those specs, so callers
+    that run the same shapes every step (the full-gradient executors) plan once."""
+
+    plan: Plan
+    channels: Mapping[BucketRule, Channel]
+    decisions: tuple[Decision, ...]
+
+    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
+        specs = self.plan.tensors
+        return len(specs) == len(tensors) and all(
+            s.numel == t.numel() and s.dtype == t.dtype for s, t in zip(specs, tensors)
+        )
+
+
 class Dispatcher:
     """Owns a Registry and runs coalesced collectives through it.
 
     Its methods are collective: every rank of ``group`` must call them with tensors of the same
     shapes, dtypes and device types, in the same order (as for any torch.distributed collective).
+    With ``check=True`` (the default) each call first exchanges a fingerprint of its arguments in one
+    small all-gather, so a rank with invalid or different arguments makes every rank raise
+    (InvalidArgumentError on that rank, ArgumentMismatchError on the others) instead of hanging.
     """
 
     def __init__(self, registry: Registry | None = None, timeout: float | None = None) -> None:
@@ -56,7 +78,7 @@ class Dispatcher:
         self.fault_hook: Callable[[FaultPoint], None] | None = None
         #: Seconds any collective of this dispatcher may wait (COLLGRAD_TIMEOUT, default 120).
         self.timeout = timeout_from_env(timeout) if timeout is not None or registry is None else registry.timeout
-        #: Per model (weakly): gradient sources and their layouts, reused while valid (see api.py).
+        #: Per model (weakly): gradient sources, layouts and plans, reused while valid (collgrad.grads).
         self.model_cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
     # -- public operations --------------------------------------------------------------------------
@@ -69,17 +91,30 @@ class Dispatcher:
         bucket_bytes: int | None = None,
         policy: Policy | None = None,
         atomic: bool = True,
+        check: bool = True,
     ) -> CallRecord:
         """``atomic``: write ``tensors`` only once every bucket has completed (a failure leaves them as
-        they were), at the cost of one more copy of each; False reduces buckets in place as they go."""
-        tensors = list(tensors)
-        for i, t in enumerate(tensors):
-            _check_tensor(t, f"tensors[{i}]")
-        if op == ReduceOp.AVG:
+        they were), at the cost of one more copy of each; False reduces buckets in place as they go.
+        ``check=False`` skips the argument exchange: for callers that already agreed on the call."""
+        group = group if group is not None else _compat.default_group()
+        with _told_if_invalid(self, group, check, "all_reduce_coalesced"):
+            tensors = list(tensors)
             for i, t in enumerate(tensors):
-                if not (t.is_floating_point() or t.is_complex()):
-                    raise TypeError(f"tensors[{i}] is {t.dtype}: ReduceOp.AVG needs floating-point tensors")
-        return self._run(Op.ALL_REDUCE, tensors, None, group, op, bucket_bytes, policy, atomic)
+                _check_tensor(t, f"tensors[{i}]")
+            if op == ReduceOp.AVG:
+                for i, t in enumerate(tensors):
+                    if not (t.is_floating_point() or t.is_complex()):
+                        raise InvalidArgumentError(
+                            f"rank {_compat.rank()}: tensors[{i}] is {t.dtype}: ReduceOp.AVG needs floating-point tensors"
+                        )
+            cap = checked_bucket_bytes(bucket_bytes)
+            if policy is not None:
+                policy.validate()
+        if check:
+            agree_on_call(group, _call_fields(Op.ALL_REDUCE, tensors, op, cap, policy, atomic), timeout_s=self.timeout,
+                          call="all_reduce_coalesced")
+        return self.run(self.prepare(Op.ALL_REDUCE, tensors, group, bucket_bytes=cap, policy=policy), tensors, None,
+                        group, op, atomic=atomic)
 
     def all_gather(
         self,
@@ -90,24 +125,35 @@ class Dispatcher:
         bucket_bytes: int | None = None,
         policy: Policy | None = None,
         atomic: bool = True,
+        check: bool = True,
     ) -> CallRecord:
         """``atomic``: write ``outputs`` only once every bucket has completed (see ``all_reduce``)."""
-        outputs, inputs = list(outputs), list(inputs)
-        if len(outputs) != len(inputs):
-            raise ValueError(f"{len(outputs)} outputs for {len(inputs)} inputs")
-        world = (group if group is not None else _compat.default_group()).size()
-        for i, (out, inp) in enumerate(zip(outputs, inputs)):
-            _check_tensor(inp, f"inputs[{i}]")
-            _check_tensor(out, f"outputs[{i}]")
-            if out.numel() != world * inp.numel() or out.dtype != inp.dtype or out.device != inp.device:
-                raise ValueError(
-                    f"outputs[{i}] must have world_size * inputs[{i}].numel() = {world * inp.numel()} elements, "
-                    f"dtype {inp.dtype} and device {inp.device}; got {out.numel()}, {out.dtype}, {out.device}"
-                )
-        return self._run(Op.ALL_GATHER, inputs, outputs, group, None, bucket_bytes, policy, atomic)
+        group = group if group is not None else _compat.default_group()
+        with _told_if_invalid(self, group, check, "all_gather_coalesced"):
+            outputs, inputs = list(outputs), list(inputs)
+            if len(outputs) != len(inputs):
+                raise InvalidArgumentError(f"rank {_compat.rank()}: {len(outputs)} outputs for {len(inputs)} inputs")
+            world = group.size()
+            for i, (out, inp) in enumerate(zip(outputs, inputs)):
+                _check_tensor(inp, f"inputs[{i}]")
+                _check_tensor(out, f"outputs[{i}]")
+                if out.numel() != world * inp.numel() or out.dtype != inp.dtype or out.device != inp.device:
+                    raise InvalidArgumentError(
+                        f"rank {_compat.rank()}: outputs[{i}] must have world_size * inputs[{i}].numel() = "
+                        f"{world * inp.numel()} elements, dtype {inp.dtype} and device {inp.device}; got "
+                        f"{out.numel()}, {out.dtype}, {out.device}"
+                    )
+            cap = checked_bucket_bytes(bucket_bytes)
+            if policy is not None:
+                policy.validate()
+        if check:
+            agree_on_call(group, _call_fields(Op.ALL_GATHER, inputs, None, cap, policy, atomic), timeout_s=self.timeout,
+                          call="all_gather_coalesced")
+        return self.run(self.prepare(Op.ALL_GATHER, inputs, group, bucket_bytes=cap, policy=policy), inputs, outputs,
+                        group, None, atomic=atomic)
 
     # -- planning ---------------------------------------------------------------------------------------
-    def plan(
+    def prepare(
         self,
         op: Op,
         tensors: Sequence[torch.Tensor],
@@ -115,11 +161,11 @@ class Dispatcher:
         *,
         bucket_bytes: int | None = None,
         policy: Policy | None = None,
-    ) -> tuple[Plan, dict[BucketRule, Channel], tuple[Decision, ...]]:
+    ) -> Prepared:
         """The plan for ``tensors``, the channel per rule, and the decisions taken. Collective the first
         time a (group, device type) is seen (the registry agrees on capabilities), local afterwards."""
         world = group.size()
-        cap_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
+        cap_bytes = checked_bucket_bytes(bucket_bytes)
         specs = tuple(TensorSpec(t.numel(), t.dtype, str(t.device)) for t in tensors)
         rules: dict[tuple[str, torch.dtype], BucketRule] = {}
         channels: dict[BucketRule, Channel] = {}
@@ -137,24 +183,32 @@ class Dispatcher:
                     f"in group {list(links.capabilities.group_ranks)} ({choice.why()}); allow one "
                     "(COLLGRAD_FORCE/COLLGRAD_FORBID, policy=) or cast the tensors"
                 )
-            capacity = bucket_capacity(op, cap_bytes, choice.wire_dtype, world, choice.max_elements)
+            capacity = planner.bucket_capacity(op, cap_bytes, choice.wire_dtype, world, choice.max_elements)
             rule = BucketRule(choice.primitive, choice.backend, choice.wire_dtype, capacity)
             rules[key] = rule
-            if choice.primitive is Primitive.MPI4PY:
-                channels[rule] = Mpi4pyChannel(self.registry.mpi, links.mpi_comm)
-            else:
-                channels[rule] = torch_channel(choice.primitive, group, choice.backend)
+            channels[rule] = make_channel(choice.primitive, group, choice.backend, self.registry.mpi, links.mpi_comm)
             decisions.append(
-                Decision(device_type, spec.dtype, choice.primitive.value, choice.backend, choice.wire_dtype, choice.why())
+                Decision(device_type, spec.dtype, choice.primitive, choice.backend, choice.wire_dtype, choice.why())
             )
-        plan = plan_buckets(op, specs, rules, world)
+        plan = planner.plan_buckets(op, specs, rules, world)
         plan.validate()
-        return plan, channels, tuple(decisions)
+        return Prepared(plan, channels, tuple(decisions))
 
     # -- execution ----------------------------------------------------------------------------------------
-    def _run(self, op, inputs, outputs, group, reduce_op, bucket_bytes, policy, atomic) -> CallRecord:
-        group = group if group is not None else _compat.default_group()
-        plan, channels, decisions = self.plan(op, inputs, group, bucket_bytes=bucket_bytes, policy=policy)
+    def run(
+        self,
+        prepared: Prepared,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor] | None,
+        group: ProcessGroup,
+        reduce_op: ReduceOp.RedOpType | None = ReduceOp.SUM,
+        *,
+        atomic: bool = True,
+    ) -> CallRecord:
+        """Run a prepared plan on ``inputs`` (and ``outputs`` for an all-gather), tensors of the specs it
+        was prepared for. Collective: every rank runs the same plan (no argument check here)."""
+        plan, op = prepared.plan, prepared.plan.op
+        assert prepared.fits(inputs), "a prepared plan run on tensors it was not prepared for"
         failures = BucketFailures(group, next_call(group))
         with torch.no_grad():
             # Atomic: every bucket works on private copies; the caller's tensors are written at the end.
@@ -163,7 +217,8 @@ class Dispatcher:
             records = []
             in_flight: deque[_InFlight] = deque()
             for bucket in plan.buckets:
-                flight = self._start(op, bucket, channels[bucket.rule], src, dst, reduce_op, plan, group, failures)
+                channel = prepared.channels[bucket.rule]
+                flight = self._start(op, bucket, channel, src, dst, reduce_op, plan, group, failures)
                 in_flight.append(flight)
                 records.append(_record(bucket, len(flight.handles), flight.fallback))
                 if len(in_flight) == 2:
@@ -172,7 +227,7 @@ class Dispatcher:
                 _finish(in_flight.popleft(), op, reduce_op, src, dst, plan, self.timeout, group, failures)
             for work in dst:
                 work.write_back()
-        return CallRecord(op.value, tuple(_compat.group_ranks(group)), tuple(records), decisions)
+        return CallRecord(op, tuple(_compat.group_ranks(group)), tuple(records), prepared.decisions)
 
     def _start(self, op, bucket, channel, src, dst, reduce_op, plan, group, failures) -> _InFlight:
         """Issue one bucket. If this rank cannot (the primitive raised before any data moved), the
@@ -185,11 +240,65 @@ class Dispatcher:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure to issue is settled with the other ranks
             failures.report(bucket.index, f"{bucket.primitive.value} raised {type(exc).__name__}: {exc}", self.timeout)
-            fallback = torch_channel(Primitive.PER_TENSOR, group, bucket.rule.backend)
+            fallback = make_channel(Primitive.PER_TENSOR, group, bucket.rule.backend)
             rule = replace(bucket.rule, primitive=Primitive.PER_TENSOR, wire_dtype=bucket.dtype)
             flight = _start_bucket(op, replace(bucket, rule=rule), fallback, src, dst, reduce_op, plan.world_size)
             flight.fallback = f"{bucket.primitive.value} raised on every rank ({type(exc).__name__}: {exc})"
             return flight
+
+
+_default: Dispatcher | None = None
+
+
+def default_dispatcher() -> Dispatcher:
+    """The dispatcher behind the module-level functions (its registry reads COLLGRAD_FORCE/FORBID once)."""
+    global _default
+    if _default is None:
+        _default = Dispatcher()
+    return _default
+
+
+def checked_bucket_bytes(bucket_bytes: int | None) -> int:
+    """The bucket cap in bytes: ``bucket_bytes`` if it is a positive int, the default if None."""
+    if bucket_bytes is None:
+        return DEFAULT_BUCKET_BYTES
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise InvalidArgumentError(f"rank {_compat.rank()}: bucket_bytes must be positive, got {bucket_bytes!r}")
+    return bucket_bytes
+
+
+@contextmanager
+def _told_if_invalid(dispatcher: Dispatcher, group: ProcessGroup, check: bool, call: str) -> Iterator[None]:
+    """Argument checks run inside this: an invalid argument on this rank is told to the other ranks in
+    the argument check they are waiting in (so they raise too), then raised here."""
+    try:
+        yield
+    except InvalidArgumentError:
+        if check:
+            tell_invalid(group, len(_CALL_FIELDS), dispatcher.timeout, call)
+        raise
+
+
+_CALL_FIELDS = ("operation", "reduce op", "bucket_bytes", "atomic", "policy", "number of tensors", "dtypes and devices",
+                "shapes")
+
+
+def _call_fields(op: Op, tensors: Sequence[torch.Tensor], reduce_op: Any, cap: int, policy: Policy | None,
+                 atomic: bool) -> list[Field]:
+    """What every rank must pass alike for a coalesced call: it decides the number, size and kind of the
+    collectives each rank issues."""
+    names = iter(_CALL_FIELDS)
+    forced = None if policy is None else (sorted(policy.force), sorted(policy.forbid))
+    return [
+        Field(next(names), list(Op).index(op), shown=False),
+        Field(next(names), stable_hash(str(reduce_op)), shown=False),
+        Field(next(names), cap),
+        Field(next(names), int(atomic)),
+        Field(next(names), stable_hash(forced), shown=False),
+        Field(next(names), len(tensors)),
+        Field(next(names), stable_hash([(str(t.dtype), t.device.type) for t in tensors]), shown=False),
+        Field(next(names), stable_hash([tuple(t.shape) for t in tensors]), shown=False),
+    ]
 
 
 def _start_bucket(op, bucket, channel, src, dst, reduce_op, world) -> _InFlight:
@@ -200,9 +309,11 @@ def _start_bucket(op, bucket, channel, src, dst, reduce_op, world) -> _InFlight:
 
 def _check_tensor(t: Any, name: str) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
+        raise InvalidArgumentError(f"rank {_compat.rank()}: {name} is a {type(t).__name__}, not a torch.Tensor")
     if t.layout is not torch.strided or t.is_meta:
-        raise TypeError(f"{name}: only dense (strided) tensors with storage can be communicated, got {t.layout}")
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: {name}: only dense (strided) tensors with storage can be communicated, got {t.layout}"
+        )
 
 
 class _Work:
@@ -325,7 +436,7 @@ def _record(bucket: Bucket, collectives: int, fallback: str = "") -> BucketRecor
         device=bucket.device,
         dtype=bucket.dtype,
         wire_dtype=wire,
-        primitive=Primitive.PER_TENSOR.value if fallback else bucket.primitive.value,
+        primitive=Primitive.PER_TENSOR if fallback else bucket.primitive,
         backend=bucket.rule.backend,
         numel=bucket.numel,
         bytes=bucket.numel * torch.empty((), dtype=wire).element_size(),

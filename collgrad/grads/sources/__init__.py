@@ -6,7 +6,7 @@ returns, each call and without communicating, the local buffers and whether read
 Sources are cached per model by the caller while ``Source.valid()`` holds, so a second call does no
 planning work.
 
-Only ``collgrad.sources.deepspeed`` imports deepspeed, and only when a DeepSpeed engine is passed.
+Only ``collgrad.grads.sources.deepspeed`` imports deepspeed, and only when a DeepSpeed engine is passed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
-from collgrad.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
+from collgrad.errors import InvalidArgumentError, UnknownParameterError
+from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 
 __all__ = ["Problem", "LocalGrads", "Source", "ReplicatedSource", "open_source", "select", "control_group_of"]
 
@@ -35,7 +36,7 @@ class Problem(enum.IntEnum):
     NOT_BOUNDARY = 2
     UNMANAGED_ACCUMULATION = 3
     NO_GRADIENT_BUFFERS = 4
-    INVALID_ARGUMENTS = 5
+    LAYOUT_CHANGED = 5
 
     def describe(self) -> str:
         return {
@@ -47,7 +48,9 @@ class Problem(enum.IntEnum):
             Problem.UNMANAGED_ACCUMULATION: "managed_gradient_accumulation is off: DeepSpeed reduces inside "
             "step(), so there is no moment at which reduced gradients exist before step()",
             Problem.NO_GRADIENT_BUFFERS: "the optimizer holds no reduced gradient buffers",
-            Problem.INVALID_ARGUMENTS: "invalid arguments (that rank's own error says which)",
+            Problem.LAYOUT_CHANGED: "the local gradient buffers no longer match the layout collgrad read from "
+            "this DeepSpeed version (that rank's log says how); report it, and use "
+            "deepspeed.utils.safe_get_full_grad meanwhile",
         }[self]
 
 
@@ -60,6 +63,7 @@ class LocalGrads:
     #: gradients per parameter (REPLICATED); empty when ``problem`` is set.
     buffers: list[Any]
     loss_scale: float = 1.0
+    detail: str = ""  # what exactly is wrong, for this rank's own message
 
 
 class Source:
@@ -76,6 +80,8 @@ class Source:
     params: dict[str, nn.Parameter]
     #: Scratch buffers the reader keeps with the source between calls (staging for gathers).
     scratch: dict
+    #: Gradient plans and bucket plans built for this source, by call (see collgrad/grads/call.py).
+    plans: dict
 
     def valid(self) -> bool:
         """Whether the layout still describes the model (cheap; checked before reusing a cached source)."""
@@ -97,16 +103,18 @@ def select(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, n
     for item in params:
         if isinstance(item, str):
             if item not in names:
-                raise KeyError(f"rank {_compat.rank()}: {item!r} is not a trainable parameter of this model; "
-                               "pass names from model.named_parameters()")
+                raise UnknownParameterError(f"rank {_compat.rank()}: {item!r} is not a trainable parameter of this "
+                                            "model; pass names from model.named_parameters()")
             wanted.add(item)
         elif isinstance(item, torch.Tensor):
             if id(item) not in by_id:
-                raise KeyError(f"rank {_compat.rank()}: a parameter of shape {tuple(item.shape)} is not a trainable "
-                               "parameter of this model; pass this model's parameters or their names")
+                raise UnknownParameterError(f"rank {_compat.rank()}: a parameter of shape {tuple(item.shape)} is not a "
+                                            "trainable parameter of this model; pass this model's parameters or their names")
             wanted.add(by_id[id(item)])
         else:
-            raise TypeError(f"params must hold parameter names or tensors, got {type(item).__name__}")
+            raise InvalidArgumentError(
+                f"rank {_compat.rank()}: params must hold parameter names or tensors, got {type(item).__name__}"
+            )
     return [(n, p) for n, p in named if n in wanted]
 
 
@@ -114,13 +122,13 @@ def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
     """The Source of ``model``: a DeepSpeed engine, the module it wraps, or a plain module whose
     ``.grad`` already holds reduced gradients (after DDP, or on one process). Local: no communication."""
     if "deepspeed" in sys.modules or _looks_like_engine(model):
-        from collgrad.sources import deepspeed as ds_source
+        from collgrad.grads.sources import deepspeed as ds_source
 
         engine = ds_source.find_engine(model)
         if engine is not None:
             return ds_source.open_engine(engine, select(engine.module, params))
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise InvalidArgumentError(
             f"rank {_compat.rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
         )
     params = None if params is None else list(params)
@@ -137,7 +145,7 @@ def control_group_of(model: Any) -> ProcessGroup | None:
     if not torch.distributed.is_initialized():
         return None
     if "deepspeed" in sys.modules or _looks_like_engine(model):
-        from collgrad.sources import deepspeed as ds_source
+        from collgrad.grads.sources import deepspeed as ds_source
 
         engine = ds_source.find_engine(model)
         if engine is not None:
@@ -164,6 +172,7 @@ class ReplicatedSource(Source):
         self.control_group = group
         self.groups = {0: group}
         self.scratch = {}
+        self.plans = {}
         self.model_parallel = frozenset(model_parallel)
         out = dtype or (named[0][1].dtype if named else torch.float32)
         slots = tuple(ParamSlot(n, tuple(p.shape), p.numel(), 0, p.numel(), n in model_parallel) for n, p in named)

@@ -32,18 +32,28 @@ from typing import Any
 import torch
 from torch import nn
 
-import deepspeed  # noqa: F401  (the adapter's one dependency on DeepSpeed)
+import deepspeed
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils import safe_get_full_grad
 
 from collgrad import _compat
-from collgrad.buffers import Pieces
-from collgrad.sources import LocalGrads, Problem, ReplicatedSource, Source
-from collgrad.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
+from collgrad.errors import InvalidArgumentError
+from collgrad.core.buffers import Pieces
+from collgrad.grads.sources import LocalGrads, Problem, ReplicatedSource, Source
+from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 
-__all__ = ["find_engine", "open_engine", "control_group"]
+__all__ = ["find_engine", "open_engine", "control_group", "initialize", "safe_get_full_grad", "VERSION"]
+
+VERSION: str = deepspeed.__version__
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> DeepSpeedEngine:
+    """``deepspeed.initialize`` for collgrad's own tools (the benchmark), so that they too reach
+    DeepSpeed only through this module. Collective: every rank of the job calls it."""
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
 
 
 def find_engine(model: Any) -> DeepSpeedEngine | None:
@@ -92,8 +102,8 @@ def _loss_scale(engine: DeepSpeedEngine) -> float:
 def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) -> Source:
     opt = engine.optimizer
     if opt is None:
-        raise ValueError(
-            "this DeepSpeed engine has no optimizer, so DeepSpeed reduces no gradient: pass an optimizer to "
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: this DeepSpeed engine has no optimizer, so DeepSpeed reduces no gradient: pass an optimizer to "
             "deepspeed.initialize, or pass the module itself if its .grad already holds reduced gradients"
         )
     kind = type(opt).__name__
@@ -138,7 +148,7 @@ class _EngineSource(Source):
         self.control_group = control_group(engine)
         self.groups = {}
         self.scratch = {}
-
+        self.plans = {}
 
     @property
     def engine(self) -> DeepSpeedEngine:
@@ -198,12 +208,10 @@ class _Zero12(_EngineSource):
                 flat_partition = getattr(averaged, "flat_partition", None)  # bf16 + fp32 accumulation
                 local = Pieces([flat_partition] if flat_partition is not None else averaged)
             if local.numel() != group.partition_numel or local.dtype != group.wire_dtype:
-                raise RuntimeError(
-                    f"rank {torch.distributed.get_rank()}: param group {i}: local gradient partition is "
-                    f"{local.numel()} x {local.dtype}, the layout says {group.partition_numel} x {group.wire_dtype}: "
-                    "this DeepSpeed version's layout is not the one collgrad knows; report it, and use "
-                    "deepspeed.utils.safe_get_full_grad meanwhile"
-                )
+                # Told to every rank in the readiness check, which then raises LayoutChangedError everywhere.
+                return LocalGrads(Problem.LAYOUT_CHANGED, [], detail=(
+                    f"param group {i}: local gradient partition is {local.numel()} x {local.dtype}, the layout says "
+                    f"{group.partition_numel} x {group.wire_dtype}"))
             buffers.append(local)
         return LocalGrads(problem, buffers, _loss_scale(self.engine))
 

@@ -10,8 +10,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from collgrad.backends.base import Op
-from collgrad.plan import Bucket, BucketRule, Plan, Segment, TensorSpec
+from collgrad.core.ops import Op
+from collgrad.core.plan import Bucket, BucketRule, Plan, Segment, TensorSpec
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "bucket_capacity", "plan_buckets"]
 

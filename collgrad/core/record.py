@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from collgrad.core.ops import Op, Primitive
+
 __all__ = ["BucketRecord", "Decision", "CallRecord"]
 
 
@@ -15,7 +17,7 @@ class BucketRecord:
     device: str
     dtype: torch.dtype
     wire_dtype: torch.dtype
-    primitive: str
+    primitive: Primitive  # PER_TENSOR where the bucket fell back
     backend: str
     numel: int  # elements of this rank's contribution
     bytes: int  # bytes of this rank's contribution, in the wire dtype
@@ -30,19 +32,19 @@ class Decision:
 
     device_type: str
     dtype: torch.dtype
-    primitive: str
+    primitive: Primitive
     backend: str
     wire_dtype: torch.dtype
     why: str
 
     @property
     def fallback(self) -> bool:
-        return self.primitive == "per_tensor"
+        return self.primitive is Primitive.PER_TENSOR
 
 
 @dataclass(frozen=True)
 class CallRecord:
-    op: str
+    op: Op
     group_ranks: tuple[int, ...]
     buckets: tuple[BucketRecord, ...]
     decisions: tuple[Decision, ...]
@@ -60,8 +62,8 @@ class CallRecord:
         return tuple(d for d in self.decisions if d.fallback)
 
     def summary(self) -> str:
-        prims = sorted({f"{b.primitive}/{b.backend}" for b in self.buckets})
+        prims = sorted({f"{b.primitive.value}/{b.backend}" for b in self.buckets})
         return (
-            f"{self.op} over ranks {list(self.group_ranks)}: {len(self.buckets)} bucket(s), "
+            f"{self.op.value} over ranks {list(self.group_ranks)}: {len(self.buckets)} bucket(s), "
             f"{self.collectives} collective(s), {self.bytes} bytes per rank via {', '.join(prims) or 'nothing'}"
         )

@@ -1,0 +1,171 @@
+"""Opening a model-wide call: its arguments checked, the model's gradient source and plans taken from
+the cache (or built), this rank's gradients located, and the ranks agreed, before any gradient moves.
+
+    arguments ok?  --no-->  join the argument check with INVALID, raise InvalidArgumentError here
+        | yes
+    source (cached per model while its buffers stay the same) -> LocalGrads (no communication)
+        |
+    one small all-gather over the data-parallel group: [readiness, layout fingerprint, plan=,
+    bucket_bytes, streaming, policy]  ->  every rank raises the same error, or all go on
+        |
+    GradPlan + bucket plans (cached with the source: a second call plans nothing)
+
+Every entry point of collgrad.grads opens its call here, so they all fail together the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from collgrad import _compat
+from collgrad.backends.policy import Policy
+from collgrad.core.agreement import Field, agree_on_call, stable_hash, tell_invalid
+from collgrad.core.dispatch import Dispatcher, Prepared, checked_bucket_bytes, default_dispatcher
+from collgrad.core.ops import Op, Primitive
+from collgrad.errors import InvalidArgumentError, LayoutChangedError, NotReadyError
+from collgrad.grads import sources
+from collgrad.grads.plan import PLANS, GradCall, GradPlan, needs_capabilities, plan_grads
+from collgrad.grads.sources import LocalGrads, Problem, Source
+
+__all__ = ["OpenCall", "FIELDS"]
+
+#: What every rank must pass alike, in the order of the readiness check's row.
+FIELDS = ("parameter names, shapes, dtypes or subsets (params=)", "plan=", "bucket_bytes", "streaming",
+          "policy=")
+
+
+class OpenCall:
+    """One call of a collgrad.grads entry point, ready to execute.
+
+    Construction is collective over the model's data-parallel group (one small all-gather); it raises
+    on every rank together when any rank's arguments are invalid or different, or when gradients
+    cannot be read now.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        params: Iterable[Any] | None,
+        bucket_bytes: int | None,
+        plan: str,
+        unscale: bool,
+        policy: Policy | None,
+        dispatcher: Dispatcher | None,
+        *,
+        streaming: bool,
+        name: str,
+    ) -> None:
+        self.name = name
+        self.dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
+        try:  # every argument is checked before any collective; a rank with bad ones tells the others
+            if plan not in PLANS:
+                raise InvalidArgumentError(f"rank {_compat.rank()}: plan must be one of {PLANS}, got {plan!r}")
+            cap = checked_bucket_bytes(bucket_bytes)
+            if policy is not None:
+                policy.validate()
+            self.source, self.layout_cached = _source(self.dispatcher, model, params)
+            if not self.source.layout.order:
+                raise InvalidArgumentError(
+                    f"rank {_compat.rank()}: no trainable parameter is selected (an empty model, or an empty params=)"
+                )
+            self.local: LocalGrads = self.source.read()
+        except (TypeError, ValueError, KeyError):  # InvalidArgumentError, and the adapter's own checks
+            _tell_invalid(model, self.dispatcher.timeout, name)
+            raise
+        self.call = GradCall(plan, cap, streaming)
+        self.policy = policy
+        self.unscale = unscale and self.local.loss_scale != 1.0
+        _agree(self.source, self.local, self._fields(), self.dispatcher.timeout, name)
+        self.plan, self.prepared, self.cached = self._plans()
+
+    def _fields(self) -> list[Field]:
+        forced = None if self.policy is None else (sorted(self.policy.force), sorted(self.policy.forbid))
+        values = [
+            Field(FIELDS[0], self.source.fingerprint, shown=False),
+            Field(FIELDS[1], PLANS.index(self.call.plan), shown=False),
+            Field(FIELDS[2], self.call.bucket_bytes),
+            Field(FIELDS[3], int(self.call.streaming)),
+            Field(FIELDS[4], stable_hash(forced), shown=False),
+        ]
+        return values
+
+    def _plans(self) -> tuple[GradPlan, dict, bool]:
+        """The GradPlan of this call and its cache of bucket plans, reused while the source is."""
+        key = (self.call, self.policy)
+        found = self.source.plans.get(key)
+        if found is not None:
+            return found[0], found[1], True
+        layout = self.source.layout
+        per_param = self.source.per_param is not None
+        gather_ok = {}
+        for i, group in enumerate(layout.groups):
+            if needs_capabilities(group, self.call, per_param):  # collective on first use: only if needed
+                caps = self.dispatcher.registry.capabilities(self.source.device.type, self.source.groups.get(group.index),
+                                                             self.policy)
+                choice = caps.choice(Op.ALL_GATHER, group.wire_dtype)
+                gather_ok[i] = choice.primitive not in (None, Primitive.PER_TENSOR)
+        plan = plan_grads(layout, self.call, gather_ok, per_param)
+        prepared: dict = {}
+        self.source.plans[key] = (plan, prepared)
+        return plan, prepared, False
+
+    def prepared_for(self, step: tuple[int, int], op: Op, tensors: Sequence[torch.Tensor],
+                     group: ProcessGroup) -> Prepared:
+        """The dispatcher's bucket plan for one step of the plan, built once (the tensors of a step have
+        the same specs every call: they come from the layout)."""
+        found = self.prepared.get(step)
+        if found is None:
+            self.cached = False
+            found = self.prepared[step] = self.dispatcher.prepare(op, tensors, group, bucket_bytes=self.call.bucket_bytes,
+                                                                  policy=self.policy)
+        return found
+
+
+def _agree(source: Source, local: LocalGrads, fields: list[Field], timeout_s: float, name: str) -> None:
+    """Every rank of the control group learns every rank's readiness and arguments, and all raise the
+    same error if any rank cannot read now or asked for something else."""
+    rank = _compat.rank()
+    if source.control_group is None:
+        if local.problem is not Problem.OK:
+            raise NotReadyError(f"rank {rank}: {local.problem.describe()}")
+        return
+    rows = agree_on_call(source.control_group, fields, timeout_s=timeout_s, call=name, status=int(local.problem))
+    ranks = _compat.group_ranks(source.control_group)
+    bad = [(ranks[i], Problem(row[0])) for i, row in enumerate(rows) if row[0] != Problem.OK]
+    if bad:
+        detail = "; ".join(f"rank {r}: {p.describe()}" for r, p in bad)
+        if local.detail:
+            detail += f"; here: {local.detail}"
+        error = LayoutChangedError if any(p is Problem.LAYOUT_CHANGED for _, p in bad) else NotReadyError
+        raise error(f"full gradients cannot be read now ({detail}) [seen by rank {rank}]")
+
+
+def _tell_invalid(model: Any, timeout_s: float, name: str) -> None:
+    """This rank's arguments are invalid: take part in the readiness check with that verdict, so ranks
+    whose arguments were fine raise too instead of waiting; the caller then re-raises its own error."""
+    try:
+        group = sources.control_group_of(model)
+    except Exception:  # noqa: BLE001 - the argument error is the one to report
+        group = _compat.default_group() if torch.distributed.is_initialized() else None
+    if group is not None:
+        tell_invalid(group, len(FIELDS), timeout_s, name)
+
+
+def _source(dispatcher: Dispatcher, model: Any, params: Iterable[Any] | None) -> tuple[Source, bool]:
+    """The cached Source of ``model`` for this ``params`` selection if its layout still holds, else a
+    new one. Cached on the dispatcher, weakly per model: released with the model."""
+    params = None if params is None else list(params)
+    key = None if params is None else tuple(p if isinstance(p, str) else id(p) for p in params)
+    try:
+        per_model = dispatcher.model_cache.setdefault(model, {})
+    except TypeError:  # not weakly referenceable, so not a model: let open_source say what is wrong
+        return sources.open_source(model, params), False
+    source = per_model.get(key)
+    if source is not None and source.valid():
+        return source, True
+    source = sources.open_source(model, params)
+    per_model[key] = source
+    return source, False

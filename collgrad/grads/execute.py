@@ -1,0 +1,191 @@
+"""Executors: run an opened call's GradPlan, one step at a time, and hand back full gradients.
+
+One small function per plan kind; none decides anything (the plan did), each only moves bytes:
+
+  local       copies (or views) of what this rank already holds
+  all_gather  ZeRO-1/2: one gather of the flat partitions, then views per parameter;
+              ZeRO-3: one gather of a batch's slices into a reused staging buffer, then one copy
+              per parameter to lay its slices end to end
+  all_reduce  this rank's fragments copied into a zeroed bucket, one sum over the group
+  per_param   DeepSpeed's own accessor, one collective per parameter
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from collgrad.core.buffers import Pieces
+from collgrad.core.ops import Op
+from collgrad.core.record import CallRecord
+from collgrad.grads.call import OpenCall
+from collgrad.grads.plan import GroupPlan, PlanKind
+from collgrad.grads.record import FullGradRecord, GroupRecord
+from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, ParamSlot, owned_fragments
+
+__all__ = ["Executor", "Result"]
+
+Result = list[tuple[str, torch.Tensor]]
+
+
+class Executor:
+    """Runs ``call.plan``; ``steps()`` yields each step's results, ``record()`` tells what was done."""
+
+    def __init__(self, call: OpenCall) -> None:
+        self.call = call
+        self.group_records: list[GroupRecord] = []
+        self.per_param_collectives = 0
+
+    def record(self) -> FullGradRecord:
+        c = self.call
+        return FullGradRecord(c.source.layout.variant, tuple(self.group_records), self.per_param_collectives,
+                              c.local.loss_scale, c.unscale, c.cached, c.layout_cached)
+
+    def steps(self) -> Iterator[Result]:
+        """The results one step (one batch of the plan) at a time. Collective: every rank of the
+        model's data-parallel group must take every step."""
+        c = self.call
+        layout = c.source.layout
+        for gplan in c.plan.groups:
+            group = layout.groups[gplan.group]
+            buffer = c.local.buffers[gplan.group] if c.local.buffers else None
+            calls: list[CallRecord] = []
+            for b, batch in enumerate(gplan.batches):
+                results = self._step(gplan, group, buffer, b, batch, calls)
+                self._note(gplan, group, calls)
+                yield results
+                del results
+            if not gplan.batches:
+                self._note(gplan, group, calls)
+
+    def _note(self, gplan: GroupPlan, group: GradGroup, calls: list[CallRecord]) -> None:
+        rec = GroupRecord(group.index, group.kind, gplan.kind, group.group_ranks, len(group.params), tuple(calls))
+        if self.group_records and self.group_records[-1].group == group.index:
+            self.group_records[-1] = rec
+        else:
+            self.group_records.append(rec)
+
+    def _step(self, gplan: GroupPlan, group: GradGroup, buffer, b: int, batch: tuple[int, ...],
+              calls: list[CallRecord]) -> Result:
+        kind = gplan.kind
+        if kind is PlanKind.PER_PARAM:
+            return self._per_param(group, batch)
+        if kind is PlanKind.LOCAL:
+            return self._local(group, buffer, batch)
+        if kind is PlanKind.ALL_GATHER:
+            if group.kind is Kind.PARTITIONED_FLAT:
+                return self._gather_flat(gplan, group, buffer, b, batch, calls)
+            return self._gather_slices(gplan, group, buffer, b, batch, calls)
+        return self._all_reduce(gplan, group, buffer, b, batch, calls)
+
+    # -- shared ---------------------------------------------------------------------------------------
+    def _finish(self, grad: torch.Tensor, slot: ParamSlot, out_dtype: torch.dtype) -> torch.Tensor:
+        grad = grad.view(slot.shape)
+        if grad.dtype is not out_dtype:
+            grad = grad.to(out_dtype)
+        if self.call.unscale:
+            grad = grad.div_(self.call.local.loss_scale)
+        return grad
+
+    def _run(self, gplan: GroupPlan, group: GradGroup, b: int, op: Op, inputs: list[torch.Tensor],
+             outputs: list[torch.Tensor] | None, calls: list[CallRecord]) -> None:
+        """One dispatcher call for step ``b``: its bucket plan is built once and reused across calls.
+        Not atomic and not re-checked: these are collgrad's own buffers, and the ranks agreed already."""
+        c = self.call
+        pg = c.source.groups.get(group.index)
+        prepared = c.prepared_for((gplan.group, b), op, inputs, pg)
+        calls.append(c.dispatcher.run(prepared, inputs, outputs, pg, atomic=False))
+
+    # -- executors ------------------------------------------------------------------------------------
+    def _per_param(self, group: GradGroup, batch: tuple[int, ...]) -> Result:
+        c = self.call
+        out = []
+        for k in batch:
+            slot = group.params[k]
+            grad = c.source.per_param(c.source.params[slot.name])
+            self.per_param_collectives += 1
+            if c.unscale:
+                grad = grad / c.local.loss_scale
+            out.append((slot.name, grad))
+        return out
+
+    def _local(self, group: GradGroup, buffer, batch: tuple[int, ...]) -> Result:
+        if group.kind is Kind.REPLICATED:
+            return [(group.params[k].name, self._finish(buffer[k].detach().clone(), group.params[k], group.out_dtype))
+                    for k in batch]
+        out = []
+        wanted = set(batch)
+        for frag in owned_fragments(group, 0):  # a group of one rank owns everything
+            if frag.param in wanted:
+                slot = group.params[frag.param]
+                piece = buffer.range(frag.local_offset, frag.numel).to(self.call.source.device, copy=True)
+                out.append((slot.name, self._finish(piece, slot, group.out_dtype)))
+        return out
+
+    def _gather_flat(self, gplan, group: GradGroup, buffer: Pieces, b: int, batch, calls) -> Result:
+        device, world = self.call.source.device, group.world
+        full = torch.empty(world * group.partition_numel, dtype=group.wire_dtype, device=device)
+        self._run(gplan, group, b, Op.ALL_GATHER, [buffer.whole().to(device)], [full], calls)
+        slots = [group.params[k] for k in batch]
+        # One split of the gathered flat group into [gap, param, gap, param, ...] (C++), then views.
+        sizes, at = [], 0
+        for s in slots:
+            sizes += [s.offset - at, s.numel]
+            at = s.offset + s.numel
+        sizes.append(full.numel() - at)
+        pieces = full.split(sizes)
+        return [(s.name, self._finish(piece, s, group.out_dtype)) for s, piece in zip(slots, pieces[1::2])]
+
+    def _gather_slices(self, gplan, group: GradGroup, buffer: Pieces, b: int, batch, calls) -> Result:
+        """ZeRO-3: gather this batch's slices, rank-major, into a staging buffer kept between calls,
+        then lay each parameter's slices end to end (the copy a rank-major gather always needs)."""
+        device, world = self.call.source.device, group.world
+        slots = [group.params[k] for k in batch]
+        lo = slots[0].offset
+        span = slots[-1].offset + slots[-1].slice_numel - lo
+        local = buffer.range(lo, span).to(device)  # a view of DeepSpeed's flat buffer, or one move
+        staging = self._staging(group.wire_dtype, device, world * span)
+        self._run(gplan, group, b, Op.ALL_GATHER, [local], [staging], calls)
+        sizes = [s.slice_numel for s in slots]
+        result = torch.empty(world * span, dtype=group.wire_dtype, device=device)
+        out = []
+        for s, src, dst in zip(slots, staging.view(world, span).split(sizes, dim=1),
+                               result.split([world * n for n in sizes])):
+            dst.view(world, s.slice_numel).copy_(src)
+            out.append((s.name, self._finish(dst[: s.numel], s, group.out_dtype)))
+        return out
+
+    def _staging(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        """Scratch for gathered slices, reused across calls (never returned: results are copies).
+        At most one bucket, or one parameter's gathered size where that is larger."""
+        key = (dtype, device)
+        cache = self.call.source.scratch
+        found = cache.get(key)
+        if found is None or found.numel() < numel:
+            found = cache[key] = torch.empty(numel, dtype=dtype, device=device)
+        return found[:numel]
+
+    def _all_reduce(self, gplan, group: GradGroup, buffer: Pieces, b: int, batch, calls) -> Result:
+        device = self.call.source.device
+        slots = {k: group.params[k] for k in batch}
+        starts, total = {}, 0
+        for k in batch:
+            starts[k] = total
+            total += slots[k].numel
+        result = torch.zeros(total, dtype=group.out_dtype, device=device)
+        rank = group.group_ranks.index(torch.distributed.get_rank())
+        mine = [f for f in owned_fragments(group, rank) if f.param in slots]
+        if mine and buffer.device != device:  # offloaded: this rank's part moves once per bucket
+            lo = min(f.local_offset for f in mine)
+            moved = Pieces([buffer.range(lo, max(f.local_offset + f.numel for f in mine) - lo).to(device)])
+            mine = [Fragment(f.param, f.param_offset, f.local_offset - lo, f.numel) for f in mine]
+            buffer = moved
+        for frag in mine:  # straight from where each fragment lies into the zeroed bucket
+            at = starts[frag.param] + frag.param_offset
+            result[at : at + frag.numel].copy_(buffer.range(frag.local_offset, frag.numel))
+        # One tensor per parameter, back to back in ``result``: bucket primitives send them as one run
+        # without copying, the per-tensor fallback sends one collective per parameter.
+        views = [result[starts[k] : starts[k] + slots[k].numel] for k in batch]
+        self._run(gplan, group, b, Op.ALL_REDUCE, views, None, calls)
+        return [(slots[k].name, self._finish(view, slots[k], group.out_dtype)) for k, view in zip(batch, views)]

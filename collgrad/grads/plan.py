@@ -1,0 +1,160 @@
+"""The gradient plan: for each gradient group of a layout, how its full gradients are made and in which
+steps. Pure: built from the layout, the call's arguments and what the agreed capabilities allow,
+without a process group, so every rank builds the same plan and tests need no ranks.
+
+Plan kinds, per gradient group (groups: see sources/layout.py)::
+
+  local       nothing to communicate: every rank holds the full reduced gradients (BF16_Optimizer,
+              no ZeRO), or the group has a single rank (expert-parallel experts, AutoTP shards).
+  all_gather  ranks own equal contiguous partitions (ZeRO-1/2 flat groups, ZeRO-3 per-parameter
+              partitions): every rank contributes its partition as it lies and gathers the rest.
+              Half the bytes of an all-reduce, and no zero fill.
+  all_reduce  zero-padded: every rank writes the elements it owns into a zeroed buffer and the group
+              sums it. Adding zeros is exact, so the result is bitwise what DeepSpeed's
+              ``safe_get_full_grad`` returns (it does the same, one parameter at a time).
+  per_param   DeepSpeed's own accessor, one collective per parameter: optimizers whose layout
+              collgrad does not know.
+
+Steps ("batches") are runs of whole parameters, in layout order::
+
+  group params   a b c d e f g           budget: bucket_bytes of results (or gathered slices)
+  batches        [a b c] [d] [e f g]     d alone: larger than the budget by itself
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind
+
+__all__ = ["PLANS", "GATHER_MIN_SHARE", "PlanKind", "GradCall", "GroupPlan", "GradPlan", "needs_capabilities", "choose_kind",
+           "batch_params", "plan_grads"]
+
+#: What a caller may ask for with ``plan=``.
+PLANS = ("auto", "all_gather", "all_reduce")
+
+#: ``auto`` all-gathers a ZeRO-1/2 flat group only if the call reads at least this share of it: a
+#: gather moves every rank's whole partition, an all-reduce only the parameters asked for (twice, as
+#: a ring all-reduce sends about twice the bytes of a gather), so below half a gather moves more.
+GATHER_MIN_SHARE = 0.5
+
+
+class PlanKind(str, enum.Enum):
+    LOCAL = "local"
+    ALL_GATHER = "all_gather"
+    ALL_REDUCE = "all_reduce"
+    PER_PARAM = "per_param"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+@dataclass(frozen=True)
+class GradCall:
+    """The arguments of one call that decide its plan (every rank passes them alike)."""
+
+    plan: str  # one of PLANS
+    bucket_bytes: int
+    streaming: bool  # iter_full_model_grads: every step is one bucket of results
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    group: int  # position in ``layout.groups``
+    kind: PlanKind
+    #: Indices into the group's ``params`` per step; together every index once, in order.
+    batches: tuple[tuple[int, ...], ...]
+    #: Bytes one step may take (results, or gathered slices); None where the group is one step.
+    budget: int | None
+
+
+@dataclass(frozen=True)
+class GradPlan:
+    call: GradCall
+    groups: tuple[GroupPlan, ...]
+
+    @property
+    def steps(self) -> int:
+        return sum(len(g.batches) for g in self.groups)
+
+
+def needs_capabilities(group: GradGroup, call: GradCall, per_param: bool = False) -> bool:
+    """Whether ``choose_kind`` looks at ``gather_ok`` for this group: only then must the caller ask
+    the registry (collective over the group the first time)."""
+    return not (
+        per_param
+        or group.kind is Kind.REPLICATED
+        or group.world == 1
+        or call.plan != "auto"
+        or (call.streaming and group.kind is Kind.PARTITIONED_FLAT)
+    )
+
+
+def choose_kind(group: GradGroup, call: GradCall, gather_ok: bool, per_param: bool = False) -> PlanKind:
+    """The plan kind of one group. ``gather_ok``: the group's agreed capabilities have a bucket
+    primitive (not per-tensor) for an all-gather of its wire dtype. ``per_param``: the source has no
+    layout and only DeepSpeed's per-parameter accessor can read it."""
+    if per_param:
+        return PlanKind.PER_PARAM
+    if group.kind is Kind.REPLICATED or group.world == 1:
+        return PlanKind.LOCAL
+    if call.plan != "auto":
+        return PlanKind(call.plan)
+    if call.streaming and group.kind is Kind.PARTITIONED_FLAT:
+        return PlanKind.ALL_REDUCE  # a bucket of whole parameters is complete by itself
+    if not gather_ok:
+        return PlanKind.ALL_REDUCE
+    if group.kind is Kind.PARTITIONED_FLAT:
+        wanted = sum(p.numel for p in group.params)
+        if wanted < GATHER_MIN_SHARE * group.world * group.partition_numel:
+            return PlanKind.ALL_REDUCE
+    return PlanKind.ALL_GATHER
+
+
+def batch_params(group: GradGroup, kind: PlanKind, call: GradCall) -> tuple[tuple[tuple[int, ...], ...], int | None]:
+    """The steps of one group, and the byte budget of a step (None: one step).
+
+    ZeRO-3 all-gathers go by buckets of gathered bytes (the staging buffer is one bucket); when
+    streaming, each step's staging and results together stay within a bucket (half each). Streamed
+    all-reduces go by buckets of result bytes; per-parameter reads go one parameter at a time.
+    Everything else (local, ZeRO-1/2 gathers, unstreamed all-reduces) is one step.
+    """
+    indices = tuple(range(len(group.params)))
+    if not indices:
+        return (), None
+    if kind is PlanKind.PER_PARAM:
+        return tuple((k,) for k in indices), None
+    per_param_gather = kind is PlanKind.ALL_GATHER and group.kind is Kind.PER_PARAM
+    if not (per_param_gather or (call.streaming and kind is PlanKind.ALL_REDUCE)):
+        return (indices,), None
+    itemsize = torch.empty((), dtype=group.out_dtype).element_size()
+    budget = call.bucket_bytes // 2 if (call.streaming and per_param_gather) else call.bucket_bytes
+    batches: list[tuple[int, ...]] = []
+    current: list[int] = []
+    size = 0
+    for k, p in enumerate(group.params):
+        numel = p.slice_numel * group.world if per_param_gather else p.numel
+        if current and (size + numel) * itemsize > budget:
+            batches.append(tuple(current))
+            current, size = [], 0
+        current.append(k)
+        size += numel
+    batches.append(tuple(current))
+    return tuple(batches), budget
+
+
+def plan_grads(layout: GradLayout, call: GradCall, gather_ok: Mapping[int, bool], per_param: bool = False) -> GradPlan:
+    """The plan of one call. ``gather_ok[i]``: for ``layout.groups[i]``, whether the agreed
+    capabilities have a bucket all-gather primitive (see ``choose_kind``)."""
+    groups = []
+    for i, group in enumerate(layout.groups):
+        kind = choose_kind(group, call, gather_ok.get(i, False), per_param)
+        batches, budget = batch_params(group, kind, call)
+        groups.append(GroupPlan(i, kind, batches, budget))
+    return GradPlan(call, tuple(groups))

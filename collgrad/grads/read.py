@@ -1,0 +1,116 @@
+"""Reading full gradients: ``safe_get_full_model_grads`` and ``iter_full_model_grads``.
+
+Thin entry points: open the call (arguments, source, readiness, plan: call.py), run its plan
+(execute.py), hand the results over in ``named_parameters()`` order or as a stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from collgrad.backends.policy import Policy
+from collgrad.core.dispatch import Dispatcher
+from collgrad.grads.call import OpenCall
+from collgrad.grads.execute import Executor
+from collgrad.grads.record import FullGradRecord
+
+__all__ = ["safe_get_full_model_grads", "iter_full_model_grads", "FullGrads", "FullGradStream"]
+
+
+class FullGrads(dict):
+    """``dict[name, Tensor]`` of full gradients, plus ``record`` (what was done) and
+    ``model_parallel`` (names of tensor- or expert-parallel shards: full across the data-parallel
+    group, still local across tensor/expert-parallel ranks)."""
+
+    record: FullGradRecord
+    model_parallel: frozenset[str]
+
+
+def safe_get_full_model_grads(
+    model: Any,
+    *,
+    params: Iterable[Any] | None = None,
+    bucket_bytes: int | None = None,
+    plan: str = "auto",
+    unscale: bool = True,
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> FullGrads:
+    """The full, reduced gradient of every trainable parameter of ``model``, in one collective per
+    bucket.
+
+    ``model`` is a DeepSpeed engine, the module it wraps, or a plain module whose ``.grad`` is already
+    reduced. Keys are ``named_parameters()`` names (tied parameters once), in that order; values are
+    shaped like the parameter, in the dtype and on the device ``deepspeed.utils.safe_get_full_grad``
+    returns, and for fp32 and bf16 with fp32 accumulation bitwise equal to it. fp16 gradients are
+    divided by the current loss scale unless ``unscale=False``. ``params`` (names or parameters)
+    limits the call to a subset.
+
+    When and where: on every rank of the data-parallel group, after ``engine.backward()`` of the last
+    micro-step of an accumulation boundary and before ``engine.step()``, with the same arguments on
+    every rank. Otherwise every rank raises the same error (NotReadyError, ArgumentMismatchError, or
+    InvalidArgumentError on the rank whose arguments were invalid) before any gradient moves. The
+    engine is not modified.
+    """
+    call = OpenCall(model, params, bucket_bytes, plan, unscale, policy, dispatcher, streaming=False,
+                    name="safe_get_full_model_grads")
+    executor = Executor(call)
+    found: dict[str, torch.Tensor] = {}
+    for results in executor.steps():
+        found.update(results)
+    grads = FullGrads()
+    for name in call.source.layout.order:
+        if name in found:
+            grads[name] = found[name]
+    grads.record = executor.record()
+    grads.model_parallel = call.source.model_parallel
+    return grads
+
+
+class FullGradStream:
+    """``(name, gradient)`` pairs, one bucket of whole parameters at a time; ``record()`` tells what was
+    done so far. Every rank must consume it to the end (each bucket is a collective)."""
+
+    def __init__(self, call: OpenCall) -> None:
+        self._executor = Executor(call)
+        self._iter = self._generate()
+        self.model_parallel = call.source.model_parallel
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._iter
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._iter)
+
+    def record(self) -> FullGradRecord:
+        return self._executor.record()
+
+    def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for results in self._executor.steps():
+            results.reverse()
+            while results:  # hand each tensor over and keep no reference: ~2 buckets alive at most
+                yield results.pop()
+
+
+def iter_full_model_grads(
+    model: Any,
+    *,
+    params: Iterable[Any] | None = None,
+    bucket_bytes: int | None = None,
+    plan: str = "auto",
+    unscale: bool = True,
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> FullGradStream:
+    """The same gradients as ``safe_get_full_model_grads``, as ``(name, tensor)`` pairs streamed one
+    bucket of whole parameters at a time (in bucket order), so that collgrad holds about two buckets
+    at a time whatever the model size (a parameter larger than a bucket is one bucket by itself).
+
+    Same calling rules, plus: every rank must consume the whole iteration (each bucket is a
+    collective); a rank that stops early leaves the others waiting. The arguments and readiness are
+    checked, on every rank together, when this is called (not at the first ``next``).
+    """
+    return FullGradStream(OpenCall(model, params, bucket_bytes, plan, unscale, policy, dispatcher, streaming=True,
+                                   name="iter_full_model_grads"))

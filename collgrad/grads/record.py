@@ -1,0 +1,52 @@
+"""What a full-gradient call did: per gradient group the plan and the collectives' records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from collgrad.core.record import CallRecord
+from collgrad.grads.plan import PlanKind
+from collgrad.grads.sources.layout import Kind
+
+__all__ = ["GroupRecord", "FullGradRecord"]
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    group: int
+    kind: Kind
+    plan: PlanKind
+    ranks: tuple[int, ...]
+    params: int
+    calls: tuple[CallRecord, ...]
+
+    @property
+    def collectives(self) -> int:
+        return sum(c.collectives for c in self.calls)
+
+
+@dataclass(frozen=True)
+class FullGradRecord:
+    """What a full-gradient call did: per gradient group, the plan and the collectives' records."""
+
+    variant: str
+    groups: tuple[GroupRecord, ...]
+    per_param_collectives: int
+    loss_scale: float
+    unscaled: bool
+    #: The gradient plan and every bucket plan were reused from an earlier call: this call planned nothing.
+    plan_cached: bool
+    #: The model's gradient layout (and where each rank's buffers lie) was reused from an earlier call.
+    layout_cached: bool
+
+    @property
+    def collectives(self) -> int:
+        return self.per_param_collectives + sum(g.collectives for g in self.groups)
+
+    @property
+    def buckets(self) -> int:
+        return sum(len(c.buckets) for g in self.groups for c in g.calls)
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for g in self.groups for c in g.calls)
