@@ -11,11 +11,12 @@ from typing import Sequence
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
-from collgrad.grads import FullGradRecord, FullGrads, FullGradStream, GroupRecord, iter_full_model_grads, safe_get_full_model_grads
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.decide import Capabilities
 from collgrad.backends.policy import Policy
-from collgrad.backends.registry import Capabilities, Registry
+from collgrad.backends.registry import Registry
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
+from collgrad.core.ops import Op, Primitive
+from collgrad.core.record import BucketRecord, CallRecord, Decision
 from collgrad.errors import (
     AgreementError,
     ArgumentMismatchError,
@@ -29,7 +30,14 @@ from collgrad.errors import (
     PolicyError,
     UnknownParameterError,
 )
-from collgrad.core.record import BucketRecord, CallRecord, Decision
+from collgrad.grads import (
+    FullGradRecord,
+    FullGrads,
+    FullGradStream,
+    GroupRecord,
+    iter_full_model_grads,
+    safe_get_full_model_grads,
+)
 
 __version__ = "0.1.0"
 
@@ -65,6 +73,7 @@ __all__ = [
     "NoPrimitiveError",
     "PolicyError",
 ]
+
 
 def all_reduce_coalesced(
     tensors: Sequence[torch.Tensor],

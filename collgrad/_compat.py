@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup, ReduceOp
 from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
+from torch.distributed import ProcessGroup, ReduceOp
 
 __all__ = [
     "TORCH_VERSION",
@@ -134,9 +134,7 @@ def all_gather_list(outputs: list[torch.Tensor], inp: torch.Tensor, group: Proce
     return dist.all_gather(outputs, inp, group=group, async_op=True)
 
 
-def allreduce_coalesced(
-    group: ProcessGroup, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType
-) -> dist.Work:
+def allreduce_coalesced(group: ProcessGroup, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> dist.Work:
     """One ``ProcessGroup.allreduce_coalesced`` call.
 
     This is the call the ``_coalescing_manager`` fast path makes; unlike the deprecated

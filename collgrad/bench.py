@@ -71,8 +71,21 @@ class VectorModel(nn.Module):
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _host_bytes_in_use() -> Callable[[], int]:
@@ -175,16 +188,21 @@ def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) 
         if progress:
             print(f"[bench] {label}: {rep + 1}/{cfg.reps}", file=sys.stderr, flush=True)
     ms = [t * 1e3 for t in times]
-    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms),
-            "peak_host_mb": peak_host / 2**20, "peak_device_mb": peak_dev / 2**20}
+    return {
+        "median_ms": statistics.median(ms),
+        "min_ms": min(ms),
+        "max_ms": max(ms),
+        "peak_host_mb": peak_host / 2**20,
+        "peak_device_mb": peak_dev / 2**20,
+    }
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run on every rank of the default group (already initialized). Returns rank 0's report."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     import collgrad
-    from collgrad.grads.sources import deepspeed as ds  # the adapter: collgrad's one door to DeepSpeed
     from collgrad import Policy
+    from collgrad.grads.sources import deepspeed as ds  # the adapter: collgrad's one door to DeepSpeed
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = VectorModel(cfg.tensors, cfg.elements)
@@ -206,9 +224,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     methods["deepspeed_loop"] = lambda: [ds.safe_get_full_grad(p) for p in params]
     meta["deepspeed_loop"] = {"collectives": len(params), "bytes": 4 * numel}
     for plan in ("all_gather", "all_reduce"):
-        methods[f"collgrad_{plan}"] = lambda plan=plan: collgrad.safe_get_full_model_grads(engine, plan=plan, bucket_bytes=bucket)
+        methods[f"collgrad_{plan}"] = lambda plan=plan: collgrad.safe_get_full_model_grads(
+            engine, plan=plan, bucket_bytes=bucket
+        )
     per_tensor = Policy(force="per_tensor")
-    methods["collgrad_per_tensor"] = lambda: collgrad.safe_get_full_model_grads(engine, policy=per_tensor, bucket_bytes=bucket)
+    methods["collgrad_per_tensor"] = lambda: collgrad.safe_get_full_model_grads(
+        engine, policy=per_tensor, bucket_bytes=bucket
+    )
     # deque(maxlen=0) consumes without keeping a reference: what is measured is what collgrad holds.
     methods["collgrad_iter"] = lambda: deque(collgrad.iter_full_model_grads(engine, bucket_bytes=bucket), maxlen=0)
     methods["raw_all_reduce"] = lambda: dist.all_reduce(flat)
@@ -218,16 +240,27 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     if cfg.methods:
         methods = {k: v for k, v in methods.items() if k in cfg.methods}
 
-    report: dict[str, Any] = {"config": asdict(cfg), "world": world, "backend": str(dist.get_backend()),
-                              "torch": torch.__version__, "deepspeed": ds.VERSION,
-                              "optimizer": type(engine.optimizer).__name__, "params": len(params),
-                              "numel": numel, "methods": {}}
+    report: dict[str, Any] = {
+        "config": asdict(cfg),
+        "world": world,
+        "backend": str(dist.get_backend()),
+        "torch": torch.__version__,
+        "deepspeed": ds.VERSION,
+        "optimizer": type(engine.optimizer).__name__,
+        "params": len(params),
+        "numel": numel,
+        "methods": {},
+    }
     for name, fn in methods.items():
         row = _timed(fn, cfg, name, progress and rank == 0)
         if name.startswith("collgrad") and name != "collgrad_iter":
             rec = fn().record
-            row.update(collectives=rec.collectives, bytes=rec.bytes, plans=[g.plan for g in rec.groups],
-                       plan_cached=getattr(rec, "plan_cached", None))
+            row.update(
+                collectives=rec.collectives,
+                bytes=rec.bytes,
+                plans=[g.plan for g in rec.groups],
+                plan_cached=getattr(rec, "plan_cached", None),
+            )
         elif name == "collgrad_iter":
             stream = collgrad.iter_full_model_grads(engine, bucket_bytes=bucket)
             for _ in stream:
@@ -240,20 +273,28 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
 
     # Streaming memory: a bucket of 1/stream_fraction of the model's gradient.
     small = max(1, 4 * numel // cfg.stream_fraction)
+
     def stream_small():
         deque(collgrad.iter_full_model_grads(engine, bucket_bytes=small), maxlen=0)
+
     stream_row = _timed(stream_small, BenchConfig(reps=3, warmup=1), "stream_memory", progress and rank == 0)
-    report["stream_memory"] = {"bucket_mb": small / 2**20, "peak_extra_mb": stream_row["peak_host_mb"],
-                               "peak_device_mb": stream_row["peak_device_mb"],
-                               "buckets": stream_row["peak_host_mb"] * 2**20 / small}
+    report["stream_memory"] = {
+        "bucket_mb": small / 2**20,
+        "peak_extra_mb": stream_row["peak_host_mb"],
+        "peak_device_mb": stream_row["peak_device_mb"],
+        "buckets": stream_row["peak_host_mb"] * 2**20 / small,
+    }
     _ratios(report, cfg)
     return report
 
 
 def _ratios(report: dict[str, Any], cfg: BenchConfig) -> None:
     m = report["methods"]
-    best = min((v["median_ms"], k) for k, v in m.items() if k in ("collgrad_all_gather", "collgrad_all_reduce"))[1] if any(
-        k in m for k in ("collgrad_all_gather", "collgrad_all_reduce")) else None
+    best = (
+        min((v["median_ms"], k) for k, v in m.items() if k in ("collgrad_all_gather", "collgrad_all_reduce"))[1]
+        if any(k in m for k in ("collgrad_all_gather", "collgrad_all_reduce"))
+        else None
+    )
     floor = "raw_all_gather" if cfg.stage == 3 else "raw_all_reduce"
     out = {}
     if best and floor in m:
@@ -291,8 +332,10 @@ def format_report(report: dict[str, Any]) -> str:
         )
     s = report.get("stream_memory")
     if s:
-        lines.append(f"streaming: bucket {s['bucket_mb']:.2f} MiB, peak extra {s['peak_extra_mb']:.2f} MiB "
-                     f"= {s['buckets']:.2f} buckets")
+        lines.append(
+            f"streaming: bucket {s['bucket_mb']:.2f} MiB, peak extra {s['peak_extra_mb']:.2f} MiB "
+            f"= {s['buckets']:.2f} buckets"
+        )
     if "per_tensor_us" in report:
         lines.append(f"cost per parameter tensor at fixed bytes: {report['per_tensor_us']:.2f} us (slope of the sweep)")
     return "\n".join(lines)
@@ -309,10 +352,17 @@ def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | Non
 def sweep_configs(cfg: BenchConfig) -> list[tuple[str, BenchConfig]]:
     """Time against the number of tensors at fixed bytes, and against bytes at fixed tensors."""
     reps = max(3, cfg.reps // 2)
-    points = [("tensors", BenchConfig(**{**asdict(cfg), "tensors": n, "reps": reps, "methods": SWEEP_METHODS}))
-              for n in (50, 100, 200, 400, 800, 1600)]
-    points += [("bytes", BenchConfig(**{**asdict(cfg), "elements": int(cfg.elements * f), "reps": reps, "methods": SWEEP_METHODS}))
-               for f in (0.25, 0.5, 1, 2)]
+    points = [
+        ("tensors", BenchConfig(**{**asdict(cfg), "tensors": n, "reps": reps, "methods": SWEEP_METHODS}))
+        for n in (50, 100, 200, 400, 800, 1600)
+    ]
+    points += [
+        (
+            "bytes",
+            BenchConfig(**{**asdict(cfg), "elements": int(cfg.elements * f), "reps": reps, "methods": SWEEP_METHODS}),
+        )
+        for f in (0.25, 0.5, 1, 2)
+    ]
     return points
 
 
@@ -336,7 +386,10 @@ def plot_sweep(sweep: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, label in ((axes[0], "tensors", "parameter tensors (fixed bytes)"), (axes[1], "bytes", "gradient bytes (fixed tensors)")):
+    for ax, key, label in (
+        (axes[0], "tensors", "parameter tensors (fixed bytes)"),
+        (axes[1], "bytes", "gradient bytes (fixed tensors)"),
+    ):
         rows = sweep[key]
         xs = [r[key] for r in rows]
         for method in ("deepspeed_loop", "collgrad_all_gather", "collgrad_all_reduce", "raw_all_reduce"):
@@ -353,9 +406,17 @@ def plot_sweep(sweep: dict[str, Any], path: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchConfig()
-    parser.add_argument("--local", type=int, default=None, metavar="N", help="spawn N ranks over Gloo here (default 2 without a launcher)")
+    parser.add_argument(
+        "--local",
+        type=int,
+        default=None,
+        metavar="N",
+        help="spawn N ranks over Gloo here (default 2 without a launcher)",
+    )
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=d.stage)
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=d.dtype, help="bf16: with fp32 gradient accumulation")
+    parser.add_argument(
+        "--dtype", choices=("fp32", "bf16", "fp16"), default=d.dtype, help="bf16: with fp32 gradient accumulation"
+    )
     parser.add_argument("--offload", action="store_true", help="CPU optimizer offload")
     parser.add_argument("--tensors", type=int, default=d.tensors)
     parser.add_argument("--elements", type=int, default=d.elements)
@@ -369,8 +430,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from collgrad.launch import init_from_environment, run_local
 
-    cfg = BenchConfig(stage=args.stage, dtype=args.dtype, offload=args.offload, tensors=args.tensors,
-                      elements=args.elements, bucket_mb=args.bucket_mb, reps=args.reps)
+    cfg = BenchConfig(
+        stage=args.stage,
+        dtype=args.dtype,
+        offload=args.offload,
+        tensors=args.tensors,
+        elements=args.elements,
+        bucket_mb=args.bucket_mb,
+        reps=args.reps,
+    )
     launched = "RANK" in os.environ or mpi_launcher.rank_and_size(os.environ) is not None
     configs = [("main", cfg)] + (sweep_configs(cfg) if args.sweep else [])
     results = []

@@ -20,14 +20,21 @@ import torch
 import torch.distributed as dist
 
 from collgrad import _compat
-from collgrad.core.ops import Op, Primitive
 from collgrad.backends.base import DTYPES, UNLIMITED
-from collgrad.backends.registry import Capabilities, Registry, installed
+from collgrad.backends.decide import Capabilities
+from collgrad.backends.registry import Registry, installed
+from collgrad.core.ops import Op, Primitive
 from collgrad.launch import init_from_environment, run_local
 
 _SHORT = {
-    torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16",
-    torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.int32: "i32",
+    torch.int64: "i64",
 }
 
 
@@ -109,15 +116,24 @@ def _parse_group(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collgrad", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m collgrad", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     probe = sub.add_parser("probe", help="print, per process group, what each backend can do and what is chosen")
     probe.add_argument("--local", type=int, metavar="N", help="spawn N ranks over Gloo on this host")
     probe.add_argument("--backend", help="process-group backend under a launcher (default: gloo, plus nccl/xccl)")
-    probe.add_argument("--group", type=_parse_group, action="append", default=[], metavar="R,R,...",
-                       help="also probe a sub-group of these global ranks (repeatable)")
-    bench = sub.add_parser("bench", help="time full-model gradient access against DeepSpeed's accessor and the raw collective")
+    probe.add_argument(
+        "--group",
+        type=_parse_group,
+        action="append",
+        default=[],
+        metavar="R,R,...",
+        help="also probe a sub-group of these global ranks (repeatable)",
+    )
+    bench = sub.add_parser(
+        "bench", help="time full-model gradient access against DeepSpeed's accessor and the raw collective"
+    )
     from collgrad import bench as bench_mod
 
     bench_mod.add_arguments(bench)

@@ -26,7 +26,6 @@ from collgrad.backends import mpi as mpi_launcher  # launcher facts only: mpi4py
 __all__ = ["init_from_environment", "run_local", "RankError", "default_backend"]
 
 
-
 def default_backend() -> str:
     """Gloo for CPU tensors, plus NCCL (or XCCL) for the accelerator when there is one."""
     if torch.cuda.is_available() and dist.is_nccl_available():
@@ -68,8 +67,9 @@ class RankError(RuntimeError):
     """Ranks of ``run_local`` failed; ``text`` holds the first failed rank's traceback, ``failures``
     every failed rank's, and ``missing`` the ranks that had not finished by the deadline."""
 
-    def __init__(self, rank: int, text: str, failures: dict[int, str] | None = None,
-                 missing: list[int] | None = None) -> None:
+    def __init__(
+        self, rank: int, text: str, failures: dict[int, str] | None = None, missing: list[int] | None = None
+    ) -> None:
         self.rank = rank
         self.text = text
         self.failures = dict(failures or {rank: text})

@@ -16,11 +16,31 @@ import torch.distributed as dist
 __all__ = ["count_collectives", "count_planning", "Calls"]
 
 _METHODS = (
-    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base", "all_gather_single",
-    "allgather_into_tensor_coalesced", "all_gather_single_coalesced", "broadcast", "reduce", "reduce_scatter",
-    "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_tensor_coalesced",
-    "reduce_scatter_single_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter",
-    "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
+    "allreduce",
+    "allreduce_coalesced",
+    "allgather",
+    "allgather_coalesced",
+    "_allgather_base",
+    "all_gather_single",
+    "allgather_into_tensor_coalesced",
+    "all_gather_single_coalesced",
+    "broadcast",
+    "reduce",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced",
+    "reduce_scatter_single_coalesced",
+    "alltoall",
+    "alltoall_base",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "recv_anysource",
 )
 
 
@@ -88,6 +108,7 @@ def count_planning() -> Iterator[Counter]:
     targets = [(planner, "plan_buckets"), (call, "plan_grads")]
     saved = [(module, name, getattr(module, name)) for module, name in targets]
     for module, name, original in saved:
+
         def wrapped(*args, _original=original, _name=name, **kwargs):
             counts[_name] += 1
             return _original(*args, **kwargs)

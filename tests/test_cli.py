@@ -11,7 +11,10 @@ def test_probe_local_prints_a_table_per_group():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "collgrad", "probe", "--local", "3", "--group", "0,2"],
-        capture_output=True, text=True, timeout=180, env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout

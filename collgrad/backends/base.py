@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from collgrad.core.ops import Op, Primitive
-
 __all__ = [
     "Reason",
     "DTYPES",

@@ -1,6 +1,6 @@
 """oneCCL through torch-ccl (backend ``ccl``, CPU and XPU) and torch's native XCCL (``xccl``, XPU).
 
-Facts (../shared/notes/backend-capabilities.md, from intel/torch-ccl and torch-xpu-ops sources; not
+Facts (docs/notes/backend-capabilities.md, from intel/torch-ccl and torch-xpu-ops sources; not
 run here):
 - torch-ccl registers ``ccl`` for ["xpu", "cpu"] when ``oneccl_bindings_for_pytorch`` is imported;
   it is deprecated in favour of XCCL. Its coalesced all-reduce is one ccl op per tensor because
@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from collgrad.core.ops import Op, Primitive
-
 from collgrad.backends.base import LocalFinding, Reason
+from collgrad.core.ops import Op, Primitive
 
 CCL_DEVICES = frozenset({"cpu", "xpu"})
 XCCL_DEVICES = frozenset({"xpu"})

@@ -1,6 +1,6 @@
 """Gloo: CPU collectives, and CUDA tensors by staging through host memory.
 
-Facts (../shared/notes/backend-capabilities.md, measured on torch 2.13 here):
+Facts (docs/notes/backend-capabilities.md, measured on torch 2.13 here):
 - Element counts are size_t: an int8 all-reduce of 2**31+1024 elements was correct. No limit.
 - ``allreduce_coalesced`` flattens, runs one ring all-reduce and copies back, for CPU tensors only;
   CUDA tensors get "unsupported device type" (pytorch issue #25416, still open).
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from collgrad import _compat
-from collgrad.core.ops import Op, Primitive
 from collgrad.backends.base import LocalFinding, Reason
+from collgrad.core.ops import Op, Primitive
 
 NAME = "gloo"
 DEVICES = frozenset({"cpu", "cuda"})

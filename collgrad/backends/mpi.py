@@ -10,7 +10,7 @@ torch's ``mpi`` backend (ProcessGroupMPI; pip wheels of torch are built without 
 - fp16/bf16 (and AVG) fail with "IndexError: map::at" unless the build maps MPIX types (pytorch
   issue #139178, PR #170074), so they are offered to mpi4py or upcast instead.
 
-mpi4py (../shared/notes/backend-capabilities.md, measured here with MPICH 5):
+mpi4py (docs/notes/backend-capabilities.md, measured here with MPICH 5):
 - one ``Allreduce`` of a flat host buffer is the fastest CPU primitive measured (19-24 ms for 6.6M
   fp32 on two ranks, against 20-42 ms over Gloo);
 - MPICH 5 defines ``MPI.FLOAT16_T`` but ``MPI.BFLOAT16_T`` is MPI_DATATYPE_NULL: a bf16 buffer then
@@ -32,16 +32,20 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from collgrad.core.waits import poll_until
-from collgrad.core.ops import Op, Primitive
 from collgrad.backends.base import INT32_MAX, UNLIMITED, LocalFinding, Reason
+from collgrad.core.ops import Op, Primitive
+from collgrad.core.waits import poll_until
 
 NAME = "mpi"
 ENV_CUDA_AWARE = "COLLGRAD_MPI_CUDA_AWARE"
 #: (rank, size) variables that MPI launchers set in the processes they start: MPICH/Intel MPI hydra,
 #: Open MPI, PMIx launchers such as srun --mpi=pmix, MVAPICH. Every launcher fact of collgrad is here.
-RANK_SIZE_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                  ("PMIX_RANK", "PMIX_SIZE"), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
+RANK_SIZE_VARS = (
+    ("PMI_RANK", "PMI_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMIX_RANK", "PMIX_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+)
 LAUNCHER_VARS = tuple(rank for rank, _ in RANK_SIZE_VARS)
 #: The rank within the node: MPICH/Intel MPI hydra, Open MPI, MVAPICH.
 LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
@@ -59,9 +63,8 @@ def local_rank(env: Mapping[str, str]) -> str:
     """This process's rank on its node as the MPI launcher says, "0" if it says nothing."""
     return next((env[v] for v in LOCAL_RANK_VARS if v in env), "0")
 
-_TORCH_MPI_DTYPES = frozenset(
-    {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64}
-)
+
+_TORCH_MPI_DTYPES = frozenset({torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64})
 
 
 def torch_mpi_finding(device_type: str, op: Op, primitive: Primitive, dtype: torch.dtype) -> LocalFinding:
@@ -125,9 +128,7 @@ class MpiLink:
         rank, size = comm.Get_rank(), comm.Get_size()
         if group_is_world and size == group_size:
             self.job_token()
-        return MpiState(
-            Reason.OK, rank=rank, size=size, token=self._token, large_counts=mpi.Get_version() >= (4, 0)
-        )
+        return MpiState(Reason.OK, rank=rank, size=size, token=self._token, large_counts=mpi.Get_version() >= (4, 0))
 
     def job_token(self) -> int:
         """A number shared by the whole MPI job, drawn once by MPI rank 0.
@@ -259,8 +260,10 @@ def publish_address() -> tuple[str, str]:
 
     mpi = MpiLink()._import()
     if mpi is None:
-        raise RuntimeError("started by an MPI launcher without MASTER_ADDR, and mpi4py cannot be imported: "
-                           "pip install 'collgrad[mpi]', or set MASTER_ADDR/MASTER_PORT")
+        raise RuntimeError(
+            "started by an MPI launcher without MASTER_ADDR, and mpi4py cannot be imported: "
+            "pip install 'collgrad[mpi]', or set MASTER_ADDR/MASTER_PORT"
+        )
     comm = mpi.COMM_WORLD
     address = None
     if comm.Get_rank() == 0:

@@ -1,6 +1,6 @@
 """NCCL: CUDA collectives.
 
-Facts (../shared/notes/backend-capabilities.md, from ProcessGroupNCCL sources; not run here):
+Facts (docs/notes/backend-capabilities.md, from ProcessGroupNCCL sources; not run here):
 - ``allreduce_coalesced`` (2.1+) is ncclGroupStart, one ncclAllReduce per tensor, ncclGroupEnd: one
   Work, no flatten copy. Tensors must share dtype and device and be non-overlapping and dense.
 - Counts are size_t; bf16/fp16/fp64/ints are native NCCL types (torch 2.13 needs NCCL >= 2.23).
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from collgrad.core.ops import Op, Primitive
-
 from collgrad.backends.base import LocalFinding, Reason
+from collgrad.core.ops import Op, Primitive
 
 NAME = "nccl"
 DEVICES = frozenset({"cuda"})

@@ -12,9 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from collgrad.core.ops import Primitive
-
 from collgrad.backends.base import Reason
+from collgrad.core.ops import Primitive
 from collgrad.errors import PolicyError
 
 __all__ = ["Policy", "BACKEND_NAMES", "PRIMITIVE_NAMES", "ENV_FORCE", "ENV_FORBID"]

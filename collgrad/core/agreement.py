@@ -23,8 +23,16 @@ from collgrad import _compat
 from collgrad.core.waits import wait_work
 from collgrad.errors import ArgumentMismatchError, CollgradError, NoBackendError
 
-__all__ = ["exchange", "control_device_type", "Field", "INVALID", "agree_on_call", "call_verdict", "stable_hash",
-           "tell_invalid"]
+__all__ = [
+    "exchange",
+    "control_device_type",
+    "Field",
+    "INVALID",
+    "agree_on_call",
+    "call_verdict",
+    "stable_hash",
+    "tell_invalid",
+]
 
 #: The status of a rank whose own arguments were invalid: it joins the check only to tell the others.
 INVALID = -1
@@ -85,9 +93,13 @@ def call_verdict(
             by_value.setdefault(row[k], []).append(group_ranks[i])
         if len(by_value) > 1:
             if field.shown:
-                differences.append(f"{field.name}: " + ", ".join(f"rank(s) {r} passed {v}" for v, r in by_value.items()))
+                differences.append(
+                    f"{field.name}: " + ", ".join(f"rank(s) {r} passed {v}" for v, r in by_value.items())
+                )
             else:
-                differences.append(f"{field.name} differ, ranks grouped by what they passed: {sorted(by_value.values())}")
+                differences.append(
+                    f"{field.name} differ, ranks grouped by what they passed: {sorted(by_value.values())}"
+                )
     if differences:
         return ArgumentMismatchError(
             f"ranks passed different arguments to {call} ({'; '.join(differences)}) [seen by rank {rank}]: pass the "
@@ -97,15 +109,25 @@ def call_verdict(
 
 
 def agree_on_call(
-    group: ProcessGroup, fields: Sequence[Field], *, timeout_s: float, call: str, status: int = 0,
+    group: ProcessGroup,
+    fields: Sequence[Field],
+    *,
+    timeout_s: float,
+    call: str,
+    status: int = 0,
     device_type: str | None = None,
 ) -> list[list[int]]:
     """Exchange this rank's ``status`` and call ``fields`` with the group and raise, on every rank alike,
     if any rank's arguments were invalid (``status=INVALID``) or differ. Returns every rank's row, so
     a caller can read the other statuses it defined. Collective: every rank of ``group`` calls it with
     the same number of fields."""
-    rows = exchange(group, [status, *(f.value for f in fields)], device_type, timeout_s=timeout_s,
-                    what=f"the argument check of {call}")
+    rows = exchange(
+        group,
+        [status, *(f.value for f in fields)],
+        device_type,
+        timeout_s=timeout_s,
+        what=f"the argument check of {call}",
+    )
     error = call_verdict(rows, fields, _compat.group_ranks(group), call=call, rank=_compat.rank())
     if error is not None:
         raise error

@@ -97,7 +97,7 @@ class Dispatcher:
         they were), at the cost of one more copy of each; False reduces buckets in place as they go.
         ``check=False`` skips the argument exchange: for callers that already agreed on the call."""
         group = group if group is not None else _compat.default_group()
-        with _told_if_invalid(self, group, check, "all_reduce_coalesced"):
+        with _told_if_invalid(self, group, check, _CALL_NAMES[Op.ALL_REDUCE]):
             tensors = list(tensors)
             for i, t in enumerate(tensors):
                 _check_tensor(t, f"tensors[{i}]")
@@ -105,16 +105,11 @@ class Dispatcher:
                 for i, t in enumerate(tensors):
                     if not (t.is_floating_point() or t.is_complex()):
                         raise InvalidArgumentError(
-                            f"rank {_compat.rank()}: tensors[{i}] is {t.dtype}: ReduceOp.AVG needs floating-point tensors"
+                            f"rank {_compat.rank()}: tensors[{i}] is {t.dtype}: ReduceOp.AVG needs floating-point "
+                            "tensors"
                         )
-            cap = checked_bucket_bytes(bucket_bytes)
-            if policy is not None:
-                policy.validate()
-        if check:
-            agree_on_call(group, _call_fields(Op.ALL_REDUCE, tensors, op, cap, policy, atomic), timeout_s=self.timeout,
-                          call="all_reduce_coalesced")
-        return self.run(self.prepare(Op.ALL_REDUCE, tensors, group, bucket_bytes=cap, policy=policy), tensors, None,
-                        group, op, atomic=atomic)
+            cap = _checked_options(bucket_bytes, policy)
+        return self._call(Op.ALL_REDUCE, tensors, None, group, op, cap, policy, atomic, check)
 
     def all_gather(
         self,
@@ -129,7 +124,7 @@ class Dispatcher:
     ) -> CallRecord:
         """``atomic``: write ``outputs`` only once every bucket has completed (see ``all_reduce``)."""
         group = group if group is not None else _compat.default_group()
-        with _told_if_invalid(self, group, check, "all_gather_coalesced"):
+        with _told_if_invalid(self, group, check, _CALL_NAMES[Op.ALL_GATHER]):
             outputs, inputs = list(outputs), list(inputs)
             if len(outputs) != len(inputs):
                 raise InvalidArgumentError(f"rank {_compat.rank()}: {len(outputs)} outputs for {len(inputs)} inputs")
@@ -143,14 +138,20 @@ class Dispatcher:
                         f"{world * inp.numel()} elements, dtype {inp.dtype} and device {inp.device}; got "
                         f"{out.numel()}, {out.dtype}, {out.device}"
                     )
-            cap = checked_bucket_bytes(bucket_bytes)
-            if policy is not None:
-                policy.validate()
+            cap = _checked_options(bucket_bytes, policy)
+        return self._call(Op.ALL_GATHER, inputs, outputs, group, None, cap, policy, atomic, check)
+
+    def _call(self, op, inputs, outputs, group, reduce_op, cap, policy, atomic, check) -> CallRecord:
+        """A public call whose arguments this rank found valid: the argument check, then the plan."""
         if check:
-            agree_on_call(group, _call_fields(Op.ALL_GATHER, inputs, None, cap, policy, atomic), timeout_s=self.timeout,
-                          call="all_gather_coalesced")
-        return self.run(self.prepare(Op.ALL_GATHER, inputs, group, bucket_bytes=cap, policy=policy), inputs, outputs,
-                        group, None, atomic=atomic)
+            agree_on_call(
+                group,
+                _call_fields(op, inputs, reduce_op, cap, policy, atomic),
+                timeout_s=self.timeout,
+                call=_CALL_NAMES[op],
+            )
+        prepared = self.prepare(op, inputs, group, bucket_bytes=cap, policy=policy)
+        return self.run(prepared, inputs, outputs, group, reduce_op, atomic=atomic)
 
     # -- planning ---------------------------------------------------------------------------------------
     def prepare(
@@ -267,6 +268,17 @@ def checked_bucket_bytes(bucket_bytes: int | None) -> int:
     return bucket_bytes
 
 
+def _checked_options(bucket_bytes: int | None, policy: Policy | None) -> int:
+    """Checks of the options every public call takes; returns the bucket cap in bytes."""
+    cap = checked_bucket_bytes(bucket_bytes)
+    if policy is not None:
+        policy.validate()
+    return cap
+
+
+_CALL_NAMES = {Op.ALL_REDUCE: "all_reduce_coalesced", Op.ALL_GATHER: "all_gather_coalesced"}
+
+
 @contextmanager
 def _told_if_invalid(dispatcher: Dispatcher, group: ProcessGroup, check: bool, call: str) -> Iterator[None]:
     """Argument checks run inside this: an invalid argument on this rank is told to the other ranks in
@@ -279,12 +291,21 @@ def _told_if_invalid(dispatcher: Dispatcher, group: ProcessGroup, check: bool, c
         raise
 
 
-_CALL_FIELDS = ("operation", "reduce op", "bucket_bytes", "atomic", "policy", "number of tensors", "dtypes and devices",
-                "shapes")
+_CALL_FIELDS = (
+    "operation",
+    "reduce op",
+    "bucket_bytes",
+    "atomic",
+    "policy",
+    "number of tensors",
+    "dtypes and devices",
+    "shapes",
+)
 
 
-def _call_fields(op: Op, tensors: Sequence[torch.Tensor], reduce_op: Any, cap: int, policy: Policy | None,
-                 atomic: bool) -> list[Field]:
+def _call_fields(
+    op: Op, tensors: Sequence[torch.Tensor], reduce_op: Any, cap: int, policy: Policy | None, atomic: bool
+) -> list[Field]:
     """What every rank must pass alike for a coalesced call: it decides the number, size and kind of the
     collectives each rank issues."""
     names = iter(_CALL_FIELDS)
@@ -312,7 +333,8 @@ def _check_tensor(t: Any, name: str) -> None:
         raise InvalidArgumentError(f"rank {_compat.rank()}: {name} is a {type(t).__name__}, not a torch.Tensor")
     if t.layout is not torch.strided or t.is_meta:
         raise InvalidArgumentError(
-            f"rank {_compat.rank()}: {name}: only dense (strided) tensors with storage can be communicated, got {t.layout}"
+            f"rank {_compat.rank()}: {name}: only dense (strided) tensors with storage can be communicated, "
+            f"got {t.layout}"
         )
 
 
@@ -392,8 +414,10 @@ def _start_gather(bucket: Bucket, channel: Channel, src: list[_Work], dst: list[
 
 def _finish(flight: _InFlight, op: Op, reduce_op, src, dst, plan: Plan, timeout_s: float, group, failures) -> None:
     bucket, world = flight.bucket, plan.world_size
-    what = (f"{op.value} of bucket {bucket.index} ({bucket.numel} x {bucket.rule.wire_dtype} on {bucket.device}, "
-            f"{bucket.primitive.value} over {bucket.rule.backend}, group {_compat.group_ranks(group)})")
+    what = (
+        f"{op.value} of bucket {bucket.index} ({bucket.numel} x {bucket.rule.wire_dtype} on {bucket.device}, "
+        f"{bucket.primitive.value} over {bucket.rule.backend}, group {_compat.group_ranks(group)})"
+    )
 
     def watch() -> None:  # another rank reported that it cannot send this bucket: stop waiting
         if failures.failed_elsewhere(bucket.index):

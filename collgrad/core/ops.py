@@ -7,22 +7,28 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Op", "Primitive"]
+__all__ = ["ValueEnum", "Op", "Primitive"]
 
 
-class Op(str, enum.Enum):
+class ValueEnum(str, enum.Enum):
+    """A str enum that prints as its value (``f"{Primitive.FLAT}"`` is ``flat``), as ``enum.StrEnum``
+    does from Python 3.11 on, and compares equal to it."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Op(ValueEnum):
     """The collective operation a bucket takes part in."""
 
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
 
-    def __str__(self) -> str:  # the value, as str() of a str enum gives from Python 3.11 on
-        return self.value
 
-    __format__ = str.__format__
-
-
-class Primitive(str, enum.Enum):
+class Primitive(ValueEnum):
     """How a bucket travels. Each one exists for both ``Op`` values.
 
     ``FLAT``        the bucket is packed into one flat buffer and sent with one torch.distributed call
@@ -39,11 +45,6 @@ class Primitive(str, enum.Enum):
     COALESCED = "coalesced"
     MPI4PY = "mpi4py"
     PER_TENSOR = "per_tensor"
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__
 
     @property
     def packs(self) -> bool:

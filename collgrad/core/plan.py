@@ -85,8 +85,10 @@ class Plan:
             offset = 0
             for seg in bucket.segments:
                 spec = self.tensors[seg.tensor]
-                _require((spec.device, spec.dtype) == (bucket.device, bucket.dtype),
-                         f"tensor {seg.tensor} is not of bucket {bucket.index}'s device and dtype")
+                _require(
+                    (spec.device, spec.dtype) == (bucket.device, bucket.dtype),
+                    f"tensor {seg.tensor} is not of bucket {bucket.index}'s device and dtype",
+                )
                 _require(seg.bucket_offset == offset and seg.numel > 0, f"a gap in bucket {bucket.index}")
                 _require(seg.tensor_offset == covered[seg.tensor], f"segments of tensor {seg.tensor} out of order")
                 covered[seg.tensor] += seg.numel

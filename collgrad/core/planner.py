@@ -59,9 +59,7 @@ def plan_buckets(
     return Plan(op, world_size, tuple(tensors), tuple(buckets))
 
 
-def split_stream(
-    sizes: Sequence[tuple[int, int]], capacity: int
-) -> list[tuple[int, tuple[Segment, ...]]]:
+def split_stream(sizes: Sequence[tuple[int, int]], capacity: int) -> list[tuple[int, tuple[Segment, ...]]]:
     """Lay ``(tensor index, numel)`` end to end and cut every ``capacity`` elements.
 
     Why cut inside tensors rather than start a new bucket per tensor: it gives the fewest buckets

@@ -13,15 +13,14 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-import torch.distributed as dist
-
 from collgrad import _compat
-from collgrad.backends.mpi import MpiLink, Mpi4pyChannel
-from collgrad.errors import CollgradError
+from collgrad.backends.mpi import Mpi4pyChannel, MpiLink
 from collgrad.core.ops import Primitive
 from collgrad.core.waits import wait_work
+from collgrad.errors import CollgradError
 
 __all__ = ["Handle", "TorchHandle", "Channel", "FlatChannel", "CoalescedChannel", "PerTensorChannel", "make_channel"]
 

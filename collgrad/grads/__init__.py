@@ -1,17 +1,26 @@
 """Model-wide gradients: source -> plan -> execute.
 
-    sources/     where each rank's owned gradient lives (layout.py: plain data; deepspeed.py: the
-                 only module that imports deepspeed), read without communicating
-    plan.py      pure: layout + call arguments + agreed capabilities -> GradPlan (frozen)
-    call.py      opening a call: arguments, cached source and plans, readiness agreed on every rank
-    execute.py   executors per plan kind: only move bytes
-    read.py      safe_get_full_model_grads, iter_full_model_grads
-    record.py    what a call did
+sources/     where each rank's owned gradient lives (layout.py: plain data; deepspeed.py: the
+             only module that imports deepspeed), read without communicating
+plan.py      pure: layout + call arguments + agreed capabilities -> GradPlan (frozen)
+call.py      opening a call: arguments, cached source and plans, readiness agreed on every rank
+execute.py   executors per plan kind: only move bytes
+read.py      safe_get_full_model_grads, iter_full_model_grads
+record.py    what a call did
 """
 
 from collgrad.grads.plan import PLANS, GradPlan, PlanKind
 from collgrad.grads.read import FullGrads, FullGradStream, iter_full_model_grads, safe_get_full_model_grads
 from collgrad.grads.record import FullGradRecord, GroupRecord
 
-__all__ = ["safe_get_full_model_grads", "iter_full_model_grads", "FullGrads", "FullGradStream", "FullGradRecord",
-           "GroupRecord", "GradPlan", "PlanKind", "PLANS"]
+__all__ = [
+    "safe_get_full_model_grads",
+    "iter_full_model_grads",
+    "FullGrads",
+    "FullGradStream",
+    "FullGradRecord",
+    "GroupRecord",
+    "GradPlan",
+    "PlanKind",
+    "PLANS",
+]

@@ -33,8 +33,7 @@ from collgrad.grads.sources import LocalGrads, Problem, Source
 __all__ = ["OpenCall", "FIELDS"]
 
 #: What every rank must pass alike, in the order of the readiness check's row.
-FIELDS = ("parameter names, shapes, dtypes or subsets (params=)", "plan=", "bucket_bytes", "streaming",
-          "policy=")
+FIELDS = ("parameter names, shapes, dtypes or subsets (params=)", "plan=", "bucket_bytes", "streaming", "policy=")
 
 
 class OpenCall:
@@ -103,8 +102,9 @@ class OpenCall:
         gather_ok = {}
         for i, group in enumerate(layout.groups):
             if needs_capabilities(group, self.call, per_param):  # collective on first use: only if needed
-                caps = self.dispatcher.registry.capabilities(self.source.device.type, self.source.groups.get(group.index),
-                                                             self.policy)
+                caps = self.dispatcher.registry.capabilities(
+                    self.source.device.type, self.source.groups.get(group.index), self.policy
+                )
                 choice = caps.choice(Op.ALL_GATHER, group.wire_dtype)
                 gather_ok[i] = choice.primitive not in (None, Primitive.PER_TENSOR)
         plan = plan_grads(layout, self.call, gather_ok, per_param)
@@ -112,15 +112,17 @@ class OpenCall:
         self.source.plans[key] = (plan, prepared)
         return plan, prepared, False
 
-    def prepared_for(self, step: tuple[int, int], op: Op, tensors: Sequence[torch.Tensor],
-                     group: ProcessGroup) -> Prepared:
+    def prepared_for(
+        self, step: tuple[int, int], op: Op, tensors: Sequence[torch.Tensor], group: ProcessGroup
+    ) -> Prepared:
         """The dispatcher's bucket plan for one step of the plan, built once (the tensors of a step have
         the same specs every call: they come from the layout)."""
         found = self.prepared.get(step)
         if found is None:
             self.cached = False
-            found = self.prepared[step] = self.dispatcher.prepare(op, tensors, group, bucket_bytes=self.call.bucket_bytes,
-                                                                  policy=self.policy)
+            found = self.prepared[step] = self.dispatcher.prepare(
+                op, tensors, group, bucket_bytes=self.call.bucket_bytes, policy=self.policy
+            )
         return found
 
 

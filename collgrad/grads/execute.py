@@ -39,8 +39,15 @@ class Executor:
 
     def record(self) -> FullGradRecord:
         c = self.call
-        return FullGradRecord(c.source.layout.variant, tuple(self.group_records), self.per_param_collectives,
-                              c.local.loss_scale, c.unscale, c.cached, c.layout_cached)
+        return FullGradRecord(
+            c.source.layout.variant,
+            tuple(self.group_records),
+            self.per_param_collectives,
+            c.local.loss_scale,
+            c.unscale,
+            c.cached,
+            c.layout_cached,
+        )
 
     def steps(self) -> Iterator[Result]:
         """The results one step (one batch of the plan) at a time. Collective: every rank of the
@@ -66,8 +73,9 @@ class Executor:
         else:
             self.group_records.append(rec)
 
-    def _step(self, gplan: GroupPlan, group: GradGroup, buffer, b: int, batch: tuple[int, ...],
-              calls: list[CallRecord]) -> Result:
+    def _step(
+        self, gplan: GroupPlan, group: GradGroup, buffer, b: int, batch: tuple[int, ...], calls: list[CallRecord]
+    ) -> Result:
         kind = gplan.kind
         if kind is PlanKind.PER_PARAM:
             return self._per_param(group, batch)
@@ -88,8 +96,16 @@ class Executor:
             grad = grad.div_(self.call.local.loss_scale)
         return grad
 
-    def _run(self, gplan: GroupPlan, group: GradGroup, b: int, op: Op, inputs: list[torch.Tensor],
-             outputs: list[torch.Tensor] | None, calls: list[CallRecord]) -> None:
+    def _run(
+        self,
+        gplan: GroupPlan,
+        group: GradGroup,
+        b: int,
+        op: Op,
+        inputs: list[torch.Tensor],
+        outputs: list[torch.Tensor] | None,
+        calls: list[CallRecord],
+    ) -> None:
         """One dispatcher call for step ``b``: its bucket plan is built once and reused across calls.
         Not atomic and not re-checked: these are collgrad's own buffers, and the ranks agreed already."""
         c = self.call
@@ -112,8 +128,10 @@ class Executor:
 
     def _local(self, group: GradGroup, buffer, batch: tuple[int, ...]) -> Result:
         if group.kind is Kind.REPLICATED:
-            return [(group.params[k].name, self._finish(buffer[k].detach().clone(), group.params[k], group.out_dtype))
-                    for k in batch]
+            return [
+                (group.params[k].name, self._finish(buffer[k].detach().clone(), group.params[k], group.out_dtype))
+                for k in batch
+            ]
         out = []
         wanted = set(batch)
         for frag in owned_fragments(group, 0):  # a group of one rank owns everything
@@ -150,8 +168,9 @@ class Executor:
         sizes = [s.slice_numel for s in slots]
         result = torch.empty(world * span, dtype=group.wire_dtype, device=device)
         out = []
-        for s, src, dst in zip(slots, staging.view(world, span).split(sizes, dim=1),
-                               result.split([world * n for n in sizes])):
+        for s, src, dst in zip(
+            slots, staging.view(world, span).split(sizes, dim=1), result.split([world * n for n in sizes])
+        ):
             dst.view(world, s.slice_numel).copy_(src)
             out.append((s.name, self._finish(dst[: s.numel], s, group.out_dtype)))
         return out

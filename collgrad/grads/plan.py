@@ -23,16 +23,26 @@ Steps ("batches") are runs of whole parameters, in layout order::
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
+from collgrad.core.ops import ValueEnum
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind
 
-__all__ = ["PLANS", "GATHER_MIN_SHARE", "PlanKind", "GradCall", "GroupPlan", "GradPlan", "needs_capabilities", "choose_kind",
-           "batch_params", "plan_grads"]
+__all__ = [
+    "PLANS",
+    "GATHER_MIN_SHARE",
+    "PlanKind",
+    "GradCall",
+    "GroupPlan",
+    "GradPlan",
+    "needs_capabilities",
+    "choose_kind",
+    "batch_params",
+    "plan_grads",
+]
 
 #: What a caller may ask for with ``plan=``.
 PLANS = ("auto", "all_gather", "all_reduce")
@@ -43,16 +53,11 @@ PLANS = ("auto", "all_gather", "all_reduce")
 GATHER_MIN_SHARE = 0.5
 
 
-class PlanKind(str, enum.Enum):
+class PlanKind(ValueEnum):
     LOCAL = "local"
     ALL_GATHER = "all_gather"
     ALL_REDUCE = "all_reduce"
     PER_PARAM = "per_param"
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__
 
 
 @dataclass(frozen=True)

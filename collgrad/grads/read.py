@@ -54,8 +54,17 @@ def safe_get_full_model_grads(
     InvalidArgumentError on the rank whose arguments were invalid) before any gradient moves. The
     engine is not modified.
     """
-    call = OpenCall(model, params, bucket_bytes, plan, unscale, policy, dispatcher, streaming=False,
-                    name="safe_get_full_model_grads")
+    call = OpenCall(
+        model,
+        params,
+        bucket_bytes,
+        plan,
+        unscale,
+        policy,
+        dispatcher,
+        streaming=False,
+        name="safe_get_full_model_grads",
+    )
     executor = Executor(call)
     found: dict[str, torch.Tensor] = {}
     for results in executor.steps():
@@ -112,5 +121,8 @@ def iter_full_model_grads(
     collective); a rank that stops early leaves the others waiting. The arguments and readiness are
     checked, on every rank together, when this is called (not at the first ``next``).
     """
-    return FullGradStream(OpenCall(model, params, bucket_bytes, plan, unscale, policy, dispatcher, streaming=True,
-                                   name="iter_full_model_grads"))
+    return FullGradStream(
+        OpenCall(
+            model, params, bucket_bytes, plan, unscale, policy, dispatcher, streaming=True, name="iter_full_model_grads"
+        )
+    )

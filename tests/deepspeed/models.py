@@ -122,8 +122,16 @@ class MoENet(nn.Module):
 
         torch.manual_seed(0)
         self.inp = nn.Linear(IN, HID)
-        self.moe = MoE(hidden_size=HID, expert=nn.Linear(HID, HID), num_experts=num_experts, ep_size=ep_size,
-                       k=1, min_capacity=0, capacity_factor=4.0, drop_tokens=False)
+        self.moe = MoE(
+            hidden_size=HID,
+            expert=nn.Linear(HID, HID),
+            num_experts=num_experts,
+            ep_size=ep_size,
+            k=1,
+            min_capacity=0,
+            capacity_factor=4.0,
+            drop_tokens=False,
+        )
         self.out = nn.Linear(HID, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

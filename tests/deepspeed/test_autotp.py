@@ -15,8 +15,9 @@ TP = 2
 
 
 def _worker(rank, world):
-    import collgrad
     from deepspeed.utils import safe_get_full_grad
+
+    import collgrad
     from tests.deepspeed import models
 
     out = {}

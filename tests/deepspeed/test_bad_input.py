@@ -6,24 +6,13 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
 
-import time
 
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import attempt, run_ranks
 
 pytestmark = pytest.mark.guarantees  # the README's Guarantees section
-
-
-def _attempt(fn):
-    start = time.monotonic()
-    try:
-        value = fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
-        return {"error": type(exc).__name__, "is_a": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
-                "seconds": time.monotonic() - start}
-    return {"error": None, "value": value, "seconds": time.monotonic() - start}
 
 
 def _cases(rank, world):
@@ -42,25 +31,25 @@ def _cases(rank, world):
     reference = collgrad.safe_get_full_model_grads(eng)
     get = collgrad.safe_get_full_model_grads
     out = {
-        "not_a_model": _attempt(lambda: get(42)),
-        "engine_without_optimizer": _attempt(lambda: get(bare)),
-        "parameters_of_another_model": _attempt(lambda: get(eng, params=[other.inp.weight])),
-        "empty_subset": _attempt(lambda: get(eng, params=[])),
-        "empty_model": _attempt(lambda: get(torch.nn.Sequential())),
-        "invalid_bucket_size": _attempt(lambda: get(eng, bucket_bytes=0)),
-        "unknown_forced_backend": _attempt(lambda: get(eng, policy=Policy(force="glooo"))),
-        "unavailable_forced_backend": _attempt(lambda: get(eng, policy=Policy(force="nccl"))),
-        "unknown_plan": _attempt(lambda: get(eng, plan="scatter")),
+        "not_a_model": attempt(lambda: get(42)),
+        "engine_without_optimizer": attempt(lambda: get(bare)),
+        "parameters_of_another_model": attempt(lambda: get(eng, params=[other.inp.weight])),
+        "empty_subset": attempt(lambda: get(eng, params=[])),
+        "empty_model": attempt(lambda: get(torch.nn.Sequential())),
+        "invalid_bucket_size": attempt(lambda: get(eng, bucket_bytes=0)),
+        "unknown_forced_backend": attempt(lambda: get(eng, policy=Policy(force="glooo"))),
+        "unavailable_forced_backend": attempt(lambda: get(eng, policy=Policy(force="nccl"))),
+        "unknown_plan": attempt(lambda: get(eng, plan="scatter")),
         # one rank alone with bad arguments: the others learn it in the readiness check
-        "bad_bucket_on_one_rank": _attempt(lambda: get(eng, bucket_bytes=-1 if rank == 0 else None, dispatcher=fast)),
-        "different_bucket_bytes": _attempt(lambda: get(eng, bucket_bytes=1 << 20 if rank == 0 else None)),
-        "different_plans": _attempt(lambda: get(eng, plan="all_gather" if rank == 0 else "all_reduce")),
-        "reordered_subset": _attempt(lambda: list(get(eng, params=names[::-1] if rank == 0 else names).items())),
+        "bad_bucket_on_one_rank": attempt(lambda: get(eng, bucket_bytes=-1 if rank == 0 else None, dispatcher=fast)),
+        "different_bucket_bytes": attempt(lambda: get(eng, bucket_bytes=1 << 20 if rank == 0 else None)),
+        "different_plans": attempt(lambda: get(eng, plan="all_gather" if rank == 0 else "all_reduce")),
+        "reordered_subset": attempt(lambda: list(get(eng, params=names[::-1] if rank == 0 else names).items())),
     }
     out["reordered_subset"]["equal"] = out["reordered_subset"]["error"] is None and all(
         torch.equal(t, reference[n]) for n, t in out["reordered_subset"].pop("value")
     )
-    out["valid_after_all_that"] = _attempt(lambda: len(get(eng)))
+    out["valid_after_all_that"] = attempt(lambda: len(get(eng)))
     return out
 
 

@@ -17,15 +17,37 @@ def test_bench_runs_and_reports_every_method(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     proc = subprocess.run(
-        [sys.executable, "-m", "collgrad", "bench", "--tensors", "24", "--elements", "24000", "--reps", "2",
-         "--stage", "3", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-m",
+            "collgrad",
+            "bench",
+            "--tensors",
+            "24",
+            "--elements",
+            "24000",
+            "--reps",
+            "2",
+            "--stage",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["methods"]) == {
-        "deepspeed_loop", "collgrad_all_gather", "collgrad_all_reduce", "collgrad_per_tensor",
-        "collgrad_iter", "raw_all_reduce", "raw_all_gather",
+        "deepspeed_loop",
+        "collgrad_all_gather",
+        "collgrad_all_reduce",
+        "collgrad_per_tensor",
+        "collgrad_iter",
+        "raw_all_reduce",
+        "raw_all_gather",
     }
     assert report["params"] == 24 and report["world"] == 2
     assert report["methods"]["collgrad_all_gather"]["collectives"] == 1

@@ -45,9 +45,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _worker(rank, world):
+    from deepspeed.utils import safe_get_full_grad
+
     import collgrad
     from collgrad import Policy
-    from deepspeed.utils import safe_get_full_grad
     from tests.counting import count_collectives, count_planning
     from tests.deepspeed import models
 
@@ -73,21 +74,35 @@ def _worker(rank, world):
         # The same call again, observed from outside: what torch receives, and whether anything is planned.
         with count_collectives() as seen, count_planning() as planned:
             again = collgrad.safe_get_full_model_grads(eng)
-        second = {"calls": dict(seen), "agreements": seen.agreements, "total": seen.total, "planned": dict(planned),
-                  "buckets": again.record.buckets, "plan_cached": again.record.plan_cached,
-                  "local": all(g.plan == "local" for g in again.record.groups),
-                  "equal": all(torch.equal(again[n], auto[n]) for n in auto)}
+        second = {
+            "calls": dict(seen),
+            "agreements": seen.agreements,
+            "total": seen.total,
+            "planned": dict(planned),
+            "buckets": again.record.buckets,
+            "plan_cached": again.record.plan_cached,
+            "local": all(g.plan == "local" for g in again.record.groups),
+            "equal": all(torch.equal(again[n], auto[n]) for n in auto),
+        }
         entry = {
             "optimizer": type(eng.optimizer).__name__,
             "keys": {k: list(v) for k, v in calls.items()},
             "names": [n for n, _ in trainable],
             "subset": subset,
             "ref_rel": max(_rel(auto[n].float(), reference[n]) for n in reference),
-            "plans_agree": all(torch.equal(calls[k][n], auto[n]) for k in ("all_gather", "all_reduce", "per_tensor", "iter") for n in auto),
+            "plans_agree": all(
+                torch.equal(calls[k][n], auto[n])
+                for k in ("all_gather", "all_reduce", "per_tensor", "iter")
+                for n in auto
+            ),
             "subset_equal": all(torch.equal(calls["subset"][n], auto[n]) for n in subset),
             "dtype_device": {n: (str(t.dtype), str(t.device), tuple(t.shape)) for n, t in auto.items()},
             "records": {
-                k: (calls[k].record.collectives, calls[k].record.buckets, [(g.plan, g.collectives, sum(len(c.buckets) for c in g.calls)) for g in calls[k].record.groups])
+                k: (
+                    calls[k].record.collectives,
+                    calls[k].record.buckets,
+                    [(g.plan, g.collectives, sum(len(c.buckets) for c in g.calls)) for g in calls[k].record.groups],
+                )
                 for k in ("auto", "all_gather", "all_reduce", "per_tensor")
             },
             "iter_record": (stream.record().collectives, stream.record().buckets),

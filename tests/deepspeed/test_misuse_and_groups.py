@@ -7,23 +7,13 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
 
-import time
 
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import attempt, run_ranks
 
 pytestmark = pytest.mark.guarantees  # the README's Guarantees section
-
-
-def _try(fn):
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
-        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
-    return {"error": None, "seconds": time.monotonic() - start}
 
 
 def _misuse(rank, world, stage, dtype):
@@ -32,18 +22,18 @@ def _misuse(rank, world, stage, dtype):
 
     eng = models.engine(models.config(stage, dtype=dtype, gas=2))
     names = [n for n, p in eng.module.named_parameters() if p.requires_grad]
-    out = {"before_backward": _try(lambda: collgrad.safe_get_full_model_grads(eng))}
+    out = {"before_backward": attempt(lambda: collgrad.safe_get_full_model_grads(eng))}
     models.run_backward(eng, rank, gas=2, micro_steps=1)  # first micro-step of two: not a boundary
-    out["mid_accumulation"] = _try(lambda: collgrad.safe_get_full_model_grads(eng))
+    out["mid_accumulation"] = attempt(lambda: collgrad.safe_get_full_model_grads(eng))
     eng.step()
     x, y = models.batch(rank, 1, next(eng.module.parameters()).dtype)
     eng.backward(torch.nn.functional.mse_loss(eng(x).float(), y.float()))  # the boundary
     mine = names[:3] if rank == world - 1 else names[:2]  # the last rank asks for something else
-    out["different_subsets"] = _try(lambda: collgrad.safe_get_full_model_grads(eng, params=mine))
-    out["valid"] = _try(lambda: collgrad.safe_get_full_model_grads(eng))
+    out["different_subsets"] = attempt(lambda: collgrad.safe_get_full_model_grads(eng, params=mine))
+    out["valid"] = attempt(lambda: collgrad.safe_get_full_model_grads(eng))
     eng.step()
-    out["after_step"] = _try(lambda: collgrad.safe_get_full_model_grads(eng))
-    out["iter_after_step"] = _try(lambda: list(collgrad.iter_full_model_grads(eng)))
+    out["after_step"] = attempt(lambda: collgrad.safe_get_full_model_grads(eng))
+    out["iter_after_step"] = attempt(lambda: list(collgrad.iter_full_model_grads(eng)))
     return out
 
 
@@ -81,8 +71,9 @@ def test_misuse_raises_the_same_clear_error_on_every_rank(misuse_results, stage,
 
 
 def _moe(rank, world, ep_size, num_experts, stage, dtype):
-    import collgrad
     from deepspeed.utils import safe_get_full_grad
+
+    import collgrad
     from tests.deepspeed import models
 
     eng = models.moe_engine(models.config(stage, dtype=dtype), ep_size, num_experts)

@@ -16,8 +16,16 @@ from tests.harness import run_ranks
 pytestmark = pytest.mark.guarantees  # the README's Guarantees section
 
 STEPS = 30
-CONFIGS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16_acc32"), (2, "bf16_acc32"), (3, "bf16_acc32"),
-           (2, "fp32+offload"), (3, "fp32+offload")]
+CONFIGS = [
+    (1, "fp32"),
+    (2, "fp32"),
+    (3, "fp32"),
+    (1, "bf16_acc32"),
+    (2, "bf16_acc32"),
+    (3, "bf16_acc32"),
+    (2, "fp32+offload"),
+    (3, "fp32+offload"),
+]
 
 
 def _train(rank, world, stage, dtype, call):

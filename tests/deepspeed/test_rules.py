@@ -14,9 +14,9 @@ from tests.harness import run_ranks
 
 def _rules(rank, world):
     import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
 
     import collgrad
-    from deepspeed.utils import safe_get_full_grad
     from tests.deepspeed import models
 
     out = {}

@@ -35,7 +35,8 @@ def worker(rank, world, device_type):
     device = torch.device(device_type, rank % module.device_count())
     failures = []
     for case in CASES:
-        def make():
+
+        def make(case=case):
             made = [t.to(device) if i % 3 else t for i, t in enumerate(cases.make(case, rank))]  # some stay on CPU
             if case == "noncontiguous":
                 made = [t.t() if t.dim() == 2 else t for t in made]

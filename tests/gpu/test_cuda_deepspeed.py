@@ -20,8 +20,9 @@ CONFIGS = [(2, "fp16"), (3, "fp16"), (2, "fp32"), (3, "bf16_acc32")]
 
 
 def _worker(rank, world):
-    import collgrad
     from deepspeed.utils import safe_get_full_grad
+
+    import collgrad
     from tests.deepspeed import models
 
     torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -36,5 +36,5 @@ def _nccl_alone(rank, world):
 
 
 def test_nccl_at_world_size_one_runs_one_collective_per_bucket():
-    (backends, collectives, equal), = run_ranks(_nccl_alone, 1, backend="nccl")
+    ((backends, collectives, equal),) = run_ranks(_nccl_alone, 1, backend="nccl")
     assert backends == ["nccl"] and collectives == 1 and equal

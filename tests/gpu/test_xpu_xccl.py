@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
-
-from tests.gpu import accelerator_cases
-from tests.harness import run_ranks
 
 from collgrad import _compat
+from tests.gpu import accelerator_cases
+from tests.harness import run_ranks
 
 _xccl = _compat.xccl_available()
 pytestmark = [

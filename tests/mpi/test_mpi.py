@@ -45,7 +45,10 @@ def mpi_run(request, tmp_path_factory):
     env.pop("MASTER_ADDR", None)
     proc = subprocess.run(
         [_mpiexec(), "-n", str(request.param), sys.executable, WORKER],
-        capture_output=True, text=True, timeout=240, env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(request.param)]

@@ -37,11 +37,20 @@ def make(case: str, rank: int) -> list[torch.Tensor]:
             _ints((9,), torch.float32, seed + 3),
         ]
     if case == "empty":
-        return [torch.zeros(0), _ints((4,), torch.float32, seed), torch.zeros(3, 0), torch.zeros(0, dtype=torch.bfloat16)]
+        return [
+            torch.zeros(0),
+            _ints((4,), torch.float32, seed),
+            torch.zeros(3, 0),
+            torch.zeros(0, dtype=torch.bfloat16),
+        ]
     if case == "only_empty":
         return [torch.zeros(0), torch.zeros(2, 0)]
     if case == "large":  # larger than the bucket cap used with it (LARGE_BUCKET_BYTES)
-        return [_ints((5,), torch.float32, seed), _ints((100,), torch.float32, seed + 1), _ints((30,), torch.float64, seed + 2)]
+        return [
+            _ints((5,), torch.float32, seed),
+            _ints((100,), torch.float32, seed + 1),
+            _ints((30,), torch.float64, seed + 2),
+        ]
     if case == "adjacent_views":  # back to back in one buffer: reduced in place, no packing copy
         base = _ints((40,), torch.float32, seed)
         return [base[0:7], base[7:22], base[22:23], base[23:40]]

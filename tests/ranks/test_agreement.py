@@ -85,7 +85,7 @@ def _capabilities_twice(rank, world):
 
 def test_capabilities_are_cached_immutable_and_per_group():
     results = run_ranks(_capabilities_twice, 3)
-    for same, caps, sub in [r for r in results]:
+    for same, caps, _sub in [r for r in results]:
         assert same
         assert caps == results[0][1]
         assert caps.group_ranks == (0, 1, 2) and caps.backend == "gloo"

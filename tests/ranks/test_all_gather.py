@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from tests.ranks import cases
 from tests.harness import run_ranks
+from tests.ranks import cases
 
 PRIMITIVES = ["auto", "flat", "coalesced", "per_tensor"]
 GATHER_CASES = [c for c in cases.EXACT_CASES if c != "only_empty"] + ["random_fp32"]

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from tests.ranks import cases
 from tests.harness import run_ranks
+from tests.ranks import cases
 
 PRIMITIVES = ["auto", "flat", "coalesced", "per_tensor"]
 OPS = ["SUM", "AVG", "MAX"]
@@ -39,7 +39,9 @@ def _worker(rank, world):
                 record = collgrad.all_reduce_coalesced(tensors, op=op, bucket_bytes=bucket_bytes, policy=policy)
                 entry = {
                     "equal": [torch.equal(a, b) for a, b in zip(tensors, reference)],
-                    "close": [torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6) for a, b in zip(tensors, reference)],
+                    "close": [
+                        torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6) for a, b in zip(tensors, reference)
+                    ],
                     "buckets": [(b.primitive, b.numel, b.collectives, str(b.dtype)) for b in record.buckets],
                     "collectives": record.collectives,
                     "decisions": [(str(d.dtype), d.primitive, d.why) for d in record.decisions],
@@ -127,6 +129,6 @@ def test_empty_tensors_take_no_collective(world_results):
 
 def test_auto_prefers_flat_over_gloo_without_mpi(world_results):
     _, per_rank = world_results
-    for dtype, prim, why in per_rank[0][("mixed", "SUM", "auto")]["decisions"]:
+    for _dtype, prim, why in per_rank[0][("mixed", "SUM", "auto")]["decisions"]:
         assert prim == "flat"
         assert "mpi4py" in why and "MPI launcher" in why

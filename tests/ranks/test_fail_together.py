@@ -4,26 +4,14 @@ before the 120 s timeout. Collectives are counted as torch receives them (tests/
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import attempt, run_ranks
 
 pytestmark = pytest.mark.guarantees  # the README's Guarantees section
 
 TIMEOUT = 120.0
-
-
-def _attempt(fn):
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
-        return {"error": type(exc).__name__, "is_a": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
-                "seconds": time.monotonic() - start}
-    return {"error": None, "seconds": time.monotonic() - start}
 
 
 def _cases(rank, world):
@@ -47,19 +35,25 @@ def _cases(rank, world):
         "tensor_count": lambda: reduce(tensors(5 if last else 4)),
         "dtype": lambda: reduce(tensors(dtype=torch.float64 if last else torch.float32)),
         "shapes": lambda: reduce([t[:50] for t in tensors()] if last else tensors()),
-        "gather_count": lambda: gather([torch.empty(world * t.numel()) for t in tensors(3 if last else 4)],
-                                       tensors(3 if last else 4)),
+        "gather_count": lambda: gather(
+            [torch.empty(world * t.numel()) for t in tensors(3 if last else 4)], tensors(3 if last else 4)
+        ),
         "invalid_on_one_rank": lambda: reduce(tensors(), bucket_bytes=-1 if last else None),
-        "avg_of_ints_on_one_rank": lambda: reduce(tensors(dtype=torch.int64 if last else torch.float32),
-                                                  op=dist.ReduceOp.AVG),
+        "avg_of_ints_on_one_rank": lambda: reduce(
+            tensors(dtype=torch.int64 if last else torch.float32), op=dist.ReduceOp.AVG
+        ),
     }
     for name, fn in cases.items():
-        out[name] = _attempt(fn)
+        out[name] = attempt(fn)
     # After all that the group still works, and a good call is one check plus one collective per bucket.
     with count_collectives() as calls:
         record = dispatcher.all_reduce(tensors(), bucket_bytes=1024)
-    out["after"] = {"buckets": len(record.buckets), "calls": dict(calls), "agreements": calls.agreements,
-                    "total": calls.total}
+    out["after"] = {
+        "buckets": len(record.buckets),
+        "calls": dict(calls),
+        "agreements": calls.agreements,
+        "total": calls.total,
+    }
     with count_collectives() as calls:
         dispatcher.all_reduce(tensors(), bucket_bytes=1024, check=False)
     out["unchecked"] = {"total": calls.total, "agreements": calls.agreements}

@@ -10,7 +10,6 @@ import sys
 from collgrad.core.agreement import INVALID, Field, call_verdict, stable_hash
 from collgrad.errors import ArgumentMismatchError
 
-
 FIELDS = [Field("bucket_bytes", 0), Field("shapes", 0, shown=False)]
 
 
@@ -42,8 +41,13 @@ def test_stable_hash_is_the_same_in_every_process():
     # hash() of a str is salted per process; the check's hashes must not be.
     code = "from collgrad.core.agreement import stable_hash; print(stable_hash([('float32', 'cpu'), (3, 4)]))"
     seen = {
-        subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, check=True,
-                       capture_output=True, text=True).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         for seed in ("1", "2")
     }
     assert seen == {str(stable_hash([("float32", "cpu"), (3, 4)]))}

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from collgrad.backends import gloo
-from collgrad.core.ops import Op, Primitive
 from collgrad.backends.base import DTYPES, INT32_MAX, UNLIMITED, LocalFinding, Reason
+from collgrad.backends.decide import _HEADER, _KEYS, FORMAT, _code, decide, encode
 from collgrad.backends.mpi import torch_mpi_finding
 from collgrad.backends.policy import Policy
-from collgrad.backends.registry import _HEADER, _KEYS, FORMAT, _code, decide, encode
+from collgrad.core.ops import Op, Primitive
 from collgrad.errors import AgreementError, PolicyError
 
 
-def row(rank, backend="gloo", device="cpu", policy=Policy(), mpi=None, finder=gloo.finding, size=2, policy_ok=1):
+def row(rank, backend="gloo", device="cpu", policy=Policy(), mpi=None, finder=gloo.finding, size=2, policy_ok=1):  # noqa: B008 - Policy is frozen
     """One rank's agreement row, built the way Registry._local builds it."""
     mpi_reason, mpi_rank, mpi_size, token = mpi or (Reason.NOT_LAUNCHED, -1, -1, 0)
     findings = {}
@@ -26,8 +26,18 @@ def row(rank, backend="gloo", device="cpu", policy=Policy(), mpi=None, finder=gl
         if found.ok and policy.check(prim, backend) is not Reason.OK:
             found = LocalFinding(policy.check(prim, backend))
         findings[(op, prim, dtype)] = found
-    header = dict(format=FORMAT, device=_code(device), backend=_code(backend), size=size, rank=rank,
-                  policy_ok=policy_ok, mpi_reason=int(mpi_reason), mpi_rank=mpi_rank, mpi_size=mpi_size, mpi_token=token)
+    header = dict(
+        format=FORMAT,
+        device=_code(device),
+        backend=_code(backend),
+        size=size,
+        rank=rank,
+        policy_ok=policy_ok,
+        mpi_reason=int(mpi_reason),
+        mpi_rank=mpi_rank,
+        mpi_size=mpi_size,
+        mpi_token=token,
+    )
     return encode(header, findings)
 
 
@@ -49,7 +59,7 @@ def test_one_rank_forbidding_flat_moves_the_whole_group_and_says_why():
 def test_mpi4py_preferred_on_cpu_when_mapped_but_not_for_bf16():
     mpi_rows = [row(r, mpi=(Reason.OK, r, 2, 77)) for r in range(2)]
     # bf16: MPICH 5 has no MPI bf16 type; the MPI link reports it as DTYPE_UNSUPPORTED
-    for k, (op, prim, dtype) in enumerate(_KEYS):
+    for k, (_op, prim, dtype) in enumerate(_KEYS):
         if prim is Primitive.MPI4PY and dtype == torch.bfloat16:
             for r in mpi_rows:
                 r[len(_HEADER) + 2 * k] = int(Reason.DTYPE_UNSUPPORTED)

@@ -47,8 +47,10 @@ calls = st.builds(GradCall, st.sampled_from(PLANS), st.integers(4, 4096), st.boo
 
 
 def _layout(gs):
-    gs = tuple(GradGroup(i, g.kind, g.group_ranks, g.partition_numel, g.wire_dtype, g.out_dtype, g.params)
-               for i, g in enumerate(gs))
+    gs = tuple(
+        GradGroup(i, g.kind, g.group_ranks, g.partition_numel, g.wire_dtype, g.out_dtype, g.params)
+        for i, g in enumerate(gs)
+    )
     return GradLayout("test", gs, tuple(p.name for g in gs for p in g.params))
 
 
@@ -65,8 +67,9 @@ def test_every_parameter_in_exactly_one_step_within_the_budget(gs, call, gather_
         if gplan.budget is not None:
             gathered = gplan.kind is PlanKind.ALL_GATHER and group.kind is Kind.PER_PARAM
             for batch in gplan.batches:
-                numel = sum(group.params[k].slice_numel * group.world if gathered else group.params[k].numel
-                            for k in batch)
+                numel = sum(
+                    group.params[k].slice_numel * group.world if gathered else group.params[k].numel for k in batch
+                )
                 assert len(batch) == 1 or numel * 4 <= gplan.budget  # one parameter may exceed it alone
         if per_param:
             assert gplan.kind is PlanKind.PER_PARAM and all(len(b) == 1 for b in gplan.batches)
@@ -89,8 +92,15 @@ def test_auto_gathers_a_flat_group_from_half_of_it_and_reduces_below():
     assert half.world * half.partition_numel == 200 and GATHER_MIN_SHARE == 0.5
     call = GradCall("auto", 1 << 20, False)
     assert choose_kind(half, call, gather_ok=True) is PlanKind.ALL_GATHER
-    less = GradGroup(0, half.kind, half.group_ranks, half.partition_numel, half.wire_dtype, half.out_dtype,
-                     (half.params[0], ParamSlot("g0.p1", (39,), 39, 60, 39)))
+    less = GradGroup(
+        0,
+        half.kind,
+        half.group_ranks,
+        half.partition_numel,
+        half.wire_dtype,
+        half.out_dtype,
+        (half.params[0], ParamSlot("g0.p1", (39,), 39, 60, 39)),
+    )
     assert choose_kind(less, call, gather_ok=True) is PlanKind.ALL_REDUCE
 
 

@@ -1,8 +1,8 @@
 """The dependency rule, enforced: each optional or private dependency is imported in one module only.
 
-  deepspeed   collgrad/grads/sources/deepspeed.py (the adapter; the benchmark reaches it through there)
-  mpi4py      collgrad/backends/mpi.py
-  torch._C    collgrad/_compat.py (private bindings change between torch versions)
+deepspeed   collgrad/grads/sources/deepspeed.py (the adapter; the benchmark reaches it through there)
+mpi4py      collgrad/backends/mpi.py
+torch._C    collgrad/_compat.py (private bindings change between torch versions)
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ def _flat_group(sizes, world):
         slots.append(ParamSlot(f"p{i}", (n,), n, offset, n))
         offset += n
     total = -(-offset // (2 * world)) * (2 * world)
-    return GradGroup(0, Kind.PARTITIONED_FLAT, tuple(range(world)), total // world, torch.float32, torch.float32, tuple(slots))
+    return GradGroup(
+        0, Kind.PARTITIONED_FLAT, tuple(range(world)), total // world, torch.float32, torch.float32, tuple(slots)
+    )
 
 
 def _per_param_group(sizes, world):

@@ -7,9 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.core.ops import Op, Primitive
-
 from collgrad.backends.base import INT32_MAX, UNLIMITED
+from collgrad.core.ops import Op, Primitive
 from collgrad.core.plan import BucketRule, Segment, TensorSpec
 from collgrad.core.planner import bucket_capacity, plan_buckets, split_stream
 
@@ -23,9 +22,7 @@ primitives = st.sampled_from(list(Primitive))
 
 
 def _rules(tensors, capacity, primitive):
-    return {
-        (t.device, t.dtype): BucketRule(primitive, "gloo", t.dtype, capacity) for t in tensors
-    }
+    return {(t.device, t.dtype): BucketRule(primitive, "gloo", t.dtype, capacity) for t in tensors}
 
 
 @settings(max_examples=300, deadline=None)

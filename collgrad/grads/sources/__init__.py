@@ -90,6 +90,11 @@ class Source:
     def read(self) -> LocalGrads:
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Let go of every tensor kept between calls (views of the optimizer's buffers, staging), so
+        that memory the owner frees is really freed. The next call reads afresh."""
+        self.scratch.clear()
+
 
 def select(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, nn.Parameter]]:
     """The trainable ``(name, parameter)`` pairs of ``module`` in ``named_parameters()`` order, limited
@@ -103,13 +108,17 @@ def select(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, n
     for item in params:
         if isinstance(item, str):
             if item not in names:
-                raise UnknownParameterError(f"rank {_compat.rank()}: {item!r} is not a trainable parameter of this "
-                                            "model; pass names from model.named_parameters()")
+                raise UnknownParameterError(
+                    f"rank {_compat.rank()}: {item!r} is not a trainable parameter of this "
+                    "model; pass names from model.named_parameters()"
+                )
             wanted.add(item)
         elif isinstance(item, torch.Tensor):
             if id(item) not in by_id:
-                raise UnknownParameterError(f"rank {_compat.rank()}: a parameter of shape {tuple(item.shape)} is not a "
-                                            "trainable parameter of this model; pass this model's parameters or their names")
+                raise UnknownParameterError(
+                    f"rank {_compat.rank()}: a parameter of shape {tuple(item.shape)} is not a "
+                    "trainable parameter of this model; pass this model's parameters or their names"
+                )
             wanted.add(by_id[id(item)])
         else:
             raise InvalidArgumentError(
@@ -135,8 +144,9 @@ def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
     named = select(model, params)
     group = _compat.default_group() if torch.distributed.is_initialized() else None
     module = weakref.ref(model)
-    return ReplicatedSource("torch", named, lambda: [p.grad for _, p in named], group,
-                            reselect=lambda: select(module(), params))
+    return ReplicatedSource(
+        "torch", named, lambda: [p.grad for _, p in named], group, reselect=lambda: select(module(), params)
+    )
 
 
 def control_group_of(model: Any) -> ProcessGroup | None:
@@ -160,8 +170,19 @@ def _looks_like_engine(model: Any) -> bool:
 class ReplicatedSource(Source):
     """Every rank holds every full, reduced gradient: ``grads()`` returns them (None where absent)."""
 
-    def __init__(self, variant, named, grads, group, *, problem=None, loss_scale=lambda: 1.0,
-                 model_parallel=frozenset(), dtype=None, reselect=None) -> None:
+    def __init__(
+        self,
+        variant,
+        named,
+        grads,
+        group,
+        *,
+        problem=None,
+        loss_scale=lambda: 1.0,
+        model_parallel=frozenset(),
+        dtype=None,
+        reselect=None,
+    ) -> None:
         self._grads = grads
         self._reselect = reselect  # a plain module: trainable parameters can change between calls
         self._selection = [(n, id(p)) for n, p in named]
@@ -177,8 +198,9 @@ class ReplicatedSource(Source):
         out = dtype or (named[0][1].dtype if named else torch.float32)
         slots = tuple(ParamSlot(n, tuple(p.shape), p.numel(), 0, p.numel(), n in model_parallel) for n, p in named)
         ranks = tuple(_compat.group_ranks(group)) if group is not None else (0,)
-        self.layout = GradLayout(variant, (GradGroup(0, Kind.REPLICATED, ranks, 0, out, out, slots),),
-                                 tuple(n for n, _ in named))
+        self.layout = GradLayout(
+            variant, (GradGroup(0, Kind.REPLICATED, ranks, 0, out, out, slots),), tuple(n for n, _ in named)
+        )
         self.fingerprint = self.layout.fingerprint()
 
     def valid(self) -> bool:
@@ -195,6 +217,8 @@ class ReplicatedSource(Source):
         if problem is not Problem.OK:
             return LocalGrads(problem, [])
         out = self.layout.groups[0].out_dtype
-        full = [g if g is not None else torch.zeros(p.shape, dtype=out, device=p.device)
-                for p, g in zip(self.params.values(), grads)]
+        full = [
+            g if g is not None else torch.zeros(p.shape, dtype=out, device=p.device)
+            for p, g in zip(self.params.values(), grads)
+        ]
         return LocalGrads(problem, [full], self._loss_scale())

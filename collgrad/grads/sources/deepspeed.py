@@ -1,7 +1,7 @@
 """The DeepSpeed adapter: the only module of collgrad that imports deepspeed.
 
 It reads, without communicating, where DeepSpeed 0.19 keeps each rank's reduced, averaged gradient
-partition (../shared/notes/deepspeed-gradient-layout.md, verified on two CPU ranks):
+partition (docs/notes/deepspeed-gradient-layout.md, verified on two CPU ranks):
 
 - ZeRO-1/2 (``DeepSpeedZeroOptimizer``): per param group ``i``, a flat buffer padded so that every rank
   owns ``partition_size[i]`` elements. The partition is read from, in this order: the CPU-offload
@@ -29,18 +29,17 @@ import gc
 import weakref
 from typing import Any
 
-import torch
-from torch import nn
-
 import deepspeed
+import torch
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils import safe_get_full_grad
+from torch import nn
 
 from collgrad import _compat
-from collgrad.errors import InvalidArgumentError
 from collgrad.core.buffers import Pieces
+from collgrad.errors import InvalidArgumentError
 from collgrad.grads.sources import LocalGrads, Problem, ReplicatedSource, Source
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 
@@ -103,7 +102,8 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) 
     opt = engine.optimizer
     if opt is None:
         raise InvalidArgumentError(
-            f"rank {_compat.rank()}: this DeepSpeed engine has no optimizer, so DeepSpeed reduces no gradient: pass an optimizer to "
+            f"rank {_compat.rank()}: this DeepSpeed engine has no optimizer, so DeepSpeed reduces no gradient: "
+            "pass an optimizer to "
             "deepspeed.initialize, or pass the module itself if its .grad already holds reduced gradients"
         )
     kind = type(opt).__name__
@@ -118,23 +118,64 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) 
         # fp32_groups_has_gradients: set when backward adds into the fp32 accumulation buffer, cleared
         # by zero_grad() in step().
         return ReplicatedSource(
-            "deepspeed-bf16-optimizer", named, lambda: [getattr(p, "_hp_grad", None) for _, p in named], group,
+            "deepspeed-bf16-optimizer",
+            named,
+            lambda: [getattr(p, "_hp_grad", None) for _, p in named],
+            group,
             problem=lambda: _problem(engine_ref(), any(any(f) for f in opt.fp32_groups_has_gradients)),
-            model_parallel=model_parallel, dtype=torch.float32,
+            model_parallel=model_parallel,
+            dtype=torch.float32,
         )
     if engine.zero_optimization_stage() == 0:
         grads = lambda: [p.grad for _, p in named]  # noqa: E731
         return ReplicatedSource(
-            "deepspeed-stage0", named, grads, group,
+            "deepspeed-stage0",
+            named,
+            grads,
+            group,
             problem=lambda: _problem(engine_ref(), not named or any(g is not None for g in grads())),
-            loss_scale=lambda: _loss_scale(engine_ref()), model_parallel=model_parallel,
+            loss_scale=lambda: _loss_scale(engine_ref()),
+            model_parallel=model_parallel,
         )
     # An optimizer whose layout collgrad does not know: DeepSpeed's accessor, one collective per parameter.
-    source = ReplicatedSource(f"deepspeed-accessor:{kind}", named, lambda: [None] * len(named), group,
-                              problem=lambda: _problem(engine_ref(), True), loss_scale=lambda: _loss_scale(engine_ref()),
-                              model_parallel=model_parallel, dtype=torch.float32)
+    source = ReplicatedSource(
+        f"deepspeed-accessor:{kind}",
+        named,
+        lambda: [None] * len(named),
+        group,
+        problem=lambda: _problem(engine_ref(), True),
+        loss_scale=lambda: _loss_scale(engine_ref()),
+        model_parallel=model_parallel,
+        dtype=torch.float32,
+    )
     source.per_param = safe_get_full_grad
     return source
+
+
+def _release_on_offload(engine: DeepSpeedEngine, source: Source) -> None:
+    """Make ``engine.offload_states()`` release ``source``'s cached tensors first.
+
+    ``offload_states`` moves the optimizer's buffers off the accelerator by replacing their ``.data``
+    (``grad_partitions_flat_buffer.data = ...to(cpu)`` in ZeRO-3): views a cached source keeps of the
+    old buffers would keep that accelerator memory alive until collgrad's next call. DeepSpeed has no
+    hook for it, so the engine's ``offload_states`` is wrapped, once per engine, on the instance (the
+    class is untouched). The wrapper holds the engine and the sources weakly: caching a source never
+    keeps an engine alive.
+    """
+    watched = engine.__dict__.get("_collgrad_offload_watch")
+    if watched is None:
+        watched = engine.__dict__["_collgrad_offload_watch"] = weakref.WeakSet()
+        engine_ref = weakref.ref(engine)
+
+        def offload_states(*args: Any, **kwargs: Any) -> None:
+            for cached in list(watched):
+                cached.release()
+            owner = engine_ref()
+            return type(owner).offload_states(owner, *args, **kwargs)
+
+        offload_states.__doc__ = DeepSpeedEngine.offload_states.__doc__
+        engine.__dict__["offload_states"] = offload_states
+    watched.add(source)
 
 
 class _EngineSource(Source):
@@ -149,6 +190,7 @@ class _EngineSource(Source):
         self.groups = {}
         self.scratch = {}
         self.plans = {}
+        _release_on_offload(engine, self)
 
     @property
     def engine(self) -> DeepSpeedEngine:
@@ -164,10 +206,18 @@ class _Zero12(_EngineSource):
         self.group_ids = []
         for i, flat in enumerate(opt.bit16_groups_flat):
             slots = sorted(
-                (ParamSlot(self.names[id(p)], tuple(p.shape), p.numel(),
-                           (p.data_ptr() - flat.data_ptr()) // p.element_size(), p.numel(),
-                           self.names[id(p)] in model_parallel)
-                 for p in opt.bit16_groups[i] if id(p) in self.names),
+                (
+                    ParamSlot(
+                        self.names[id(p)],
+                        tuple(p.shape),
+                        p.numel(),
+                        (p.data_ptr() - flat.data_ptr()) // p.element_size(),
+                        p.numel(),
+                        self.names[id(p)] in model_parallel,
+                    )
+                    for p in opt.bit16_groups[i]
+                    if id(p) in self.names
+                ),
                 key=lambda s: s.offset,
             )
             if not slots:
@@ -175,12 +225,22 @@ class _Zero12(_EngineSource):
             pg = opt.real_dp_process_group[i]
             # fp32 where DeepSpeed accumulates in fp32 (offload, or bf16 with grad_accum_dtype fp32).
             wire = torch.float32 if (opt.cpu_offload or _fp32_accumulation(opt)) else flat.dtype
-            groups.append(GradGroup(i, Kind.PARTITIONED_FLAT, tuple(_compat.group_ranks(pg)),
-                                    opt.partition_size[i], wire, torch.float32, tuple(slots)))
+            groups.append(
+                GradGroup(
+                    i,
+                    Kind.PARTITIONED_FLAT,
+                    tuple(_compat.group_ranks(pg)),
+                    opt.partition_size[i],
+                    wire,
+                    torch.float32,
+                    tuple(slots),
+                )
+            )
             self.groups[i] = pg
             self.group_ids.append(i)
-        self.layout = GradLayout(f"deepspeed-zero{engine.zero_optimization_stage()}", tuple(groups),
-                                 tuple(n for n, _ in named))
+        self.layout = GradLayout(
+            f"deepspeed-zero{engine.zero_optimization_stage()}", tuple(groups), tuple(n for n, _ in named)
+        )
         self.fingerprint = self.layout.fingerprint()
         self._signature = self._sign()
 
@@ -209,9 +269,15 @@ class _Zero12(_EngineSource):
                 local = Pieces([flat_partition] if flat_partition is not None else averaged)
             if local.numel() != group.partition_numel or local.dtype != group.wire_dtype:
                 # Told to every rank in the readiness check, which then raises LayoutChangedError everywhere.
-                return LocalGrads(Problem.LAYOUT_CHANGED, [], detail=(
-                    f"param group {i}: local gradient partition is {local.numel()} x {local.dtype}, the layout says "
-                    f"{group.partition_numel} x {group.wire_dtype}"))
+                return LocalGrads(
+                    Problem.LAYOUT_CHANGED,
+                    [],
+                    detail=(
+                        f"param group {i}: local gradient partition is {local.numel()} x {local.dtype}, "
+                        "the layout says "
+                        f"{group.partition_numel} x {group.wire_dtype}"
+                    ),
+                )
             buffers.append(local)
         return LocalGrads(problem, buffers, _loss_scale(self.engine))
 
@@ -237,17 +303,25 @@ class _Zero3(_EngineSource):
                     pg = opt._get_param_partition_group(p)
                     pgs.setdefault(id(pg), pg)
                     self.members.setdefault(id(pg), []).append(p)
-        self.swaps = any(getattr(opt, "_swappable_optimizer_subgroup", lambda g: False)(g) for g in range(len(opt.fp16_groups)))
+        self.swaps = any(
+            getattr(opt, "_swappable_optimizer_subgroup", lambda g: False)(g) for g in range(len(opt.fp16_groups))
+        )
         groups = []
         wire = self._wire_dtype()
         for index, (key, params) in enumerate(self.members.items()):
             slots, offset = [], 0
             for p in params:
                 name = self.names[id(p)]
-                slots.append(ParamSlot(name, tuple(p.ds_shape), p.ds_numel, offset, p.partition_numel(), name in model_parallel))
+                slots.append(
+                    ParamSlot(name, tuple(p.ds_shape), p.ds_numel, offset, p.partition_numel(), name in model_parallel)
+                )
                 offset += p.partition_numel()
             pg = pgs[key]
-            groups.append(GradGroup(index, Kind.PER_PARAM, tuple(_compat.group_ranks(pg)), offset, wire, self.out_dtype, tuple(slots)))
+            groups.append(
+                GradGroup(
+                    index, Kind.PER_PARAM, tuple(_compat.group_ranks(pg)), offset, wire, self.out_dtype, tuple(slots)
+                )
+            )
             self.groups[index] = pg
         self.layout = GradLayout("deepspeed-zero3", tuple(groups), tuple(n for n, _ in named))
         self.fingerprint = self.layout.fingerprint()
@@ -264,11 +338,19 @@ class _Zero3(_EngineSource):
     def _sign(self):
         opt = self.opt
         buffer = getattr(opt, "grad_partitions_flat_buffer", None)
-        grads = tuple(getattr(g.grad, "data_ptr", lambda: 0)() for g in getattr(opt, "fp32_partitioned_groups_flat", []) if g.grad is not None)
+        grads = tuple(
+            getattr(g.grad, "data_ptr", lambda: 0)()
+            for g in getattr(opt, "fp32_partitioned_groups_flat", [])
+            if g.grad is not None
+        )
         return (None if buffer is None else buffer.data_ptr(), grads)
 
     def valid(self) -> bool:
         return self._sign() == self._signature
+
+    def release(self) -> None:
+        super().release()
+        self._pieces = None
 
     def read(self) -> LocalGrads:
         opt = self.opt

@@ -1,6 +1,6 @@
 """Where every rank's share of each parameter's gradient lies: plain data, the same on every rank.
 
-Three kinds of gradient group cover DeepSpeed's optimizers (../shared/notes/deepspeed-gradient-layout.md)::
+Three kinds of gradient group cover DeepSpeed's optimizers (docs/notes/deepspeed-gradient-layout.md)::
 
   PARTITIONED_FLAT (ZeRO-1/2): one flat buffer per optimizer param group, padded so that every rank
   owns an equal contiguous partition of P elements. Parameters may straddle partition edges.
@@ -23,16 +23,17 @@ PER_PARAM) in the group's wire dtype. Nothing here touches a process group.
 
 from __future__ import annotations
 
-import enum
 import zlib
 from dataclasses import dataclass
 
 import torch
 
+from collgrad.core.ops import ValueEnum
+
 __all__ = ["Kind", "ParamSlot", "GradGroup", "GradLayout", "Fragment", "owned_fragments"]
 
 
-class Kind(str, enum.Enum):
+class Kind(ValueEnum):
     PARTITIONED_FLAT = "partitioned_flat"
     PER_PARAM = "per_param"
     REPLICATED = "replicated"
@@ -78,8 +79,16 @@ class GradLayout:
         """A number that differs when names, shapes, dtypes, groups or offsets differ; ranks compare it
         before moving any data (a mismatch would otherwise scramble results or hang)."""
         # Group sizes, not members: expert-parallel ranks legitimately sit in different expert groups.
-        text = repr((self.variant, self.order, [(g.kind, g.world, g.partition_numel, str(g.wire_dtype),
-                                                  str(g.out_dtype), g.params) for g in self.groups]))
+        text = repr(
+            (
+                self.variant,
+                self.order,
+                [
+                    (g.kind, g.world, g.partition_numel, str(g.wire_dtype), str(g.out_dtype), g.params)
+                    for g in self.groups
+                ],
+            )
+        )
         return zlib.crc32(text.encode())
 
 
