@@ -45,11 +45,13 @@ _METHODS = (
 
 
 class Calls(Counter):
-    """Collective calls by method name; ``log`` holds (method, the first tensor argument's dtype)."""
+    """Collective calls by method name; ``log`` holds (method, the first tensor argument's dtype, whether
+    the call was made inside collgrad's agreement exchange)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.log: list[tuple[str, torch.dtype | None]] = []
+        self.log: list[tuple[str, torch.dtype | None, bool]] = []
+        self.in_agreement = False
 
     @property
     def total(self) -> int:
@@ -57,9 +59,13 @@ class Calls(Counter):
 
     @property
     def agreements(self) -> int:
-        """Calls on int64 rows: collgrad's agreements (capabilities, argument and readiness checks), not
-        gradient data."""
-        return sum(1 for _, dtype in self.log if dtype is torch.int64)
+        """Calls torch received for collgrad's agreements (capabilities, argument and readiness checks)."""
+        return sum(1 for *_, agreement in self.log if agreement)
+
+    @property
+    def data(self) -> int:
+        """Calls torch received for everything else: the data itself."""
+        return self.total - self.agreements
 
 
 def _first_tensor(args) -> torch.Tensor | None:
@@ -75,9 +81,22 @@ def _first_tensor(args) -> torch.Tensor | None:
 
 @contextmanager
 def count_collectives() -> Iterator[Calls]:
+    from collgrad.backends import registry
+    from collgrad.core import agreement
+
     calls = Calls()
     cls = dist.ProcessGroup
     saved = {}
+    exchange = agreement.exchange
+
+    def tagged_exchange(*args, **kwargs):  # which of torch's calls serve an agreement, not data
+        calls.in_agreement = True
+        try:
+            return exchange(*args, **kwargs)
+        finally:
+            calls.in_agreement = False
+
+    agreement.exchange = registry.exchange = tagged_exchange
     for name in _METHODS:
         original = cls.__dict__.get(name)
         if original is None:
@@ -87,13 +106,14 @@ def count_collectives() -> Iterator[Calls]:
         def wrapped(self, *args, _original=original, _name=name, **kwargs):
             calls[_name] += 1
             first = _first_tensor(args)
-            calls.log.append((_name, None if first is None else first.dtype))
+            calls.log.append((_name, None if first is None else first.dtype, calls.in_agreement))
             return _original(self, *args, **kwargs)
 
         setattr(cls, name, wrapped)
     try:
         yield calls
     finally:
+        agreement.exchange = registry.exchange = exchange
         for name, original in saved.items():
             setattr(cls, name, original)
 

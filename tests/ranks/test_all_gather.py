@@ -28,6 +28,7 @@ def _outputs(inputs, world, strided):
 def _worker(rank, world):
     import collgrad
     from collgrad import Policy
+    from tests.counting import count_collectives
 
     results = {}
     for case in GATHER_CASES:
@@ -38,11 +39,13 @@ def _worker(rank, world):
                 outputs = _outputs(inputs, world, strided)
                 bucket_bytes = cases.LARGE_BUCKET_BYTES * world if case == "large" else None
                 policy = None if prim == "auto" else Policy(force=prim)
-                record = collgrad.all_gather_coalesced(outputs, inputs, bucket_bytes=bucket_bytes, policy=policy)
+                with count_collectives() as seen:
+                    record = collgrad.all_gather_coalesced(outputs, inputs, bucket_bytes=bucket_bytes, policy=policy)
                 results[(case, prim, strided)] = {
                     "equal": [torch.equal(o.reshape(-1), r) for o, r in zip(outputs, reference)],
                     "buckets": [(b.primitive, b.numel, b.collectives, str(b.dtype)) for b in record.buckets],
-                    "collectives": record.collectives,
+                    "collectives": seen.data,  # as torch received them
+                    "reported": record.collectives,
                 }
     return results
 
@@ -67,7 +70,9 @@ def test_one_collective_per_bucket(world_results, prim):
     _, per_rank = world_results
     for key, entry in per_rank[0].items():
         if key[1] == prim:
-            assert entry["collectives"] == len(entry["buckets"]) and all(b[2] == 1 for b in entry["buckets"])
+            # observed: the collectives torch received, besides the argument check
+            assert entry["collectives"] == len(entry["buckets"]) == entry["reported"], (key, entry)
+            assert all(b[2] == 1 for b in entry["buckets"])
 
 
 def test_bucket_cap_bounds_the_gathered_buffer(world_results):

@@ -23,6 +23,7 @@ def _worker(rank, world):
 
     import collgrad
     from collgrad import Policy
+    from tests.counting import count_collectives
 
     results = {}
     for case in [*cases.EXACT_CASES, "random_fp32"]:
@@ -36,14 +37,16 @@ def _worker(rank, world):
                 tensors = cases.make(case, rank)
                 keep = case == "noncontiguous" and tensors[0]._base.clone()
                 bucket_bytes = cases.LARGE_BUCKET_BYTES if case == "large" else None
-                record = collgrad.all_reduce_coalesced(tensors, op=op, bucket_bytes=bucket_bytes, policy=policy)
+                with count_collectives() as seen:
+                    record = collgrad.all_reduce_coalesced(tensors, op=op, bucket_bytes=bucket_bytes, policy=policy)
                 entry = {
                     "equal": [torch.equal(a, b) for a, b in zip(tensors, reference)],
                     "close": [
                         torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6) for a, b in zip(tensors, reference)
                     ],
                     "buckets": [(b.primitive, b.numel, b.collectives, str(b.dtype)) for b in record.buckets],
-                    "collectives": record.collectives,
+                    "collectives": seen.data,  # as torch received them
+                    "reported": record.collectives,
                     "decisions": [(str(d.dtype), d.primitive, d.why) for d in record.decisions],
                 }
                 if keep is not False:
@@ -93,7 +96,8 @@ def test_one_collective_per_bucket(world_results, prim):
             if key[2] != prim:
                 continue
             assert all(b[2] == 1 for b in entry["buckets"]), (key, entry["buckets"])
-            assert entry["collectives"] == len(entry["buckets"])
+            # observed: the collectives torch received, besides the argument check
+            assert entry["collectives"] == len(entry["buckets"]) == entry["reported"], (key, entry)
 
 
 def test_per_tensor_fallback_issues_one_collective_per_tensor(world_results):
