@@ -15,9 +15,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     return run_local(fn, world_size, *args, timeout=timeout, **kwargs)
 
 
-def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+def attempt(fn: Callable[[], Any], keep: bool = False) -> dict[str, Any]:
     """Run ``fn`` inside a rank and describe what happened, for the parent to assert on: the error's
-    type, the types it also is, its message, the value (if no error) and how long it took."""
+    type, the types it also is, its message and how long it took; with ``keep``, also the value (for
+    the rank itself to look at: tensors cannot travel back to the parent after the rank exits)."""
     start = time.monotonic()
     try:
         value = fn()
@@ -28,4 +29,7 @@ def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
             "message": str(exc),
             "seconds": time.monotonic() - start,
         }
-    return {"error": None, "value": value, "seconds": time.monotonic() - start}
+    out = {"error": None, "seconds": time.monotonic() - start}
+    if keep:
+        out["value"] = value
+    return out
