@@ -34,8 +34,11 @@ from collgrad.grads import (
     FullGradRecord,
     FullGrads,
     FullGradStream,
+    GradStat,
+    GradStats,
     GroupRecord,
     iter_full_model_grads,
+    model_grad_stats,
     safe_get_full_model_grads,
 )
 
@@ -44,6 +47,9 @@ __version__ = "0.1.0"
 __all__ = [
     "safe_get_full_model_grads",
     "iter_full_model_grads",
+    "model_grad_stats",
+    "GradStats",
+    "GradStat",
     "FullGrads",
     "FullGradStream",
     "FullGradRecord",

@@ -12,6 +12,7 @@ record.py    what a call did
 from collgrad.grads.plan import PLANS, GradPlan, PlanKind
 from collgrad.grads.read import FullGrads, FullGradStream, iter_full_model_grads, safe_get_full_model_grads
 from collgrad.grads.record import FullGradRecord, GroupRecord
+from collgrad.grads.stats import GradStat, GradStats, model_grad_stats
 
 __all__ = [
     "safe_get_full_model_grads",
@@ -23,4 +24,7 @@ __all__ = [
     "GradPlan",
     "PlanKind",
     "PLANS",
+    "model_grad_stats",
+    "GradStats",
+    "GradStat",
 ]

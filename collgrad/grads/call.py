@@ -15,7 +15,7 @@ Every entry point of collgrad.grads opens its call here, so they all fail togeth
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
@@ -33,7 +33,14 @@ from collgrad.grads.sources import LocalGrads, Problem, Source
 __all__ = ["OpenCall", "FIELDS"]
 
 #: What every rank must pass alike, in the order of the readiness check's row.
-FIELDS = ("parameter names, shapes, dtypes or subsets (params=)", "plan=", "bucket_bytes", "streaming", "policy=")
+FIELDS = (
+    "function called",
+    "parameter names, shapes, dtypes or subsets (params=)",
+    "plan=",
+    "bucket_bytes",
+    "streaming",
+    "policy=",
+)
 
 
 class OpenCall:
@@ -41,8 +48,11 @@ class OpenCall:
 
     Construction is collective over the model's data-parallel group (one small all-gather); it raises
     on every rank together when any rank's arguments are invalid or different, or when gradients
-    cannot be read now.
+    cannot be read now. ``extra``: a function of the opened source giving ``EXTRA`` more fields to
+    compare (an entry point's own arguments); it may raise InvalidArgumentError.
     """
+
+    EXTRA = 2
 
     def __init__(
         self,
@@ -56,6 +66,7 @@ class OpenCall:
         *,
         streaming: bool,
         name: str,
+        extra: Callable[[Source], Sequence[Field]] | None = None,
     ) -> None:
         self.name = name
         self.dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
@@ -70,6 +81,8 @@ class OpenCall:
                 raise InvalidArgumentError(
                     f"rank {_compat.rank()}: no trainable parameter is selected (an empty model, or an empty params=)"
                 )
+            extra_fields = list(extra(self.source)) if extra is not None else []
+            extra_fields += [Field(f"unused {i}", 0) for i in range(self.EXTRA - len(extra_fields))]
             self.local: LocalGrads = self.source.read()
         except (TypeError, ValueError, KeyError):  # InvalidArgumentError, and the adapter's own checks
             _tell_invalid(model, self.dispatcher.timeout, name)
@@ -77,26 +90,36 @@ class OpenCall:
         self.call = GradCall(plan, cap, streaming)
         self.policy = policy
         self.unscale = unscale and self.local.loss_scale != 1.0
-        _agree(self.source, self.local, self._fields(), self.dispatcher.timeout, name)
-        self.plan, self.prepared, self.cached = self._plans()
+        _agree(self.source, self.local, self._fields() + extra_fields, self.dispatcher.timeout, name)
+        #: Nothing was planned for this call so far: everything came from the cache.
+        self.cached = True
+        self._plan: GradPlan | None = None
 
     def _fields(self) -> list[Field]:
         forced = None if self.policy is None else (sorted(self.policy.force), sorted(self.policy.forbid))
-        values = [
-            Field(FIELDS[0], self.source.fingerprint, shown=False),
-            Field(FIELDS[1], PLANS.index(self.call.plan), shown=False),
-            Field(FIELDS[2], self.call.bucket_bytes),
-            Field(FIELDS[3], int(self.call.streaming)),
-            Field(FIELDS[4], stable_hash(forced), shown=False),
+        return [
+            Field(FIELDS[0], stable_hash(self.name), shown=False),
+            Field(FIELDS[1], self.source.fingerprint, shown=False),
+            Field(FIELDS[2], PLANS.index(self.call.plan), shown=False),
+            Field(FIELDS[3], self.call.bucket_bytes),
+            Field(FIELDS[4], int(self.call.streaming)),
+            Field(FIELDS[5], stable_hash(forced), shown=False),
         ]
-        return values
 
-    def _plans(self) -> tuple[GradPlan, dict, bool]:
-        """The GradPlan of this call and its cache of bucket plans, reused while the source is."""
-        key = (self.call, self.policy)
-        found = self.source.plans.get(key)
-        if found is not None:
-            return found[0], found[1], True
+    @property
+    def plan(self) -> GradPlan:
+        """The GradPlan of this call, built on first use and cached with the source (asking the registry
+        for capabilities, collective the first time, only for groups whose plan depends on them)."""
+        if self._plan is None:
+            key = ("gradient plan", self.call, self.policy)
+            found = self.source.plans.get(key)
+            if found is None:
+                self.cached = False
+                found = self.source.plans[key] = self._build_plan()
+            self._plan = found
+        return self._plan
+
+    def _build_plan(self) -> GradPlan:
         layout = self.source.layout
         per_param = self.source.per_param is not None
         gather_ok = {}
@@ -107,20 +130,19 @@ class OpenCall:
                 )
                 choice = caps.choice(Op.ALL_GATHER, group.wire_dtype)
                 gather_ok[i] = choice.primitive not in (None, Primitive.PER_TENSOR)
-        plan = plan_grads(layout, self.call, gather_ok, per_param)
-        prepared: dict = {}
-        self.source.plans[key] = (plan, prepared)
-        return plan, prepared, False
+        return plan_grads(layout, self.call, gather_ok, per_param)
 
     def prepared_for(
-        self, step: tuple[int, int], op: Op, tensors: Sequence[torch.Tensor], group: ProcessGroup
+        self, step: Hashable, op: Op, tensors: Sequence[torch.Tensor], group: ProcessGroup | None
     ) -> Prepared:
-        """The dispatcher's bucket plan for one step of the plan, built once (the tensors of a step have
-        the same specs every call: they come from the layout)."""
-        found = self.prepared.get(step)
+        """The dispatcher's bucket plan for one step of this call, built once and cached with the source
+        (the tensors of a step have the same specs every call: they come from the layout)."""
+        key = ("bucket plan", self.name, self.call, self.policy, step)
+        found = self.source.plans.get(key)
         if found is None:
             self.cached = False
-            found = self.prepared[step] = self.dispatcher.prepare(
+            group = _compat.default_group() if group is None else group
+            found = self.source.plans[key] = self.dispatcher.prepare(
                 op, tensors, group, bucket_bytes=self.call.bucket_bytes, policy=self.policy
             )
         return found
@@ -153,7 +175,7 @@ def _tell_invalid(model: Any, timeout_s: float, name: str) -> None:
     except Exception:  # noqa: BLE001 - the argument error is the one to report
         group = _compat.default_group() if torch.distributed.is_initialized() else None
     if group is not None:
-        tell_invalid(group, len(FIELDS), timeout_s, name)
+        tell_invalid(group, len(FIELDS) + OpenCall.EXTRA, timeout_s, name)
 
 
 def _source(dispatcher: Dispatcher, model: Any, params: Iterable[Any] | None) -> tuple[Source, bool]:

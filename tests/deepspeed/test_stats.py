@@ -1,0 +1,173 @@
+"""model_grad_stats on real DeepSpeed engines (2 and 3 ranks): equal to the same statistics of plain
+PyTorch gradients and of collgrad's full gradients, identical on every rank, one small collective per
+gradient group and no full gradient built; non-finite values counted exactly; the global norm is
+the one DeepSpeed clips with; misuse raises on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
+
+import math
+
+import torch
+
+from tests.harness import attempt, run_ranks
+
+CONFIGS = {
+    "zero1_fp32": (1, "fp32", False),
+    "zero2_fp32": (2, "fp32", False),
+    "zero3_fp32": (3, "fp32", False),
+    "zero2_offload": (2, "fp32", True),
+    "zero3_offload": (3, "fp32", True),
+    "zero1_bf16_acc32": (1, "bf16_acc32", False),  # BF16_Optimizer: nothing to send
+    "zero2_bf16_acc32": (2, "bf16_acc32", False),
+    "zero2_fp16": (2, "fp16", False),
+    "zero0_fp32": (0, "fp32", False),
+}
+
+
+def _stat(g: torch.Tensor) -> tuple[float, float, int, int]:
+    g = g.double().reshape(-1)
+    return float(g.norm()), float(g.abs().max()), int((~torch.isfinite(g)).sum()), g.numel()
+
+
+def _close(a: float, b: float, rel: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= rel * max(abs(b), 1e-30)
+
+
+def _worker(rank, world):
+    from deepspeed.accelerator import get_accelerator
+
+    import collgrad
+    from tests.counting import count_collectives
+    from tests.deepspeed import models
+
+    # DeepSpeed's CPU accelerator refuses fp16 only because this CPU lacks oneDNN fp16; its fp16 code
+    # (loss scaling, overflow checks) is the same everywhere.
+    type(get_accelerator()).is_fp16_supported = lambda self: True
+    out = {}
+    for name, (stage, dtype, offload) in CONFIGS.items():
+        cfg = models.config(stage, dtype=dtype, offload=offload)
+        cfg["gradient_clipping"] = 1e9  # DeepSpeed then computes the global norm it would clip with
+        eng = models.engine(cfg)
+        entry = {"before_backward": attempt(lambda eng=eng: collgrad.model_grad_stats(eng))}
+        models.run_backward(eng, rank)
+        full = collgrad.safe_get_full_model_grads(eng)
+        with count_collectives() as seen:
+            stats = collgrad.model_grad_stats(eng)
+        modules = collgrad.model_grad_stats(eng, by="module")
+        reference = models.reference_grads(world)
+        partitioned = sum(1 for g in stats.record.groups if g.kind != "replicated" and len(g.ranks) > 1)
+        params_total = sum(g.params for g in stats.record.groups if g.kind != "replicated" and len(g.ranks) > 1)
+        entry.update(
+            stats={n: (s.norm, s.max_abs, s.nonfinite, s.numel) for n, s in stats.params.items()},
+            global_norm=stats.global_norm,
+            full={n: _stat(g) for n, g in full.items()},
+            reference={n: _stat(g) for n, g in reference.items()},
+            modules={m: (s.norm, s.numel) for m, s in modules.groups.items()},
+            partitioned=partitioned,
+            data_calls=seen.data,
+            agreements=seen.agreements,
+            record_collectives=stats.record.collectives,
+            record_bytes=stats.record.bytes,
+            params_total=params_total,
+            loss_scale=stats.record.loss_scale,
+        )
+        eng.step()
+        norm = eng.get_global_grad_norm()  # None without ZeRO: the torch optimizer clips nothing
+        entry["deepspeed_norm"] = None if norm is None else float(norm)
+        entry["after_step"] = attempt(lambda eng=eng: collgrad.model_grad_stats(eng))
+        out[name] = entry
+    # Non-finite values: put NaN and Inf into this rank's own partition, then compare with a full read.
+    eng = models.engine(models.config(2))
+    models.run_backward(eng, rank)
+    buffer = eng.optimizer.averaged_gradients[0]
+    buffer[0].view(-1)[rank] = float("nan")
+    buffer[-1].view(-1)[-1] = float("inf") if rank == 0 else float("-inf")
+    full = collgrad.safe_get_full_model_grads(eng)
+    stats = collgrad.model_grad_stats(eng)
+    out["injected"] = {
+        "stats": {n: (s.norm, s.max_abs, s.nonfinite, s.numel) for n, s in stats.params.items()},
+        "full": {n: _stat(g) for n, g in full.items()},
+        "nonfinite_total": sum(s.nonfinite for s in stats.params.values()),
+    }
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def results(request):
+    return request.param, run_ranks(_worker, request.param, timeout=900)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_stats_equal_those_of_plain_pytorch_and_of_the_full_gradients(results, config):
+    _, per_rank = results
+    rel = 1e-5 if CONFIGS[config][1] == "fp32" else 2e-2  # bf16/fp16 gradients round
+    for res in per_rank:
+        entry = res[config]
+        for n, (norm, peak, bad, numel) in entry["stats"].items():
+            f_norm, f_peak, f_bad, f_numel = entry["full"][n]
+            assert _close(norm, f_norm, 1e-5) and _close(peak, f_peak, 1e-6) and bad == f_bad and numel == f_numel, n
+            r_norm, r_peak, r_bad, _ = entry["reference"][n]
+            assert _close(norm, r_norm, rel) and _close(peak, r_peak, rel) and bad == r_bad == 0, (n, norm, r_norm)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_identical_on_every_rank_one_collective_per_group_no_full_gradient(results, config):
+    _, per_rank = results
+    first = per_rank[0][config]
+    for res in per_rank:
+        entry = res[config]
+        assert entry["stats"] == first["stats"] and entry["global_norm"] == first["global_norm"]
+        assert entry["data_calls"] == entry["record_collectives"] == entry["partitioned"], entry  # as torch saw
+        assert entry["agreements"] == 1  # the readiness check
+        # 3 float64 per parameter per rank: nothing of the size of a gradient travels
+        assert entry["record_bytes"] == 24 * entry["params_total"]
+    if CONFIGS[config][0] == 0 or config == "zero1_bf16_acc32":
+        assert first["partitioned"] == 0  # every rank holds full gradients: nothing sent
+    if CONFIGS[config][1] == "fp16":
+        assert first["loss_scale"] > 1  # statistics are of the unscaled gradient, tested above
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_global_norm_is_the_one_deepspeed_clips_with(results, config):
+    _, per_rank = results
+    for res in per_rank:
+        entry = res[config]
+        expected = entry["deepspeed_norm"]
+        if expected is None:  # stage 0: DeepSpeed computes none; the norm of the full gradients instead
+            assert CONFIGS[config][0] == 0
+            expected = math.sqrt(sum(norm * norm for norm, *_ in entry["full"].values()))
+        assert _close(entry["global_norm"], expected, 1e-5), (entry["global_norm"], expected)
+
+
+def test_by_module_groups_parameters_by_module_path(results):
+    _, per_rank = results
+    entry = per_rank[0]["zero2_fp32"]
+    expected: dict[str, list[tuple[float, int]]] = {}
+    for n, (norm, _, _, numel) in entry["stats"].items():
+        expected.setdefault(n.rpartition(".")[0], []).append((norm, numel))
+    assert set(entry["modules"]) == set(expected)
+    for m, parts in expected.items():
+        norm, numel = entry["modules"][m]
+        assert _close(norm, math.sqrt(sum(x * x for x, _ in parts)), 1e-12) and numel == sum(n for _, n in parts)
+
+
+def test_nonfinite_values_are_counted_exactly(results):
+    world, per_rank = results
+    for res in per_rank:
+        injected = res["injected"]
+        assert injected["nonfinite_total"] == 2 * world  # one NaN and one +-Inf per rank
+        for n, (norm, peak, bad, _numel) in injected["stats"].items():
+            f_norm, f_peak, f_bad, _ = injected["full"][n]
+            assert bad == f_bad and _close(norm, f_norm, 1e-5) and _close(peak, f_peak, 1e-6), (n, bad, f_bad)
+
+
+def test_misuse_raises_on_every_rank(results):
+    _, per_rank = results
+    for res in per_rank:
+        for config in CONFIGS:
+            for phase in ("before_backward", "after_step"):
+                assert res[config][phase]["error"] == "NotReadyError", (config, phase, res[config][phase])
