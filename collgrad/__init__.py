@@ -40,6 +40,8 @@ from collgrad.grads import (
     iter_full_model_grads,
     model_grad_stats,
     safe_get_full_model_grads,
+    safe_set_full_model_grads,
+    update_full_model_grads,
 )
 
 __version__ = "0.1.0"
@@ -48,6 +50,8 @@ __all__ = [
     "safe_get_full_model_grads",
     "iter_full_model_grads",
     "model_grad_stats",
+    "safe_set_full_model_grads",
+    "update_full_model_grads",
     "GradStats",
     "GradStat",
     "FullGrads",

@@ -57,6 +57,19 @@ class Pieces:
     def device(self) -> torch.device:
         return self.pieces[0].device
 
+    def write(self, offset: int, values: torch.Tensor) -> None:
+        """Copy the 1-D ``values`` into elements ``[offset, offset + values.numel())``, in place in every
+        piece they cover (converted to the pieces' dtype and device)."""
+        end = offset + values.numel()
+        first = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        for start, piece in zip(self.starts[first:], self.pieces[first:]):
+            if start >= end:
+                break
+            stop = start + piece.numel()
+            if stop > offset:
+                lo, hi = max(offset, start), min(end, stop)
+                piece[lo - start : hi - start].copy_(values[lo - offset : hi - offset])
+
     def whole(self) -> torch.Tensor:
         """Everything as one contiguous tensor: a view when the pieces already are back to back."""
         return self.range(0, self._numel)

@@ -13,6 +13,7 @@ from collgrad.grads.plan import PLANS, GradPlan, PlanKind
 from collgrad.grads.read import FullGrads, FullGradStream, iter_full_model_grads, safe_get_full_model_grads
 from collgrad.grads.record import FullGradRecord, GroupRecord
 from collgrad.grads.stats import GradStat, GradStats, model_grad_stats
+from collgrad.grads.write import safe_set_full_model_grads, update_full_model_grads
 
 __all__ = [
     "safe_get_full_model_grads",
@@ -25,6 +26,8 @@ __all__ = [
     "PlanKind",
     "PLANS",
     "model_grad_stats",
+    "safe_set_full_model_grads",
+    "update_full_model_grads",
     "GradStats",
     "GradStat",
 ]

@@ -15,7 +15,7 @@ import enum
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
-from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
+from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
 
 __all__ = ["Problem", "LocalGrads", "Source", "ReplicatedSource", "open_source", "select", "control_group_of"]
 
@@ -90,10 +90,45 @@ class Source:
     def read(self) -> LocalGrads:
         raise NotImplementedError
 
+    #: Per-parameter fallback for writing: (parameter, full gradient) -> None, collective.
+    per_param_set: Callable[[nn.Parameter, torch.Tensor], None] | None = None
+
+    def write(self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float) -> None:
+        """Store the full gradients ``values`` (by name; true values, multiplied here by ``scale``, the
+        loss scale) where the optimizer will step from: this rank writes the elements it owns, in
+        place, and nothing else. No communication. ``local`` is this call's ``read()``."""
+        for position, group in enumerate(self.layout.groups):
+            buffer = local.buffers[position]
+            if group.kind is Kind.REPLICATED:
+                for k, slot in enumerate(group.params):
+                    if slot.name in values:
+                        self._write_full(k, slot, buffer, _scaled(values[slot.name], scale))
+                continue
+            rank = group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
+            for frag in owned_fragments(group, rank):
+                new = values.get(group.params[frag.param].name)
+                if new is not None:
+                    part = new.reshape(-1)[frag.param_offset : frag.param_offset + frag.numel]
+                    buffer.write(frag.local_offset, _scaled(part, scale))
+        self.after_write(values)
+
+    def _write_full(self, k: int, slot: ParamSlot, buffer: list, value: torch.Tensor) -> None:
+        buffer[k].copy_(value.reshape(buffer[k].shape))
+
+    def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Bring state the optimizer derived from the gradients up to date with what was written."""
+
     def release(self) -> None:
         """Let go of every tensor kept between calls (views of the optimizer's buffers, staging), so
         that memory the owner frees is really freed. The next call reads afresh."""
         self.scratch.clear()
+
+
+def _scaled(value: torch.Tensor, scale: float) -> torch.Tensor:
+    """``value * scale`` computed in fp32 at least (the stored dtype may be fp16: scale first, round once)."""
+    if scale == 1.0:
+        return value.detach()
+    return value.detach().to(torch.promote_types(value.dtype, torch.float32)) * scale
 
 
 def select(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, nn.Parameter]]:
@@ -182,8 +217,10 @@ class ReplicatedSource(Source):
         model_parallel=frozenset(),
         dtype=None,
         reselect=None,
+        set_grad=None,
     ) -> None:
         self._grads = grads
+        self._set_grad = set_grad  # (parameter, tensor): where a parameter without a gradient gets one
         self._reselect = reselect  # a plain module: trainable parameters can change between calls
         self._selection = [(n, id(p)) for n, p in named]
         self._problem = problem
@@ -222,3 +259,16 @@ class ReplicatedSource(Source):
             for p, g in zip(self.params.values(), grads)
         ]
         return LocalGrads(problem, [full], self._loss_scale())
+
+    def _write_full(self, k: int, slot: ParamSlot, buffer: list, value: torch.Tensor) -> None:
+        current = self._grads()[k]
+        if current is not None:
+            current.copy_(value.reshape(current.shape))
+        elif self._set_grad is not None:  # e.g. stage 0: a parameter that got no gradient in backward
+            param = self.params[slot.name]
+            self._set_grad(param, value.reshape(param.shape).to(dtype=param.dtype, device=param.device).clone())
+        else:
+            raise InvalidArgumentError(
+                f"rank {_compat.rank()}: {slot.name} has no gradient buffer to write into (it took no part in "
+                "backward); leave it out of grads="
+            )

@@ -34,7 +34,8 @@ import torch
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter
-from deepspeed.utils import safe_get_full_grad
+from deepspeed.runtime.zero.utils import get_norm_dtype
+from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 from torch import nn
 
 from collgrad import _compat
@@ -136,6 +137,7 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) 
             problem=lambda: _problem(engine_ref(), not named or any(g is not None for g in grads())),
             loss_scale=lambda: _loss_scale(engine_ref()),
             model_parallel=model_parallel,
+            set_grad=lambda p, g: setattr(p, "grad", g),
         )
     # An optimizer whose layout collgrad does not know: DeepSpeed's accessor, one collective per parameter.
     source = ReplicatedSource(
@@ -149,6 +151,7 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) 
         dtype=torch.float32,
     )
     source.per_param = safe_get_full_grad
+    source.per_param_set = safe_set_full_grad
     return source
 
 
@@ -281,6 +284,21 @@ class _Zero12(_EngineSource):
             buffers.append(local)
         return LocalGrads(problem, buffers, _loss_scale(self.engine))
 
+    def after_write(self, values) -> None:
+        """With CPU offload, ZeRO-1/2 clips with per-parameter norms it computed during backward
+        (``norm_for_param_grads``, one per owned fragment): recompute them from the written values, as
+        ``copy_grads_in_partition`` does, or the next step clips with the old norms."""
+        opt = self.opt
+        if not opt.cpu_offload:
+            return
+        for i in self.group_ids:
+            grad = opt.single_partition_of_fp32_groups[i].grad.view(-1)
+            for p in opt.params_in_partition[i]:
+                if self.names.get(id(p)) in values:
+                    param_id = opt.get_param_id(p)
+                    _, _, dest_offset, numel = opt.grad_position[param_id]
+                    opt.norm_for_param_grads[param_id] = grad.narrow(0, dest_offset, numel).to(get_norm_dtype()).norm(2)
+
 
 def _fp32_accumulation(opt) -> bool:
     """bf16 + ``grad_accum_dtype: fp32`` keeps a compact fp32 partition (GradPartitionBufferGroup)."""
@@ -374,3 +392,20 @@ class _Zero3(_EngineSource):
         self._signature = self._sign()
         self._pieces = None if self.swaps else pieces
         return LocalGrads(problem, pieces, _loss_scale(self.engine))
+
+    def write(self, local: LocalGrads, values, scale: float) -> None:
+        """Through DeepSpeed's own local setter, parameter by parameter (no communication): it writes
+        this rank's slice where the step reads it (flat buffer, CPU offload, NVMe swap write-back) and
+        refreshes the per-parameter norms offload clips with."""
+        opt = self.opt
+        for name, new in values.items():
+            p = self.params[name]
+            rank = torch.distributed.get_rank(group=opt._get_param_partition_group(p))
+            size = p.partition_numel()
+            flat = new.detach().reshape(-1).to(torch.float32)
+            part = torch.zeros(size, dtype=torch.float32, device=flat.device)
+            lo, hi = min(rank * size, flat.numel()), min((rank + 1) * size, flat.numel())
+            part[: hi - lo] = flat[lo:hi]
+            if scale != 1.0:
+                part.mul_(scale)
+            opt.set_local_grad_for_param(part, p)

@@ -1,0 +1,166 @@
+"""Writing full gradients back: ``safe_set_full_model_grads`` and ``update_full_model_grads``.
+
+Every rank passes the same full values; each writes only the elements it owns, where the optimizer
+will step from (the source knows where: sources/), so writing needs no bulk collective::
+
+    grads = {name: full gradient}     (the same on every rank; checked by checksum with check=True)
+        |  readiness, arguments and checksums agreed in one small all-gather
+    rank r: owned fragments of each parameter  ->  copied in place, times the loss scale (fp16)
+        |  derived state refreshed (ZeRO-1/2 CPU offload: the per-parameter norms it clips with)
+    next engine.step() clips, checks overflow and updates from the new values
+
+``update_full_model_grads`` streams: read a bucket of full gradients, hand each to ``fn``, write the
+results back, next bucket; about two buckets of extra memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable
+
+import torch
+
+from collgrad import _compat
+from collgrad.backends.policy import Policy
+from collgrad.core.agreement import Field, stable_hash
+from collgrad.core.dispatch import Dispatcher
+from collgrad.errors import InvalidArgumentError, UnknownParameterError
+from collgrad.grads.call import OpenCall
+from collgrad.grads.execute import Executor
+from collgrad.grads.record import FullGradRecord
+from collgrad.grads.sources import Source
+
+__all__ = ["safe_set_full_model_grads", "update_full_model_grads", "checksum"]
+
+
+def checksum(t: torch.Tensor) -> int:
+    """A number that differs, with high probability, when any element of ``t`` differs (bit for bit):
+    the sum of its bit patterns weighted by position, in int64. Same on every rank for equal tensors."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return 0
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    ints = flat.contiguous().view(bits).to(torch.int64)
+    weights = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=ints.device) % 1_000_003
+    return int((ints * weights).sum()) & ((1 << 62) - 1)
+
+
+def _checked(source: Source, grads: Any) -> dict[str, torch.Tensor]:
+    """``grads`` as {name: tensor} in layout order, each shaped like its parameter (a shard for model-
+    parallel names). Raises InvalidArgumentError / UnknownParameterError on this rank."""
+    if not isinstance(grads, Mapping):
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: grads must be a mapping name -> tensor, got {type(grads).__name__}"
+        )
+    slots = {s.name: s for g in source.layout.groups for s in g.params}
+    out = {}
+    for name, value in grads.items():
+        slot = slots.get(name)
+        if slot is None:
+            raise UnknownParameterError(
+                f"rank {_compat.rank()}: {name!r} is not a trainable parameter of this call (see params=); "
+                "pass names from model.named_parameters()"
+            )
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(f"rank {_compat.rank()}: grads[{name!r}] is a {type(value).__name__}")
+        if tuple(value.shape) != slot.shape and value.numel() != slot.numel:
+            raise InvalidArgumentError(
+                f"rank {_compat.rank()}: grads[{name!r}] has shape {tuple(value.shape)}; the parameter's full "
+                f"gradient has shape {slot.shape}"
+            )
+        out[name] = value
+    return {name: out[name] for name in source.layout.order if name in out}
+
+
+def safe_set_full_model_grads(
+    model: Any,
+    grads: Mapping[str, torch.Tensor],
+    *,
+    params: Iterable[Any] | None = None,
+    check: bool = True,
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> FullGradRecord:
+    """Make ``grads`` (name -> full gradient, any dtype and device; a subset of the trainable parameters
+    allowed) the gradients the next ``engine.step()`` uses: clipping, overflow checks and the update
+    see the new values. True (unscaled) values: under fp16 they are multiplied by the current loss
+    scale before they are stored.
+
+    When and where: on every rank of the data-parallel group, after the boundary ``backward()`` and
+    before ``step()``, with the same names and values on every rank. Each rank writes only what it owns:
+    no bulk collective, only the readiness check, in which (``check=True``) a checksum of the values is
+    compared so that ranks passing different values raise together (ArgumentMismatchError) instead of
+    training on a mix.
+    """
+    values: dict[str, torch.Tensor] = {}
+
+    def extra(source: Source) -> list[Field]:
+        values.update(_checked(source, grads))
+        sums = [(name, checksum(t)) for name, t in values.items()] if check else [("unchecked", -1)]
+        return [
+            Field("names in grads=", stable_hash(list(values)), shown=False),
+            Field("values in grads= (checksum)", stable_hash(sums), shown=False),
+        ]
+
+    call = OpenCall(
+        model,
+        params,
+        None,
+        "auto",
+        True,
+        policy,
+        dispatcher,
+        streaming=False,
+        name="safe_set_full_model_grads",
+        extra=extra,
+    )
+    return _store(call, values)
+
+
+def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> FullGradRecord:
+    source = call.source
+    collectives = 0
+    if source.per_param_set is not None:  # an optimizer collgrad does not know: DeepSpeed's setter
+        for name, value in values.items():
+            source.per_param_set(source.params[name], value.to(torch.float32))
+            collectives += 1
+    else:
+        with torch.no_grad():
+            source.write(call.local, values, call.local.loss_scale)
+    return FullGradRecord(
+        source.layout.variant, (), collectives, call.local.loss_scale, False, call.cached, call.layout_cached
+    )
+
+
+def update_full_model_grads(
+    model: Any,
+    fn: Callable[[str, torch.Tensor], torch.Tensor | None],
+    *,
+    params: Iterable[Any] | None = None,
+    bucket_bytes: int | None = None,
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> FullGradRecord:
+    """Stream every full gradient through ``fn(name, grad)`` and write the results back: ``fn`` returns a
+    new tensor, or None after editing ``grad`` in place. Bucket by bucket, as ``iter_full_model_grads``
+    reads, so about two buckets of extra memory whatever the model size. Gradients are true values
+    (unscaled under fp16); what ``fn`` returns is stored as ``safe_set_full_model_grads`` stores it.
+
+    When and where: as ``safe_set_full_model_grads``; ``fn`` must compute the same result on every rank
+    (it sees the same input everywhere). Returns what was done (the reads' collectives).
+    """
+    if not callable(fn):
+        raise InvalidArgumentError(f"rank {_compat.rank()}: fn must be callable, got {type(fn).__name__}")
+    call = OpenCall(
+        model, params, bucket_bytes, "auto", True, policy, dispatcher, streaming=True, name="update_full_model_grads"
+    )
+    executor = Executor(call)
+    for results in executor.steps():
+        edited = {}
+        for name, grad in results:
+            out = fn(name, grad)
+            edited[name] = grad if out is None else out
+        del results
+        _store(call, edited)
+        del edited
+    return executor.record()
