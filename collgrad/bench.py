@@ -233,6 +233,20 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     )
     # deque(maxlen=0) consumes without keeping a reference: what is measured is what collgrad holds.
     methods["collgrad_iter"] = lambda: deque(collgrad.iter_full_model_grads(engine, bucket_bytes=bucket), maxlen=0)
+    # Writing and statistics, against DeepSpeed's own per-parameter loops. The values written are the
+    # gradients themselves, so every repetition sees the same engine.
+    full = collgrad.safe_get_full_model_grads(engine)
+    by_param = [(p, full[n]) for n, p in engine.module.named_parameters() if n in full]
+    methods["deepspeed_set_loop"] = lambda: [ds.safe_set_full_grad(p, g) for p, g in by_param]
+    meta["deepspeed_set_loop"] = {"collectives": len(params), "bytes": 0}
+    methods["collgrad_set"] = lambda: collgrad.safe_set_full_model_grads(engine, full)
+    methods["collgrad_set_unchecked"] = lambda: collgrad.safe_set_full_model_grads(engine, full, check=False)
+    methods["collgrad_update"] = lambda: collgrad.update_full_model_grads(
+        engine, lambda n, g: None, bucket_bytes=max(1, 4 * numel // cfg.stream_fraction)
+    )
+    methods["deepspeed_norm_loop"] = lambda: [float(ds.safe_get_full_grad(p).norm()) for p in params]
+    meta["deepspeed_norm_loop"] = {"collectives": len(params), "bytes": 4 * numel}
+    methods["collgrad_stats"] = lambda: collgrad.model_grad_stats(engine)
     methods["raw_all_reduce"] = lambda: dist.all_reduce(flat)
     meta["raw_all_reduce"] = {"collectives": 1, "bytes": flat.numel() * 4}
     methods["raw_all_gather"] = lambda: _compat.all_gather_flat(gathered, share, dist.group.WORLD).wait()
@@ -254,7 +268,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     for name, fn in methods.items():
         row = _timed(fn, cfg, name, progress and rank == 0)
         if name.startswith("collgrad") and name != "collgrad_iter":
-            rec = fn().record
+            result = fn()
+            rec = getattr(result, "record", result)  # set and update return their record itself
             row.update(
                 collectives=rec.collectives,
                 bytes=rec.bytes,
@@ -288,6 +303,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     return report
 
 
+_VERSUS = (("deepspeed_set_loop", "collgrad_set"), ("deepspeed_norm_loop", "collgrad_stats"))
+
+
 def _ratios(report: dict[str, Any], cfg: BenchConfig) -> None:
     m = report["methods"]
     best = (
@@ -303,6 +321,12 @@ def _ratios(report: dict[str, Any], cfg: BenchConfig) -> None:
         out["collgrad_best"] = best
     if best and "deepspeed_loop" in m:
         out["deepspeed_loop_over_collgrad"] = m["deepspeed_loop"]["median_ms"] / m[best]["median_ms"]
+    for loop, ours in _VERSUS:
+        if loop in m and ours in m:
+            out[f"{loop}_over_{ours}"] = m[loop]["median_ms"] / m[ours]["median_ms"]
+    if "collgrad_update" in m:
+        bucket = 4 * report["numel"] // cfg.stream_fraction
+        out["update_peak_buckets"] = m["collgrad_update"]["peak_host_mb"] * 2**20 / max(1, bucket)
     report["ratios"] = out
 
 
@@ -329,6 +353,14 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"ratios: {r.get('collgrad_best')} / {r.get('floor')} = {r.get('collgrad_over_floor', float('nan')):.2f}; "
             f"deepspeed_loop / {r.get('collgrad_best')} = {r.get('deepspeed_loop_over_collgrad', float('nan')):.1f}x"
+        )
+    for loop, ours in _VERSUS:
+        if f"{loop}_over_{ours}" in r:
+            lines.append(f"{loop} / {ours} = {r[f'{loop}_over_{ours}']:.1f}x")
+    if "update_peak_buckets" in r:
+        lines.append(
+            f"update: peak extra {r['update_peak_buckets']:.2f} buckets "
+            f"(bucket = 1/{cfg['stream_fraction']} of the model)"
         )
     s = report.get("stream_memory")
     if s:

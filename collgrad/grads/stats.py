@@ -159,42 +159,44 @@ def model_grad_stats(
     )
 
 
-def _views(call: OpenCall, group: GradGroup, buffer: Any) -> tuple[list[int], list[torch.Tensor]]:
-    """This rank's owned pieces of each parameter of ``group``, as views where they lie."""
+def _views(call: OpenCall, group: GradGroup, buffer: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This rank's owned pieces of each parameter of ``group``, as views where they lie, and the index
+    of the parameter of each (the fragments are pure layout: cached with the source)."""
     if group.kind is Kind.REPLICATED:
-        return list(range(len(group.params))), [buffer[k].reshape(-1) for k in range(len(group.params))]
+        return torch.arange(len(group.params)), [buffer[k].reshape(-1) for k in range(len(group.params))]
     rank = group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
-    index, views = [], []
-    for frag in owned_fragments(group, rank):
-        index.append(frag.param)
-        views.append(buffer.range(frag.local_offset, frag.numel))
-    return index, views
+    key = ("owned fragments", group.index, rank)
+    found = call.source.plans.get(key)
+    if found is None:
+        frags = owned_fragments(group, rank)
+        found = call.source.plans[key] = (torch.tensor([f.param for f in frags], dtype=torch.int64), frags)
+    index, frags = found
+    return index, [buffer.range(f.local_offset, f.numel) for f in frags]
 
 
 def _partials(call: OpenCall, group: GradGroup, buffer: Any) -> torch.Tensor:
-    """[3, P] float64 on the device the agreement runs on: sum of squares, max |g| and non-finite
-    count over this rank's elements of each parameter."""
+    """[3, P] float64 on the CPU: sum of squares, max |g| and non-finite count over this rank's
+    elements of each parameter."""
     out = torch.zeros(3, len(group.params), dtype=torch.float64)
     index, views = _views(call, group, buffer)
-    if views:
-        with torch.no_grad():
-            # fp32 accumulation for bf16/fp16 buffers, as torch's own norm of an fp32 gradient does
-            norms = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) for v in views]).double().cpu()
-            lo_hi = [torch.aminmax(v) for v in views]
-            peaks = torch.stack([torch.maximum(-lo, hi) for lo, hi in lo_hi]).double().cpu()
-            bad = [
-                (~torch.isfinite(v)).sum() if not (math.isfinite(n) and math.isfinite(m)) else None
-                for v, n, m in zip(views, norms.tolist(), peaks.tolist())
-            ]
-        at = torch.tensor(index, dtype=torch.int64)
-        out[0].index_add_(0, at, norms.square())
-        out[1].scatter_reduce_(0, at, peaks, reduce="amax")
-        counts = torch.tensor([0 if b is None else int(b) for b in bad], dtype=torch.float64)
-        out[2].index_add_(0, at, counts)
-        # scatter_reduce's amax skips NaN; a NaN element must give a NaN max, as torch.max does
-        nan = torch.isnan(peaks)
-        if bool(nan.any()):
-            out[1].index_fill_(0, at[nan], math.nan)
+    if not views:
+        return out
+    with torch.no_grad():
+        # fp32 accumulation for bf16/fp16 buffers, as torch's own norm of an fp32 gradient does
+        norms = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) for v in views]).double().cpu()
+        lows, highs = zip(*(torch.aminmax(v) for v in views))  # one pass each: faster than abs().amax()
+        peaks = torch.maximum(-torch.stack(lows), torch.stack(highs)).double().cpu()
+        out[0].index_add_(0, index, norms.square())
+        out[1].scatter_reduce_(0, index, peaks, reduce="amax")
+        finite = torch.isfinite(norms) & torch.isfinite(peaks)
+        if not bool(finite.all()):  # count only where something is not finite (an overflowing norm too)
+            counts = torch.zeros(len(views), dtype=torch.float64)
+            for i in (~finite).nonzero().flatten().tolist():
+                counts[i] = float((~torch.isfinite(views[i])).sum())
+            out[2].index_add_(0, index, counts)
+            nan = torch.isnan(peaks)  # scatter_reduce's amax skips NaN; torch.max gives NaN, so do we
+            if bool(nan.any()):
+                out[1].index_fill_(0, index[nan], math.nan)
     return out
 
 

@@ -34,15 +34,16 @@ __all__ = ["safe_set_full_model_grads", "update_full_model_grads", "checksum"]
 
 
 def checksum(t: torch.Tensor) -> int:
-    """A number that differs, with high probability, when any element of ``t`` differs (bit for bit):
-    the sum of its bit patterns weighted by position, in int64. Same on every rank for equal tensors."""
+    """A number that differs, with high probability, when any element of ``t`` differs bit for bit: the
+    sums (in int64) of its bit patterns, over all elements and over every other element (so that two
+    neighbours swapped change it too). The same on every rank for equal tensors."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return 0
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-    ints = flat.contiguous().view(bits).to(torch.int64)
-    weights = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=ints.device) % 1_000_003
-    return int((ints * weights).sum()) & ((1 << 62) - 1)
+    ints = flat.contiguous().view(bits)
+    every, even = int(ints.sum(dtype=torch.int64)), int(ints[::2].sum(dtype=torch.int64))
+    return (every * 1_000_003 + even) & ((1 << 62) - 1)
 
 
 def _checked(source: Source, grads: Any) -> dict[str, torch.Tensor]:
@@ -96,7 +97,10 @@ def safe_set_full_model_grads(
 
     def extra(source: Source) -> list[Field]:
         values.update(_checked(source, grads))
-        sums = [(name, checksum(t)) for name, t in values.items()] if check else [("unchecked", -1)]
+        # Tensor/expert-parallel shards legitimately differ between the ranks of the data-parallel group
+        # (each holds its own shard or experts): only the replicated parameters are compared.
+        shared = [(name, t) for name, t in values.items() if name not in source.model_parallel]
+        sums = [(name, checksum(t)) for name, t in shared] if check else [("unchecked", -1)]
         return [
             Field("names in grads=", stable_hash(list(values)), shown=False),
             Field("values in grads= (checksum)", stable_hash(sums), shown=False),

@@ -48,10 +48,20 @@ def test_bench_runs_and_reports_every_method(tmp_path):
         "collgrad_iter",
         "raw_all_reduce",
         "raw_all_gather",
+        "deepspeed_set_loop",
+        "collgrad_set",
+        "collgrad_set_unchecked",
+        "collgrad_update",
+        "deepspeed_norm_loop",
+        "collgrad_stats",
     }
     assert report["params"] == 24 and report["world"] == 2
     assert report["methods"]["collgrad_all_gather"]["collectives"] == 1
     assert report["methods"]["collgrad_per_tensor"]["collectives"] == 24
     assert report["methods"]["collgrad_all_gather"]["plan_cached"] is True
+    assert report["methods"]["collgrad_set"]["collectives"] == 0  # each rank writes what it owns
+    assert report["methods"]["collgrad_stats"]["collectives"] == 1  # one small all-gather (one ZeRO-3 group)
+    assert report["methods"]["collgrad_stats"]["bytes"] == 24 * 24  # 3 float64 per parameter
     assert "ratios:" in proc.stdout and "streaming:" in proc.stdout
+    assert "deepspeed_norm_loop / collgrad_stats" in proc.stdout and "update: peak extra" in proc.stdout
     assert "[bench] deepspeed_loop: 2/2" in proc.stderr  # progress

@@ -80,7 +80,20 @@ def _moe(rank, world, ep_size, num_experts, stage, dtype):
     models.run_backward(eng, rank)
     grads = collgrad.safe_get_full_model_grads(eng)
     ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
+    stats = collgrad.model_grad_stats(eng)
+    stats_equal = all(
+        abs(stats.params[n].norm - float(g.double().norm())) <= 1e-5 * float(g.double().norm()) + 1e-30
+        for n, g in grads.items()
+    )
+    # Writing: each rank's own values (expert shards differ between expert-parallel ranks) read back.
+    new = {n: g * 2 + 1 for n, g in grads.items()}
+    collgrad.safe_set_full_model_grads(eng, new)
+    back = collgrad.safe_get_full_model_grads(eng)
     return {
+        "stats_equal": stats_equal,
+        "written": all(
+            torch.allclose(back[n].float(), new[n].float(), rtol=1e-2 if dtype != "fp32" else 0, atol=0) for n in new
+        ),
         "equal": all(torch.equal(grads[n], ds[n]) for n in ds) and list(grads) == list(ds),
         "groups": [(g.plan, g.ranks, g.collectives, g.params) for g in grads.record.groups],
         "model_parallel": sorted(grads.model_parallel),
@@ -96,6 +109,7 @@ def test_moe_expert_parameters_reduced_within_their_expert_data_parallel_group(w
     for rank, both in enumerate(run_ranks(_moe_both, world, ep_size, timeout=300)):
         for res in both.values():
             assert res["equal"], res
+            assert res["stats_equal"] and res["written"], res  # statistics and writing, per expert group
             assert res["model_parallel"] and all("experts" in n for n in res["model_parallel"])
             expert_groups = [g for g in res["groups"] if g[1] != tuple(range(world))]
             if ep_size == world:  # one expert per rank: its group is the rank alone, nothing to send

@@ -44,7 +44,15 @@ from collgrad.errors import InvalidArgumentError
 from collgrad.grads.sources import LocalGrads, Problem, ReplicatedSource, Source
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 
-__all__ = ["find_engine", "open_engine", "control_group", "initialize", "safe_get_full_grad", "VERSION"]
+__all__ = [
+    "find_engine",
+    "open_engine",
+    "control_group",
+    "initialize",
+    "safe_get_full_grad",
+    "safe_set_full_grad",
+    "VERSION",
+]
 
 VERSION: str = deepspeed.__version__
 
