@@ -238,7 +238,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     full = collgrad.safe_get_full_model_grads(engine)
     by_param = [(p, full[n]) for n, p in engine.module.named_parameters() if n in full]
     methods["deepspeed_set_loop"] = lambda: [ds.safe_set_full_grad(p, g) for p, g in by_param]
-    meta["deepspeed_set_loop"] = {"collectives": len(params), "bytes": 0}
+    # ZeRO-1/2: DeepSpeed's setter copies this rank's fragment locally (tensor_fragment.set_full_hp_grad);
+    # ZeRO-3: it too writes the local partition only.
+    meta["deepspeed_set_loop"] = {"collectives": 0, "bytes": 0}
     methods["collgrad_set"] = lambda: collgrad.safe_set_full_model_grads(engine, full)
     methods["collgrad_set_unchecked"] = lambda: collgrad.safe_set_full_model_grads(engine, full, check=False)
     methods["collgrad_update"] = lambda: collgrad.update_full_model_grads(
