@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -57,18 +57,24 @@ class Pieces:
     def device(self) -> torch.device:
         return self.pieces[0].device
 
-    def write(self, offset: int, values: torch.Tensor) -> None:
-        """Copy the 1-D ``values`` into elements ``[offset, offset + values.numel())``, in place in every
-        piece they cover (converted to the pieces' dtype and device)."""
-        end = offset + values.numel()
+    def _spans(self, offset: int, numel: int) -> Iterator[tuple[torch.Tensor, int]]:
+        """The parts of the pieces that elements ``[offset, offset + numel)`` cover, in order, each with
+        its start relative to ``offset``."""
+        end = offset + numel
         first = max(0, bisect.bisect_right(self.starts, offset) - 1)
         for start, piece in zip(self.starts[first:], self.pieces[first:]):
             if start >= end:
                 break
             stop = start + piece.numel()
             if stop > offset:
-                lo, hi = max(offset, start), min(end, stop)
-                piece[lo - start : hi - start].copy_(values[lo - offset : hi - offset])
+                lo = max(offset, start)
+                yield piece[lo - start : min(end, stop) - start], lo - offset
+
+    def write(self, offset: int, values: torch.Tensor) -> None:
+        """Copy the 1-D ``values`` into elements ``[offset, offset + values.numel())``, in place in every
+        piece they cover (converted to the pieces' dtype and device)."""
+        for part, at in self._spans(offset, values.numel()):
+            part.copy_(values[at : at + part.numel()])
 
     def whole(self) -> torch.Tensor:
         """Everything as one contiguous tensor: a view when the pieces already are back to back."""
@@ -83,15 +89,7 @@ class Pieces:
                 return parts[0]
             view = adjacent_view(parts)
             return view if view is not None else torch.cat(parts)
-        parts = []
-        end = offset + numel
-        first = max(0, bisect.bisect_right(self.starts, offset) - 1)
-        for start, piece in zip(self.starts[first:], self.pieces[first:]):
-            if start >= end:
-                break
-            stop = start + piece.numel()
-            if stop > offset:
-                parts.append(piece[max(offset, start) - start : min(end, stop) - start])
+        parts = [part for part, _ in self._spans(offset, numel)]
         if len(parts) == 1:
             return parts[0]
         view = adjacent_view(parts)

@@ -1,6 +1,6 @@
 import torch
 
-from collgrad.core.buffers import adjacent_view
+from collgrad.core.buffers import Pieces, adjacent_view
 
 
 def test_adjacent_views_of_one_buffer_become_one_view():
@@ -32,3 +32,11 @@ def test_pieces_read_ranges_across_pieces():
     flat = torch.arange(6.0)
     adjacent = Pieces([flat[:2], flat[2:6]])
     assert adjacent.whole().data_ptr() == flat.data_ptr()  # back to back already: no copy
+
+
+def test_write_lands_in_place_across_pieces():
+    a, b, c = torch.zeros(3), torch.zeros(2), torch.zeros(4)
+    pieces = Pieces([a, b, c])
+    pieces.write(2, torch.arange(1.0, 5.0))  # elements 2..5: the last of a, all of b, the first of c
+    assert a.tolist() == [0, 0, 1] and b.tolist() == [2, 3] and c.tolist() == [4, 0, 0, 0]
+    assert torch.equal(pieces.range(2, 4), torch.arange(1.0, 5.0))
