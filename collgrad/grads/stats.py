@@ -171,7 +171,15 @@ def _views(call: OpenCall, group: GradGroup, buffer: Any) -> tuple[torch.Tensor,
         frags = owned_fragments(group, rank)
         found = call.source.plans[key] = (torch.tensor([f.param for f in frags], dtype=torch.int64), frags)
     index, frags = found
-    return index, [buffer.range(f.local_offset, f.numel) for f in frags]
+    # DeepSpeed's ZeRO-1/2 list holds one tensor per owned fragment: take those as they are (a range
+    # lookup per fragment costs more than the reduction of a small one).
+    at = {start: j for j, start in enumerate(buffer.starts)}
+    views = []
+    for f in frags:
+        j = at.get(f.local_offset)
+        piece = buffer.pieces[j] if j is not None else None
+        views.append(piece if piece is not None and piece.numel() == f.numel else buffer.range(f.local_offset, f.numel))
+    return index, views
 
 
 def _partials(call: OpenCall, group: GradGroup, buffer: Any) -> torch.Tensor:
