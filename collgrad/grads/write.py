@@ -160,11 +160,11 @@ def update_full_model_grads(
     )
     executor = Executor(call)
     for results in executor.steps():
-        edited = {}
+        edited, grad, out = {}, None, None
         for name, grad in results:
             out = fn(name, grad)
             edited[name] = grad if out is None else out
-        del results
         _store(call, edited)
-        del edited
+        # Keep nothing of this bucket (not even the loop variables) while the next one is made.
+        del results, edited, grad, out
     return executor.record()
