@@ -89,6 +89,9 @@ class Pieces:
                 return parts[0]
             view = adjacent_view(parts)
             return view if view is not None else torch.cat(parts)
+        j = bisect.bisect_right(self.starts, offset) - 1
+        if j >= 0 and self.starts[j] == offset and self.pieces[j].numel() == numel:
+            return self.pieces[j]  # exactly one piece (DeepSpeed's ZeRO-1/2 list: one per fragment)
         parts = [part for part, _ in self._spans(offset, numel)]
         if len(parts) == 1:
             return parts[0]

@@ -32,7 +32,7 @@ from collgrad.core.record import BucketRecord, CallRecord, Decision
 from collgrad.core.waits import timeout_from_env
 from collgrad.errors import CollgradError, InvalidArgumentError, NoPrimitiveError
 
-__all__ = ["Dispatcher", "Prepared", "default_dispatcher", "checked_bucket_bytes"]
+__all__ = ["Dispatcher", "Prepared", "default_dispatcher", "checked_bucket_bytes", "policy_print"]
 
 
 @dataclass
@@ -268,6 +268,12 @@ def checked_bucket_bytes(bucket_bytes: int | None) -> int:
     return bucket_bytes
 
 
+def policy_print(policy: Policy | None) -> int:
+    """The call's ``policy=`` as a number every rank computes alike (names sorted: a frozenset's order
+    follows str hashing, which is salted per process)."""
+    return stable_hash(None if policy is None else (sorted(policy.force), sorted(policy.forbid)))
+
+
 def _checked_options(bucket_bytes: int | None, policy: Policy | None) -> int:
     """Checks of the options every public call takes; returns the bucket cap in bytes."""
     cap = checked_bucket_bytes(bucket_bytes)
@@ -309,13 +315,12 @@ def _call_fields(
     """What every rank must pass alike for a coalesced call: it decides the number, size and kind of the
     collectives each rank issues."""
     names = iter(_CALL_FIELDS)
-    forced = None if policy is None else (sorted(policy.force), sorted(policy.forbid))
     return [
         Field(next(names), list(Op).index(op), shown=False),
         Field(next(names), stable_hash(str(reduce_op)), shown=False),
         Field(next(names), cap),
         Field(next(names), int(atomic)),
-        Field(next(names), stable_hash(forced), shown=False),
+        Field(next(names), policy_print(policy), shown=False),
         Field(next(names), len(tensors)),
         Field(next(names), stable_hash([(str(t.dtype), t.device.type) for t in tensors]), shown=False),
         Field(next(names), stable_hash([tuple(t.shape) for t in tensors]), shown=False),

@@ -23,8 +23,9 @@ from torch.distributed import ProcessGroup
 from collgrad import _compat
 from collgrad.backends.policy import Policy
 from collgrad.core.agreement import Field, agree_on_call, stable_hash, tell_invalid
-from collgrad.core.dispatch import Dispatcher, Prepared, checked_bucket_bytes, default_dispatcher
+from collgrad.core.dispatch import Dispatcher, Prepared, checked_bucket_bytes, default_dispatcher, policy_print
 from collgrad.core.ops import Op, Primitive
+from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, LayoutChangedError, NotReadyError
 from collgrad.grads import sources
 from collgrad.grads.plan import PLANS, GradCall, GradPlan, needs_capabilities, plan_grads
@@ -96,14 +97,13 @@ class OpenCall:
         self._plan: GradPlan | None = None
 
     def _fields(self) -> list[Field]:
-        forced = None if self.policy is None else (sorted(self.policy.force), sorted(self.policy.forbid))
         return [
             Field(FIELDS[0], stable_hash(self.name), shown=False),
             Field(FIELDS[1], self.source.fingerprint, shown=False),
             Field(FIELDS[2], PLANS.index(self.call.plan), shown=False),
             Field(FIELDS[3], self.call.bucket_bytes),
             Field(FIELDS[4], int(self.call.streaming)),
-            Field(FIELDS[5], stable_hash(forced), shown=False),
+            Field(FIELDS[5], policy_print(self.policy), shown=False),
         ]
 
     @property
@@ -132,16 +132,26 @@ class OpenCall:
                 gather_ok[i] = choice.primitive not in (None, Primitive.PER_TENSOR)
         return plan_grads(layout, self.call, gather_ok, per_param)
 
-    def prepared_for(
-        self, step: Hashable, op: Op, tensors: Sequence[torch.Tensor], group: ProcessGroup | None
-    ) -> Prepared:
+    def run(
+        self,
+        step: Hashable,
+        op: Op,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor] | None,
+        group: ProcessGroup | None,
+    ) -> CallRecord:
+        """One dispatcher call for ``step`` of this call, through its cached bucket plan. Not atomic and
+        not re-checked: the tensors are collgrad's own buffers, and the ranks agreed when the call opened."""
+        group = _compat.default_group() if group is None else group
+        return self.dispatcher.run(self._prepared(step, op, inputs, group), inputs, outputs, group, atomic=False)
+
+    def _prepared(self, step: Hashable, op: Op, tensors: Sequence[torch.Tensor], group: ProcessGroup) -> Prepared:
         """The dispatcher's bucket plan for one step of this call, built once and cached with the source
         (the tensors of a step have the same specs every call: they come from the layout)."""
         key = ("bucket plan", self.name, self.call, self.policy, step)
         found = self.source.plans.get(key)
         if found is None:
             self.cached = False
-            group = _compat.default_group() if group is None else group
             found = self.source.plans[key] = self.dispatcher.prepare(
                 op, tensors, group, bucket_bytes=self.call.bucket_bytes, policy=self.policy
             )

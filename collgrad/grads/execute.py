@@ -108,10 +108,7 @@ class Executor:
     ) -> None:
         """One dispatcher call for step ``b``: its bucket plan is built once and reused across calls.
         Not atomic and not re-checked: these are collgrad's own buffers, and the ranks agreed already."""
-        c = self.call
-        pg = c.source.groups.get(group.index)
-        prepared = c.prepared_for((gplan.group, b), op, inputs, pg)
-        calls.append(c.dispatcher.run(prepared, inputs, outputs, pg, atomic=False))
+        calls.append(self.call.run((gplan.group, b), op, inputs, outputs, self.call.source.groups.get(group.index)))
 
     # -- executors ------------------------------------------------------------------------------------
     def _per_param(self, group: GradGroup, batch: tuple[int, ...]) -> Result:

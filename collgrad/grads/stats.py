@@ -171,15 +171,7 @@ def _views(call: OpenCall, group: GradGroup, buffer: Any) -> tuple[torch.Tensor,
         frags = owned_fragments(group, rank)
         found = call.source.plans[key] = (torch.tensor([f.param for f in frags], dtype=torch.int64), frags)
     index, frags = found
-    # DeepSpeed's ZeRO-1/2 list holds one tensor per owned fragment: take those as they are (a range
-    # lookup per fragment costs more than the reduction of a small one).
-    at = {start: j for j, start in enumerate(buffer.starts)}
-    views = []
-    for f in frags:
-        j = at.get(f.local_offset)
-        piece = buffer.pieces[j] if j is not None else None
-        views.append(piece if piece is not None and piece.numel() == f.numel else buffer.range(f.local_offset, f.numel))
-    return index, views
+    return index, [buffer.range(f.local_offset, f.numel) for f in frags]
 
 
 def _partials(call: OpenCall, group: GradGroup, buffer: Any) -> torch.Tensor:
@@ -216,8 +208,7 @@ def _gather(
     device = _compat.agreement_device(call.source.device.type)
     mine = partials.reshape(-1).to(device)
     gathered = torch.empty(group.world * mine.numel(), dtype=mine.dtype, device=device)
-    prepared = call.prepared_for(("stats", position), Op.ALL_GATHER, [mine], pg)
-    calls.append(call.dispatcher.run(prepared, [mine], [gathered], pg, atomic=False))
+    calls.append(call.run(("stats", position), Op.ALL_GATHER, [mine], [gathered], pg))
     rows = gathered.cpu().view(group.world, 3, len(group.params))
     sumsq = rows[0, 0].clone()
     for r in range(1, group.world):  # a fixed order: every rank adds the same numbers the same way
