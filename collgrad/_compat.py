@@ -32,6 +32,7 @@ __all__ = [
     "group_key",
     "xccl_available",
     "xpu_available",
+    "vector_norms",
 ]
 
 
@@ -178,3 +179,15 @@ def group_key(group: ProcessGroup) -> str:
     """A name for ``group`` that is the same on every rank (``group_name`` since 2.0)."""
     name = getattr(group, "group_name", None)
     return str(name) if name else "-".join(map(str, group_ranks(group)))
+
+
+def vector_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, accumulated in fp32 at least (as torch's norm of an fp32 gradient
+    is), in one call where the tensors share a dtype. ``torch._foreach_norm`` is private
+    (``clip_grad_norm_`` calls it); public torch has only the per-tensor ``vector_norm``, a dispatch
+    per tensor (about 2.5 us on CPU: 1 ms at 400 tensors). Its ``dtype`` argument came in 2.3."""
+    dtypes = {t.dtype for t in tensors}
+    foreach = getattr(torch, "_foreach_norm", None)
+    if len(dtypes) == 1 and foreach is not None and torch_version_at_least(2, 3):
+        return list(foreach(list(tensors), 2, dtype=torch.promote_types(dtypes.pop(), torch.float32)))
+    return [torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]

@@ -112,6 +112,10 @@ def _host_bytes_in_use() -> Callable[[], int]:
         return rss
 
 
+#: Calls measured for peak memory, after the timed ones.
+_MEMORY_REPS = 2
+
+
 class _PeakHost:
     """Peak host memory in use above the level at start, sampled every millisecond by a thread."""
 
@@ -163,30 +167,41 @@ def _device() -> torch.device:
 
 
 def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) -> dict[str, Any]:
+    """Median time of ``cfg.reps`` calls, then the peak memory of separate calls: the host sampler is a
+    thread that takes the GIL every millisecond, so it would slow the Python it measures."""
     device = _device()
     for _ in range(cfg.warmup):
         fn()
     times = []
-    peak_host = peak_dev = 0
     for rep in range(cfg.reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        result = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+        del result  # the output counts in the peak; free it before the next repetition
+        if progress:
+            print(f"[bench] {label}: {rep + 1}/{cfg.reps}", file=sys.stderr, flush=True)
+    peak_host = peak_dev = 0
+    for _ in range(_MEMORY_REPS):
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         dist.barrier()
         with _PeakHost() as rss:
-            start = time.perf_counter()
             result = fn()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dist.barrier()
-            times.append(time.perf_counter() - start)
-            del result  # the output counts in the peak; free it before the next repetition
+            del result
         peak_host = max(peak_host, rss.extra)
         if device.type == "cuda":
             peak_dev = max(peak_dev, torch.cuda.max_memory_allocated() - before)
-        if progress:
-            print(f"[bench] {label}: {rep + 1}/{cfg.reps}", file=sys.stderr, flush=True)
     ms = [t * 1e3 for t in times]
     return {
         "median_ms": statistics.median(ms),

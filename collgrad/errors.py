@@ -56,7 +56,12 @@ class PolicyError(InvalidArgumentError):
 
 class ArgumentMismatchError(CollgradError):
     """The ranks of a group passed different arguments to one collective call (or another rank passed
-    invalid ones): the message names the ranks and what differs."""
+    invalid ones): the message names the ranks and what differs; ``fields`` names what differs (empty
+    when another rank's arguments were invalid), the same on every rank."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields
 
 
 class NotReadyError(CollgradError):

@@ -86,12 +86,13 @@ def call_verdict(
         return ArgumentMismatchError(
             f"rank(s) {invalid} passed invalid arguments to {call} (their own errors say which) [seen by rank {rank}]"
         )
-    differences = []
+    differences, differing = [], []
     for k, field in enumerate(fields, start=1):
         by_value: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             by_value.setdefault(row[k], []).append(group_ranks[i])
         if len(by_value) > 1:
+            differing.append(field.name)
             if field.shown:
                 differences.append(
                     f"{field.name}: " + ", ".join(f"rank(s) {r} passed {v}" for v, r in by_value.items())
@@ -103,7 +104,8 @@ def call_verdict(
     if differences:
         return ArgumentMismatchError(
             f"ranks passed different arguments to {call} ({'; '.join(differences)}) [seen by rank {rank}]: pass the "
-            "same arguments on every rank of the group"
+            "same arguments on every rank of the group",
+            tuple(differing),
         )
     return None
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
@@ -35,10 +35,10 @@ from collgrad.grads.sources.layout import GradGroup, Kind, owned_fragments
 __all__ = ["GradStat", "GradStats", "model_grad_stats", "module_of"]
 
 
-@dataclass(frozen=True)
-class GradStat:
+class GradStat(NamedTuple):
     """Statistics of one gradient (or of a group of them): L2 norm, max |g|, count of non-finite
-    elements (NaN or +-Inf), element count. ``norm`` and ``max_abs`` are NaN if any element is NaN."""
+    elements (NaN or +-Inf), element count. ``norm`` and ``max_abs`` are NaN if any element is NaN.
+    (A named tuple: a call builds one per parameter, at a third of a frozen dataclass's cost.)"""
 
     norm: float
     max_abs: float
@@ -132,15 +132,19 @@ def model_grad_stats(
             records.append(
                 GroupRecord(group.index, group.kind, kind, group.group_ranks, len(group.params), tuple(calls))
             )
-            sumsq, max_abs, nonfinite = partials.tolist()
-            for k, slot in enumerate(group.params):
-                per_param[slot.name] = GradStat(
-                    math.sqrt(sumsq[k]) / scale, max_abs[k] / scale, int(nonfinite[k]), slot.numel
-                )
+            sumsq, max_abs, nonfinite = partials
+            norms = (sumsq.sqrt() / scale).tolist()
+            peaks = (max_abs / scale).tolist()
+            for slot, norm, peak, count in zip(group.params, norms, peaks, nonfinite.long().tolist()):
+                per_param[slot.name] = GradStat(norm, peak, count, slot.numel)
     ordered = {name: per_param[name] for name in layout.order if name in per_param}
-    grouped: dict[str, list[GradStat]] = {}
-    for name, stat in ordered.items():
-        grouped.setdefault(group_of(name), []).append(stat)
+    if by == "param":
+        groups: dict[str, GradStat] = dict(ordered)
+    else:
+        grouped: dict[str, list[GradStat]] = {}
+        for name, stat in ordered.items():
+            grouped.setdefault(group_of(name), []).append(stat)
+        groups = {g: s[0] if len(s) == 1 else GradStat.combine(s) for g, s in grouped.items()}
     record = FullGradRecord(
         layout.variant,
         tuple(records),
@@ -153,7 +157,7 @@ def model_grad_stats(
     return GradStats(
         global_norm=math.sqrt(math.fsum(s.norm * s.norm for s in ordered.values())),
         params=ordered,
-        groups={g: s[0] if len(s) == 1 else GradStat.combine(s) for g, s in grouped.items()},
+        groups=groups,
         model_parallel=call.source.model_parallel,
         record=record,
     )
@@ -182,8 +186,7 @@ def _partials(call: OpenCall, group: GradGroup, buffer: Any) -> torch.Tensor:
     if not views:
         return out
     with torch.no_grad():
-        # fp32 accumulation for bf16/fp16 buffers, as torch's own norm of an fp32 gradient does
-        norms = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) for v in views]).double().cpu()
+        norms = torch.stack(_compat.vector_norms(views)).double().cpu()
         lows, highs = zip(*(torch.aminmax(v) for v in views))  # one pass each: faster than abs().amax()
         peaks = torch.maximum(-torch.stack(lows), torch.stack(highs)).double().cpu()
         out[0].index_add_(0, index, norms.square())

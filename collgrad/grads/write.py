@@ -22,9 +22,9 @@ import torch
 
 from collgrad import _compat
 from collgrad.backends.policy import Policy
-from collgrad.core.agreement import Field, stable_hash
-from collgrad.core.dispatch import Dispatcher
-from collgrad.errors import InvalidArgumentError, UnknownParameterError
+from collgrad.core.agreement import Field, exchange, stable_hash
+from collgrad.core.dispatch import Dispatcher, default_dispatcher
+from collgrad.errors import ArgumentMismatchError, InvalidArgumentError, UnknownParameterError
 from collgrad.grads.call import OpenCall
 from collgrad.grads.execute import Executor
 from collgrad.grads.record import FullGradRecord
@@ -43,7 +43,7 @@ def checksum(t: torch.Tensor) -> int:
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     ints = flat.contiguous().view(bits)
     every, even = int(ints.sum(dtype=torch.int64)), int(ints[::2].sum(dtype=torch.int64))
-    return (every * 1_000_003 + even) & ((1 << 62) - 1)
+    return (every * 1_000_003 + even) & ((1 << 62) - 1)  # fits in the int64 the exchange carries
 
 
 def _checked(source: Source, grads: Any) -> dict[str, torch.Tensor]:
@@ -94,31 +94,60 @@ def safe_set_full_model_grads(
     training on a mix.
     """
     values: dict[str, torch.Tensor] = {}
+    sums: list[tuple[str, int]] = []
+    opened: list[Source] = []
 
     def extra(source: Source) -> list[Field]:
+        opened.append(source)
         values.update(_checked(source, grads))
         # Tensor/expert-parallel shards legitimately differ between the ranks of the data-parallel group
         # (each holds its own shard or experts): only the replicated parameters are compared.
-        shared = [(name, t) for name, t in values.items() if name not in source.model_parallel]
-        sums = [(name, checksum(t)) for name, t in shared] if check else [("unchecked", -1)]
+        if check:
+            sums.extend((name, checksum(t)) for name, t in values.items() if name not in source.model_parallel)
         return [
             Field("names in grads=", stable_hash(list(values)), shown=False),
-            Field("values in grads= (checksum)", stable_hash(sums), shown=False),
+            Field(_CHECKSUM, stable_hash(sums) if check else -1, shown=False),
         ]
 
-    call = OpenCall(
-        model,
-        params,
-        None,
-        "auto",
-        True,
-        policy,
-        dispatcher,
-        streaming=False,
-        name="safe_set_full_model_grads",
-        extra=extra,
-    )
+    dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
+    name = "safe_set_full_model_grads"
+    try:
+        call = OpenCall(model, params, None, "auto", True, policy, dispatcher, streaming=False, name=name, extra=extra)
+    except ArgumentMismatchError as error:
+        if error.fields != (_CHECKSUM,):
+            raise
+        # Only the values differ, so every rank holds the same names: one more small exchange (on this
+        # error path only) finds which tensors differ, so the error can name them.
+        raise _which_differ(opened[0], sums, dispatcher.timeout, error) from None
     return _store(call, values)
+
+
+_CHECKSUM = "values in grads= (checksum)"
+
+
+def _which_differ(
+    source: Source, sums: list[tuple[str, int]], timeout_s: float, error: ArgumentMismatchError
+) -> ArgumentMismatchError:
+    """The mismatch ``error`` with the names of the differing tensors, from every rank's per-tensor
+    checksums (one all-gather over the control group; every rank reaches the same message)."""
+    group = source.control_group
+    assert group is not None  # a mismatch was seen, so there is more than one rank
+    rows = exchange(group, [c for _, c in sums], timeout_s=timeout_s, what="the per-tensor checksum comparison")
+    ranks = _compat.group_ranks(group)
+    differ = []
+    for k, (name, _) in enumerate(sums):
+        by_value: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_value.setdefault(row[k], []).append(ranks[i])
+        if len(by_value) > 1:
+            differ.append(f"{name!r} (ranks grouped by value: {sorted(by_value.values())})")
+    shown = "; ".join(differ[:5]) + (f"; and {len(differ) - 5} more" if len(differ) > 5 else "")
+    return ArgumentMismatchError(
+        f"ranks passed different values to safe_set_full_model_grads for {len(differ)} tensor(s): {shown} "
+        f"[seen by rank {_compat.rank()}]: pass the same values on every rank (compute them from gradients "
+        "every rank holds, e.g. safe_get_full_model_grads, with the same operations)",
+        error.fields,
+    )
 
 
 def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> FullGradRecord:

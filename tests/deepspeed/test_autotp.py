@@ -1,5 +1,6 @@
 """AutoTP: tensor-parallel shards are reconstructed across the data-parallel group only, stay local
-across tensor-parallel ranks, and are reported as such. 4 ranks: tensor-parallel 2 x data-parallel 2."""
+across tensor-parallel ranks, and are reported as such; written back shard-shaped, and their
+statistics are of the shard. 4 ranks: tensor-parallel 2 x data-parallel 2."""
 
 from __future__ import annotations
 
@@ -33,11 +34,26 @@ def _worker(rank, world):
             "model_parallel": sorted(grads.model_parallel),
             "groups": [(g.plan, g.ranks) for g in grads.record.groups],
         }
+        stats = collgrad.model_grad_stats(eng)
+        out[stage]["stats"] = {
+            n: (
+                abs(s.norm - float(grads[n].double().norm())) <= 1e-5 * float(grads[n].double().norm()),
+                s.max_abs == float(grads[n].abs().max()),
+                s.numel == grads[n].numel(),
+            )
+            for n, s in stats.params.items()
+        }
+        out[stage]["stats_model_parallel"] = sorted(stats.model_parallel)
+        new = {n: g * 2 + 1 for n, g in grads.items()}
+        collgrad.safe_set_full_model_grads(eng, new)
+        back = collgrad.safe_get_full_model_grads(eng)
+        ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
+        out[stage]["written"] = all(torch.equal(back[n], new[n]) and torch.equal(ds[n], new[n]) for n in new)
         eng.step()
     return out
 
 
-def test_autotp_shards_stay_local_across_tensor_parallel_ranks():
+def test_autotp_shards_stay_local_read_written_and_counted_per_shard():
     results = run_ranks(_worker, 4, timeout=600)
     for rank, res in enumerate(results):
         for stage, entry in res.items():
@@ -47,3 +63,6 @@ def test_autotp_shards_stay_local_across_tensor_parallel_ranks():
             assert entry["shapes"]["head.weight"] == (5, 5)
             data_parallel = (rank % TP, rank % TP + TP)
             assert entry["groups"] == [("all_gather", data_parallel)]
+            assert all(all(ok) for ok in entry["stats"].values()), entry["stats"]
+            assert entry["stats_model_parallel"] == entry["model_parallel"]
+            assert entry["written"], (rank, stage)

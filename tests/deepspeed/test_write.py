@@ -181,7 +181,10 @@ def _worker(rank, world):
         "others_untouched": all(torch.equal(after[n], before[n]) for n in before if n != "mid.weight"),
     }
     value = torch.full((9, 9), 2.0 if rank == world - 1 else 1.0)
-    out["different_values"] = attempt(lambda: collgrad.safe_set_full_model_grads(eng, {"mid.weight": value}))
+    same = {"mid.bias": torch.ones(9), "scale": torch.ones(1)}
+    out["different_values"] = attempt(
+        lambda: collgrad.safe_set_full_model_grads(eng, {**same, "mid.weight": value}, check=True)
+    )
     out["unknown_name"] = attempt(
         lambda: collgrad.safe_set_full_model_grads(eng, {"nope" if rank == 0 else "mid.weight": torch.ones(9, 9)})
     )
@@ -241,7 +244,10 @@ def test_different_values_or_names_on_one_rank_make_every_rank_raise(results):
     world, per_rank = results
     for rank, res in enumerate(per_rank):
         assert res["different_values"]["error"] == "ArgumentMismatchError", res["different_values"]
-        assert "values in grads= (checksum) differ" in res["different_values"]["message"]
+        message = res["different_values"]["message"]
+        assert "different values to safe_set_full_model_grads for 1 tensor(s): 'mid.weight'" in message
+        assert f"{[list(range(world - 1)), [world - 1]]}" in message  # the ranks, grouped by what they passed
+        assert "mid.bias" not in message and "scale" not in message
         assert res["different_values"]["seconds"] < 5
         expected = "UnknownParameterError" if rank == 0 else "ArgumentMismatchError"
         assert res["unknown_name"]["error"] == expected, res["unknown_name"]
