@@ -76,6 +76,23 @@ class Pieces:
         for part, at in self._spans(offset, values.numel()):
             part.copy_(values[at : at + part.numel()])
 
+    def placement(self) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """Where the pieces lie when they share one storage (in any order, gaps allowed; DeepSpeed's
+        ZeRO-1/2 fragments lie in reverse order, as backward fills its buffer): a 1-D view of the span
+        of that storage they cover, and each piece's offset in it. None if they are not all contiguous
+        views of one storage of one dtype."""
+        first = self.pieces[0]
+        storage = first.untyped_storage().data_ptr()
+        offsets = []
+        for p in self.pieces:
+            if not p.is_contiguous() or p.dtype != first.dtype or p.untyped_storage().data_ptr() != storage:
+                return None
+            offsets.append(p.storage_offset())
+        lo = min(offsets)
+        hi = max(o + p.numel() for o, p in zip(offsets, self.pieces))
+        span = first.new_empty(0).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
+        return span, tuple(o - lo for o in offsets)
+
     def whole(self) -> torch.Tensor:
         """Everything as one contiguous tensor: a view when the pieces already are back to back."""
         return self.range(0, self._numel)

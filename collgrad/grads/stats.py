@@ -15,6 +15,7 @@ nothing. fp16 statistics are of the unscaled gradient.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
@@ -23,6 +24,7 @@ import torch
 
 from collgrad import _compat
 from collgrad.backends.policy import Policy
+from collgrad.core.buffers import Pieces
 from collgrad.core.dispatch import Dispatcher
 from collgrad.core.ops import Op
 from collgrad.core.record import CallRecord
@@ -30,7 +32,7 @@ from collgrad.errors import InvalidArgumentError
 from collgrad.grads.call import OpenCall
 from collgrad.grads.plan import PlanKind
 from collgrad.grads.record import FullGradRecord, GroupRecord
-from collgrad.grads.sources.layout import GradGroup, Kind, owned_fragments
+from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, Run, owned_fragments, strided_runs
 
 __all__ = ["GradStat", "GradStats", "model_grad_stats", "module_of"]
 
@@ -163,39 +165,114 @@ def model_grad_stats(
     )
 
 
-def _views(call: OpenCall, group: GradGroup, buffer: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """This rank's owned pieces of each parameter of ``group``, as views where they lie, and the index
-    of the parameter of each (the fragments are pure layout: cached with the source)."""
-    if group.kind is Kind.REPLICATED:
-        return torch.arange(len(group.params)), [buffer[k].reshape(-1) for k in range(len(group.params))]
+@dataclass(frozen=True)
+class _Arranged:
+    """This rank's fragments of a group arranged for reduction, for one placement of its pieces:
+    ``runs`` (over offsets in the pieces' storage span) reduce as strided 2-D views, ``singles`` (by
+    offset in the buffer) one by one; ``index``: the parameter of each result, in reduction order."""
+
+    placement: tuple[int, ...]
+    runs: tuple[Run, ...]
+    singles: tuple[Fragment, ...]
+    #: fragments that straddle two pieces (by offset in the buffer): read by range, one by one
+    loose: tuple[Fragment, ...]
+    index: torch.Tensor
+
+
+def _arranged(call: OpenCall, group: GradGroup, buffer: Pieces, placement: tuple[int, ...]) -> _Arranged:
+    """The arrangement for ``placement`` (the offset of each piece in its storage span), from the cache
+    while the pieces stay where they are (DeepSpeed keeps its buffers: the usual case)."""
     rank = group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
-    key = ("owned fragments", group.index, rank)
+    key = ("stats arrangement", group.index, rank)
     found = call.source.plans.get(key)
-    if found is None:
+    if found is not None and found.placement == placement:
+        return found
+    frags = owned_fragments(group, rank)
+    placed, loose = [], []  # fragments within one piece, at their offset in the span; the others
+    for f in frags:
+        j = bisect.bisect_right(buffer.starts, f.local_offset) - 1
+        if f.local_offset + f.numel <= buffer.starts[j] + buffer.pieces[j].numel():
+            placed.append(Fragment(f.param, f.param_offset, placement[j] + f.local_offset - buffer.starts[j], f.numel))
+        else:
+            loose.append(f)
+    runs = strided_runs(tuple(placed))
+    singles = [placed[r.frags[0]] for r in runs if r.count == 1]
+    ordered = [placed[i] for r in runs if r.count > 1 for i in r.frags] + singles + loose
+    found = call.source.plans[key] = _Arranged(
+        placement,
+        tuple(r for r in runs if r.count > 1),
+        tuple(singles),
+        tuple(loose),
+        torch.tensor([f.param for f in ordered], dtype=torch.int64),
+    )
+    return found
+
+
+_Reduced = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[int], torch.Tensor]]
+
+
+def _reduce(call: OpenCall, group: GradGroup, buffer: Any) -> _Reduced:
+    """Per owned fragment: the parameter it belongs to, its L2 norm (accumulated in fp32 at least), its
+    min and its max; and the i-th fragment's view (for the rare count of non-finite elements)."""
+    if group.kind is Kind.REPLICATED:
+        views = [buffer[k].reshape(-1) for k in range(len(group.params))]
+        return (torch.arange(len(views)), *_one_by_one(views), views.__getitem__)
+    placed = buffer.placement()
+    if placed is None:  # pieces in different storages: one view per fragment, where it lies
+        rank = group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
         frags = owned_fragments(group, rank)
-        found = call.source.plans[key] = (torch.tensor([f.param for f in frags], dtype=torch.int64), frags)
-    index, frags = found
-    return index, [buffer.range(f.local_offset, f.numel) for f in frags]
+        views = [buffer.range(f.local_offset, f.numel) for f in frags]
+        index = torch.tensor([f.param for f in frags], dtype=torch.int64)
+        return (index, *_one_by_one(views), views.__getitem__)
+    span, placement = placed
+    arranged = _arranged(call, group, buffer, placement)
+    norms, lows, highs = [], [], []
+    for run in arranged.runs:  # a model's repeated blocks: one call per run of fragments, not per fragment
+        rows = span.as_strided((run.count, run.numel), (run.stride, 1), span.storage_offset() + run.local_offset)
+        norms.append(torch.linalg.vector_norm(rows, dim=1, dtype=torch.promote_types(rows.dtype, torch.float32)))
+        lows.append(rows.amin(1))  # amin and amax along rows beat aminmax(dim=1) on CPU by 5x (torch 2.13)
+        highs.append(rows.amax(1))
+    rest = [span[f.local_offset : f.local_offset + f.numel] for f in arranged.singles]
+    rest += [buffer.range(f.local_offset, f.numel) for f in arranged.loose]
+    for part, values in zip((norms, lows, highs), _one_by_one(rest)):
+        part.append(values)
+
+    def view_at(i: int) -> torch.Tensor:
+        for run in arranged.runs:
+            if i < run.count:
+                return span[run.local_offset + i * run.stride :][: run.numel]
+            i -= run.count
+        return rest[i]
+
+    return arranged.index, torch.cat(norms), torch.cat(lows), torch.cat(highs), view_at
+
+
+def _one_by_one(views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norms (one foreach call), mins and maxes (aminmax: one pass each) of ``views``."""
+    if not views:
+        empty = torch.empty(0)
+        return empty, empty, empty
+    lows, highs = zip(*(torch.aminmax(v) for v in views))
+    return torch.stack(_compat.vector_norms(views)), torch.stack(lows), torch.stack(highs)
 
 
 def _partials(call: OpenCall, group: GradGroup, buffer: Any) -> torch.Tensor:
     """[3, P] float64 on the CPU: sum of squares, max |g| and non-finite count over this rank's
     elements of each parameter."""
     out = torch.zeros(3, len(group.params), dtype=torch.float64)
-    index, views = _views(call, group, buffer)
-    if not views:
-        return out
     with torch.no_grad():
-        norms = torch.stack(_compat.vector_norms(views)).double().cpu()
-        lows, highs = zip(*(torch.aminmax(v) for v in views))  # one pass each: faster than abs().amax()
-        peaks = torch.maximum(-torch.stack(lows), torch.stack(highs)).double().cpu()
+        index, norms, lows, highs, view_at = _reduce(call, group, buffer)
+        if len(index) == 0:
+            return out
+        norms = norms.double().cpu()
+        peaks = torch.maximum(-lows, highs).double().cpu()
         out[0].index_add_(0, index, norms.square())
         out[1].scatter_reduce_(0, index, peaks, reduce="amax")
         finite = torch.isfinite(norms) & torch.isfinite(peaks)
         if not bool(finite.all()):  # count only where something is not finite (an overflowing norm too)
-            counts = torch.zeros(len(views), dtype=torch.float64)
+            counts = torch.zeros(len(index), dtype=torch.float64)
             for i in (~finite).nonzero().flatten().tolist():
-                counts[i] = float((~torch.isfinite(views[i])).sum())
+                counts[i] = float((~torch.isfinite(view_at(i))).sum())
             out[2].index_add_(0, index, counts)
             nan = torch.isnan(peaks)  # scatter_reduce's amax skips NaN; torch.max gives NaN, so do we
             if bool(nan.any()):

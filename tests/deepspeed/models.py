@@ -108,6 +108,24 @@ def run_backward(eng, rank: int, gas: int = 1, micro_steps: int | None = None) -
             eng.step()
 
 
+class Blocks(nn.Module):
+    """Identical blocks, as in a transformer: each layer's fragments repeat at a constant distance in
+    a rank's partition (what collgrad's statistics reduce as strided runs)."""
+
+    def __init__(self, blocks: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.inp = nn.Linear(IN, HID)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(HID, HID), nn.LayerNorm(HID)) for _ in range(blocks))
+        self.out = nn.Linear(HID, OUT)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
 def clone_model() -> nn.Module:
     return copy.deepcopy(Net())
 

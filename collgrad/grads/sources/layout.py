@@ -30,7 +30,7 @@ import torch
 
 from collgrad.core.ops import ValueEnum
 
-__all__ = ["Kind", "ParamSlot", "GradGroup", "GradLayout", "Fragment", "owned_fragments"]
+__all__ = ["Kind", "ParamSlot", "GradGroup", "GradLayout", "Fragment", "owned_fragments", "Run", "strided_runs"]
 
 
 class Kind(ValueEnum):
@@ -122,3 +122,53 @@ def owned_fragments(group: GradGroup, rank_in_group: int) -> tuple[Fragment, ...
     else:
         out = [Fragment(k, 0, 0, p.numel) for k, p in enumerate(group.params)]
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class Run:
+    """``count`` fragments of ``numel`` elements each, the i-th at ``local_offset + i * stride`` in the
+    local buffer (``stride >= numel``): one strided 2-D view, reduced row by row in one call. ``frags``:
+    their positions in the fragment tuple they came from."""
+
+    frags: tuple[int, ...]
+    local_offset: int
+    stride: int
+    numel: int
+
+    @property
+    def count(self) -> int:
+        return len(self.frags)
+
+
+def strided_runs(frags: tuple[Fragment, ...], candidates: int = 8) -> tuple[Run, ...]:
+    """``frags`` as runs of equally sized fragments at a constant distance, so that per-fragment
+    reductions cost a call per run rather than per fragment. A model's blocks repeat: the same layer of
+    every block lies one block apart, so a few runs cover them all. Every fragment is in exactly one run
+    (a run of one where nothing fits). Greedy, at plan time: from the lowest free fragment of a size,
+    the longest progression over the distances to the next ``candidates`` free ones."""
+    by_size: dict[int, dict[int, int]] = {}
+    for i, f in enumerate(frags):
+        by_size.setdefault(f.numel, {})[f.local_offset] = i
+    runs = []
+    for numel, at in by_size.items():
+        offsets = sorted(at)
+        free = set(offsets)
+        for k, start in enumerate(offsets):
+            if start not in free:
+                continue
+            best = [start]
+            later = (o for o in offsets[k + 1 :] if o in free)
+            for _, nxt in zip(range(candidates), later):
+                step = nxt - start
+                if step < numel:  # rows of a 2-D view must not overlap
+                    continue
+                seq, o = [start], start + step
+                while o in free:
+                    seq.append(o)
+                    o += step
+                if len(seq) > len(best):
+                    best = seq
+            free.difference_update(best)
+            stride = best[1] - best[0] if len(best) > 1 else numel
+            runs.append(Run(tuple(at[o] for o in best), start, stride, numel))
+    return tuple(sorted(runs, key=lambda r: r.local_offset))
