@@ -28,6 +28,7 @@ from collgrad.errors import (
     NoPrimitiveError,
     NotReadyError,
     PolicyError,
+    PreStepHookError,
     UnknownParameterError,
 )
 from collgrad.grads import (
@@ -37,8 +38,10 @@ from collgrad.grads import (
     GradStat,
     GradStats,
     GroupRecord,
+    PreStepHook,
     iter_full_model_grads,
     model_grad_stats,
+    register_pre_step_hook,
     safe_get_full_model_grads,
     safe_set_full_model_grads,
     update_full_model_grads,
@@ -47,6 +50,9 @@ from collgrad.grads import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "register_pre_step_hook",
+    "PreStepHook",
+    "PreStepHookError",
     "safe_get_full_model_grads",
     "iter_full_model_grads",
     "model_grad_stats",

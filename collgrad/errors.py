@@ -15,6 +15,7 @@ ranks waiting in a collective while others have already failed::
       AgreementError            the ranks disagree on something they must share (backend, device)
       NoPrimitiveError          no primitive can carry a bucket on every rank
       CollgradTimeout (also TimeoutError)   a bounded wait ran out (see collgrad/core/waits.py)
+      PreStepHookError          a pre-step hook raised on another rank: the step was not taken
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "AgreementError",
     "NoPrimitiveError",
     "CollgradTimeout",
+    "PreStepHookError",
 ]
 
 
@@ -87,3 +89,9 @@ class NoPrimitiveError(CollgradError):
 
 class CollgradTimeout(CollgradError, TimeoutError):
     """A collective did not complete within collgrad's bounded wait (see collgrad/core/waits.py)."""
+
+
+class PreStepHookError(CollgradError):
+    """A pre-step hook (``register_pre_step_hook``) raised on another rank of the group; this rank
+    raises this instead of going on alone, and the optimizer step is not taken (the rank whose hook
+    failed raises its own exception)."""

@@ -21,13 +21,14 @@ from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.core.waits import wait_work
-from collgrad.errors import ArgumentMismatchError, CollgradError, NoBackendError
+from collgrad.errors import ArgumentMismatchError, CollgradError, NoBackendError, PreStepHookError
 
 __all__ = [
     "exchange",
     "control_device_type",
     "Field",
     "INVALID",
+    "HOOK_FAILED",
     "agree_on_call",
     "call_verdict",
     "stable_hash",
@@ -36,6 +37,11 @@ __all__ = [
 
 #: The status of a rank whose own arguments were invalid: it joins the check only to tell the others.
 INVALID = -1
+#: The status of a rank whose pre-step hook raised (collgrad/grads/hook.py): it joins whatever check the
+#: others are in (their next collgrad call inside the hook, or the hook's own check) to tell them.
+HOOK_FAILED = -2
+#: How many times this process saw another rank's HOOK_FAILED (the hook then knows those ranks are done).
+hook_failures_seen = 0
 
 
 def control_device_type(group: ProcessGroup, preferred: str = "cpu") -> str:
@@ -78,9 +84,15 @@ def stable_hash(value: object) -> int:
 
 def call_verdict(
     rows: Sequence[Sequence[int]], fields: Sequence[Field], group_ranks: Sequence[int], *, call: str, rank: int
-) -> ArgumentMismatchError | None:
+) -> ArgumentMismatchError | PreStepHookError | None:
     """Pure: the error every rank raises for these rows, or None when all ranks passed valid, equal
     arguments. ``rows`` are every rank's ``[status, *values]`` in group-rank order."""
+    failed = [group_ranks[i] for i, row in enumerate(rows) if row[0] == HOOK_FAILED]
+    if failed:
+        return PreStepHookError(
+            f"the pre-step hook raised on rank(s) {failed} (their own errors say why); {call} and the optimizer "
+            f"step are not run [seen by rank {rank}]"
+        )
     invalid = [group_ranks[i] for i, row in enumerate(rows) if row[0] == INVALID]
     if invalid:
         return ArgumentMismatchError(
@@ -132,6 +144,9 @@ def agree_on_call(
     )
     error = call_verdict(rows, fields, _compat.group_ranks(group), call=call, rank=_compat.rank())
     if error is not None:
+        if isinstance(error, PreStepHookError):
+            global hook_failures_seen
+            hook_failures_seen += 1
         raise error
     return rows
 

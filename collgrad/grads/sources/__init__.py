@@ -198,6 +198,23 @@ def control_group_of(model: Any) -> ProcessGroup | None:
     return _compat.default_group()
 
 
+def hook_model_step(model: Any, run: Callable[[], None]) -> tuple[Callable[[], None], ProcessGroup | None]:
+    """Have ``run()`` called inside ``model``'s fused step (a DeepSpeed engine's ``step()``, at each
+    accumulation boundary, before clipping and the update); returns the function that undoes it and
+    the group whose ranks all step together. Raises InvalidArgumentError where there is no such step."""
+    if "deepspeed" in sys.modules or _looks_like_engine(model):
+        from collgrad.grads.sources import deepspeed as ds_source
+
+        engine = ds_source.find_engine(model)
+        if engine is not None:
+            return ds_source.hook_model_step(engine, run), control_group_of(engine)
+    raise InvalidArgumentError(
+        f"rank {_compat.rank()}: {type(model).__name__} is not a DeepSpeed engine (or a module one wraps): there is "
+        "no fused step to hook. With a torch optimizer, call your function between backward() and "
+        "optimizer.step() (or register it with optimizer.register_step_pre_hook)"
+    )
+
+
 def _looks_like_engine(model: Any) -> bool:
     return type(model).__name__.endswith("Engine") and hasattr(model, "optimizer")
 

@@ -1,0 +1,98 @@
+"""Hugging Face Trainer: per-layer gradient norms in the Trainer's logs (so they reach every reporter
+configured with ``report_to``)::
+
+    trainer = Trainer(model, args, ..., callbacks=[GradStatsCallback()])
+
+Logged every ``logging_steps`` (with the Trainer's ``loss``): ``grad_norm/<module path>`` per module,
+``grad_norm/global`` and ``grad_nonfinite``. Under DeepSpeed they are computed in a pre-step hook
+(Trainer's step runs inside ``accelerator.backward``): before DeepSpeed's clipping, as it clips them.
+Without DeepSpeed (one process, DDP) they are read from ``.grad`` in ``on_pre_optimizer_step``: after
+the Trainer's own clipping (``max_grad_norm``), as the optimizer sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from transformers import TrainerCallback
+
+from collgrad.errors import InvalidArgumentError
+from collgrad.grads.hook import PreStepHook, register_pre_step_hook
+from collgrad.grads.stats import GradStats, model_grad_stats
+
+__all__ = ["GradStatsCallback", "grad_stats_logs"]
+
+#: The key of the root module's own parameters (its module path is the empty string).
+ROOT = "(root)"
+
+
+def grad_stats_logs(stats: GradStats) -> dict[str, float]:
+    """``stats`` (grouped by module) as the Trainer's log entries."""
+    logs = {f"grad_norm/{group or ROOT}": s.norm for group, s in stats.groups.items()}
+    logs["grad_norm/global"] = stats.global_norm
+    logs["grad_nonfinite"] = float(sum(s.nonfinite for s in stats.params.values()))
+    return logs
+
+
+class GradStatsCallback(TrainerCallback):
+    """Logs per-module gradient norms, the global norm and the count of non-finite gradient elements
+    at every logging step. ``by``: ``"module"`` (default), ``"param"`` or a function name -> group.
+
+    Put it before the reporters: ``Trainer(callbacks=[...])`` places it after those of ``report_to``,
+    which then log before it adds its entries; ``GradStatsCallback.attach(trainer)`` puts it first.
+    Entries always reach ``trainer.state.log_history``.
+    """
+
+    def __init__(self, by: str | Callable[[str], str] = "module") -> None:
+        if not (by in ("module", "param") or callable(by)):
+            raise InvalidArgumentError(f"by must be 'module', 'param' or a function name -> group, got {by!r}")
+        self.by = by
+        self.pending: dict[str, float] | None = None
+        self.hook: PreStepHook | None = None
+        self._state: Any = None
+
+    @classmethod
+    def attach(cls, trainer: Any, **kwargs: Any) -> GradStatsCallback:
+        """A new callback, first in ``trainer``'s list (before the reporters)."""
+        callback = cls(**kwargs)
+        trainer.callback_handler.callbacks.insert(0, callback)
+        return callback
+
+    def _logs_next_step(self) -> bool:
+        """The step about to be taken will be logged (DefaultFlowCallback's rule, one step ahead)."""
+        state = self._state
+        step = state.global_step + 1
+        if self._args.logging_first_step and step == 1:
+            return True
+        return self._args.logging_strategy == "steps" and state.logging_steps > 0 and step % state.logging_steps == 0
+
+    def _collect(self, model: Any) -> None:
+        if self._logs_next_step():
+            self.pending = grad_stats_logs(model_grad_stats(model, by=self.by))
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._args, self._state = args, state
+        if self.hook is None and model is not None:
+            try:
+                self.hook = register_pre_step_hook(model, self._collect)
+            except InvalidArgumentError:
+                self.hook = None  # no DeepSpeed engine: on_pre_optimizer_step reads .grad instead
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.hook is None and model is not None:
+            self._collect(model)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if self.pending is None or logs is None or "loss" not in logs:
+            return
+        logs.update(self.pending)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(self.pending)
+        self.pending = None
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+
+
