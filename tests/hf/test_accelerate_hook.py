@@ -33,7 +33,7 @@ def _plain(world: int, edited: bool) -> tuple[list[dict[str, torch.Tensor]], dic
     from tests.deepspeed import models
 
     model = models.Net()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    opt = _optimizer(model)
     seen = []
     for step in range(STEPS):
         model.zero_grad()
@@ -46,6 +46,11 @@ def _plain(world: int, edited: bool) -> tuple[list[dict[str, torch.Tensor]], dic
             model.get_parameter(SCALED).grad.mul_(0.5)
         opt.step()
     return seen, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    # SGD, not Adam: Adam's update is invariant to scaling a parameter's gradient, which would hide the edit
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -63,14 +68,14 @@ def _worker(rank, world):
     from tests.deepspeed.test_write import _params
 
     plain = {edited: _plain(world, edited) for edited in (False, True)}
-    out = {}
+    out = {"edit_matters": max(_rel(plain[True][1][n], plain[False][1][n]) for n in plain[True][1])}
     for name, (stage, dtype) in CONFIGS.items():
         for edited in (False, True):
             AcceleratorState._reset_state(True)
             cfg = models.config(stage, dtype="bf16_acc32" if dtype != "fp32" else "fp32", gas=GAS)
             accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=GAS)
             model = models.Net()
-            opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+            opt = _optimizer(model)
             model, opt = accelerator.prepare(model, opt)
             errors, fired = [], []
 
@@ -125,5 +130,6 @@ def test_the_hook_sees_plain_pytorch_gradients_at_each_boundary_and_only_there(r
 def test_an_edit_in_the_hook_trains_as_the_same_edit_in_plain_pytorch(results, config):
     tol = 1e-5 if CONFIGS[config][1] == "fp32" else 2e-2
     for res in results:
+        assert res["edit_matters"] > 1e-2  # plain PyTorch with and without the edit differ
         assert res[(config, True)]["param_error"] < tol, res[(config, True)]
         assert res[(config, False)]["param_error"] < tol, res[(config, False)]
