@@ -107,7 +107,9 @@ def _run_checked(fn: Callable[[Any], Any], engine: Any, group: Any) -> None:
     if agreement.hook_failures_seen != seen:
         # fn went on after a collgrad call inside it raised because another rank's hook had failed:
         # those ranks are done, so there is no check to join; stop here too.
-        raise PreStepHookError(f"rank {_compat.rank()}: the pre-step hook raised on another rank; the step is not taken")
+        raise PreStepHookError(
+            f"rank {_compat.rank()}: the pre-step hook raised on another rank; the step is not taken"
+        )
     if group is not None:
         _tell(group, 0)
 

@@ -94,5 +94,3 @@ class GradStatsCallback(TrainerCallback):
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
-
-

@@ -43,6 +43,7 @@ def _worker(rank, world):
     # An exception on the last rank only: after a collgrad call (the others wait in the hook's check),
     # and before one (the others are inside a collgrad call when they learn of it).
     for where in ("after", "before"):
+
         def failing(e, where=where):
             if where == "after":
                 collgrad.model_grad_stats(e)

@@ -73,13 +73,15 @@ def _worker(rank, world):
         for edited in (False, True):
             AcceleratorState._reset_state(True)
             cfg = models.config(stage, dtype="bf16_acc32" if dtype != "fp32" else "fp32", gas=GAS)
-            accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=GAS)
+            accelerator = Accelerator(
+                deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=GAS
+            )
             model = models.Net()
             opt = _optimizer(model)
             model, opt = accelerator.prepare(model, opt)
             errors, fired = [], []
 
-            def hook(engine, edited=edited):
+            def hook(engine, edited=edited, errors=errors, fired=fired):
                 grads = collgrad.safe_get_full_model_grads(engine)
                 expected = plain[edited][0][len(fired)]
                 errors.append(max(_rel(grads[n], expected[n]) for n in expected))

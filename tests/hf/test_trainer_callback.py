@@ -1,0 +1,118 @@
+"""GradStatsCallback in a Transformers Trainer with DeepSpeed ZeRO-2 on 2 CPU ranks (a tiny GPT-2 built
+from a config): per-module gradient norms, the global norm and the non-finite count reach the logs at
+every logging step, equal to the norms of the full gradients at that step and to the norm DeepSpeed
+clips with; the run's parameters are bitwise those of the same run without the callback."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'collgrad[hf]')")
+
+import torch
+
+from tests.harness import run_ranks
+
+STEPS = 3
+
+
+def _train(rank: int, with_callback: bool) -> tuple[list[dict], list[dict], dict[str, torch.Tensor]]:
+    import os
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")  # unused: the process group already exists
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    import collgrad
+    from collgrad.integrations.transformers import GradStatsCallback
+    from tests.deepspeed import models
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16))
+    gen = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(16):
+        ids = torch.randint(0, 64, (8,), generator=gen)
+        data.append({"input_ids": ids, "labels": ids})
+    cfg = models.config(2)
+    cfg.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto", gradient_clipping="auto")
+    args = TrainingArguments(
+        output_dir=f"/tmp/collgrad-trainer-{rank}",
+        per_device_train_batch_size=2,
+        max_steps=STEPS,
+        logging_steps=1,
+        deepspeed=cfg,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        learning_rate=1e-3,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    full_norms: list[dict] = []
+    if with_callback:
+        GradStatsCallback.attach(trainer)
+
+        def read(engine):  # the full gradients themselves, at the same moment
+            grads = collgrad.safe_get_full_model_grads(engine)
+            per_module: dict[str, float] = {}
+            for n, g in grads.items():
+                m = n.rpartition(".")[0]
+                per_module[m] = per_module.get(m, 0.0) + float(g.double().square().sum())
+            full_norms.append({m: math.sqrt(v) for m, v in per_module.items()})
+
+        trainer.add_callback(_ReadAtStart(read))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    params = {n: p.detach().clone() for n, p in trainer.model_wrapped.module.named_parameters()}
+    return logs, full_norms, params
+
+
+class _ReadAtStart:
+    """Registers ``fn`` as a pre-step hook once training has built the engine."""
+
+    def __new__(cls, fn):
+        from transformers import TrainerCallback
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                import collgrad
+
+                collgrad.register_pre_step_hook(model, fn)
+
+        return Callback()
+
+
+def _worker(rank, world):
+    logs, full_norms, params = _train(rank, True)
+    _, _, plain_params = _train(rank, False)
+    return {
+        "logs": logs,
+        "full_norms": full_norms,
+        "bitwise": all(torch.equal(params[n], plain_params[n]) for n in params),
+    }
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_worker, 2, timeout=600)
+
+
+def test_per_module_norms_reach_the_logs_at_every_logging_step(results):
+    for res in results:
+        assert len(res["logs"]) == STEPS == len(res["full_norms"])
+        for log, full in zip(res["logs"], res["full_norms"]):
+            for module, norm in full.items():
+                assert abs(log[f"grad_norm/{module}"] - norm) <= 1e-5 * max(norm, 1e-12), module
+            assert log["grad_nonfinite"] == 0
+            # the global norm is the one DeepSpeed clips with (the Trainer logs it as grad_norm)
+            assert abs(log["grad_norm/global"] - log["grad_norm"]) <= 1e-5 * log["grad_norm"]
+    assert results[0]["logs"] == results[1]["logs"]  # the same numbers on every rank
+
+
+def test_the_callback_changes_nothing_in_training(results):
+    for res in results:
+        assert res["bitwise"]
