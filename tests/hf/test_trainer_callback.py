@@ -1,7 +1,8 @@
-"""GradStatsCallback in a Transformers Trainer with DeepSpeed ZeRO-2 on 2 CPU ranks (a tiny GPT-2 built
-from a config): per-module gradient norms, the global norm and the non-finite count reach the logs at
-every logging step, equal to the norms of the full gradients at that step and to the norm DeepSpeed
-clips with; the run's parameters are bitwise those of the same run without the callback."""
+"""GradStatsCallback in a Transformers Trainer on 2 CPU ranks (a tiny GPT-2 built from a config), with
+DeepSpeed ZeRO-2 and without it (DDP over Gloo): per-module gradient norms, the global norm and the
+non-finite count reach the logs at every logging step, equal to the norms of the full gradients at
+that step (and under DeepSpeed to the norm it clips with); the run's parameters are bitwise those of
+the same run without the callback."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.harness import run_ranks
 STEPS = 3
 
 
-def _train(rank: int, with_callback: bool) -> tuple[list[dict], list[dict], dict[str, torch.Tensor]]:
+def _train(rank: int, with_callback: bool, deepspeed: bool = True) -> tuple[list[dict], list[dict], dict]:
     import os
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -44,7 +45,7 @@ def _train(rank: int, with_callback: bool) -> tuple[list[dict], list[dict], dict
         per_device_train_batch_size=2,
         max_steps=STEPS,
         logging_steps=1,
-        deepspeed=cfg,
+        deepspeed=cfg if deepspeed else None,
         report_to=[],
         save_strategy="no",
         use_cpu=True,
@@ -57,17 +58,20 @@ def _train(rank: int, with_callback: bool) -> tuple[list[dict], list[dict], dict
         GradStatsCallback.attach(trainer)
 
         def read(engine):  # the full gradients themselves, at the same moment
-            grads = collgrad.safe_get_full_model_grads(engine)
+            if deepspeed:
+                grads = collgrad.safe_get_full_model_grads(engine)
+            else:  # DDP: .grad holds the reduced gradients; read them as they are
+                grads = {n: p.grad for n, p in engine.named_parameters() if p.grad is not None}
             per_module: dict[str, float] = {}
             for n, g in grads.items():
                 m = n.rpartition(".")[0]
                 per_module[m] = per_module.get(m, 0.0) + float(g.double().square().sum())
             full_norms.append({m: math.sqrt(v) for m, v in per_module.items()})
 
-        trainer.add_callback(_ReadAtStart(read))
+        trainer.add_callback(_ReadAtStart(read) if deepspeed else _ReadBeforeStep(read))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    params = {n: p.detach().clone() for n, p in trainer.model_wrapped.module.named_parameters()}
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return logs, full_norms, params
 
 
@@ -86,9 +90,19 @@ class _ReadAtStart:
         return Callback()
 
 
-def _worker(rank, world):
-    logs, full_norms, params = _train(rank, True)
-    _, _, plain_params = _train(rank, False)
+def _ReadBeforeStep(fn):  # noqa: N802 - a class, made where transformers is imported
+    from transformers import TrainerCallback
+
+    class Callback(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            fn(model)
+
+    return Callback()
+
+
+def _worker(rank, world, deepspeed):
+    logs, full_norms, params = _train(rank, True, deepspeed)
+    _, _, plain_params = _train(rank, False, deepspeed)
     return {
         "logs": logs,
         "full_norms": full_norms,
@@ -96,23 +110,27 @@ def _worker(rank, world):
     }
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks(_worker, 2, timeout=600)
+@pytest.fixture(scope="module", params=["deepspeed", "ddp"])
+def results(request):
+    return request.param, run_ranks(_worker, 2, request.param == "deepspeed", timeout=600)
 
 
 def test_per_module_norms_reach_the_logs_at_every_logging_step(results):
+    how, results = results
     for res in results:
         assert len(res["logs"]) == STEPS == len(res["full_norms"])
         for log, full in zip(res["logs"], res["full_norms"]):
             for module, norm in full.items():
                 assert abs(log[f"grad_norm/{module}"] - norm) <= 1e-5 * max(norm, 1e-12), module
             assert log["grad_nonfinite"] == 0
-            # the global norm is the one DeepSpeed clips with (the Trainer logs it as grad_norm)
-            assert abs(log["grad_norm/global"] - log["grad_norm"]) <= 1e-5 * log["grad_norm"]
+            total = math.sqrt(sum(n * n for n in full.values()))
+            assert abs(log["grad_norm/global"] - total) <= 1e-5 * total
+            if how == "deepspeed":  # the global norm is the one DeepSpeed clips with (logged as grad_norm)
+                assert abs(log["grad_norm/global"] - log["grad_norm"]) <= 1e-5 * log["grad_norm"]
     assert results[0]["logs"] == results[1]["logs"]  # the same numbers on every rank
 
 
 def test_the_callback_changes_nothing_in_training(results):
+    _, results = results
     for res in results:
         assert res["bitwise"]
