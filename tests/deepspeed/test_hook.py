@@ -15,6 +15,13 @@ import torch
 from tests.harness import attempt, run_ranks
 
 GAS = 2
+VARIANTS = {  # name: (stage, dtype, offload); Accelerate's test covers ZeRO-1/2/3 in fp32 and bf16 + fp32 acc.
+    "zero0_fp32": (0, "fp32", False),
+    "zero2_fp16": (2, "fp16", False),
+    "zero2_offload": (2, "fp32", True),
+    "zero3_offload": (3, "fp32", True),
+    "zero1_bf16_acc32": (1, "bf16_acc32", False),  # BF16_Optimizer
+}
 
 
 def _worker(rank, world):
@@ -61,6 +68,24 @@ def _worker(rank, world):
         out[where]["seconds"] = time.monotonic() - start
         out[where]["unchanged"] = all(torch.equal(before[n], p) for n, p in _params(eng).items())
         h.remove()
+    # Every variant: the hook fires once per boundary and reads what plain PyTorch computes.
+    from deepspeed.accelerator import get_accelerator
+
+    type(get_accelerator()).is_fp16_supported = lambda self: True  # fp16 code paths are CPU-agnostic
+    reference = models.reference_grads(world, GAS)
+    for name, (stage, dtype, offload) in VARIANTS.items():
+        eng = models.engine(models.config(stage, dtype=dtype, offload=offload, gas=GAS))
+        seen = []
+
+        def read(e, seen=seen):
+            grads = collgrad.safe_get_full_model_grads(e)
+            seen.append(max(float((grads[n].float() - g).norm() / g.norm()) for n, g in reference.items()))
+
+        h = collgrad.register_pre_step_hook(eng, read)
+        models.run_backward(eng, rank, GAS)
+        eng.step()
+        h.remove()
+        out[name] = seen
     out["bad_every"] = attempt(lambda: collgrad.register_pre_step_hook(eng, print, every=0))
     out["plain_module"] = attempt(lambda: collgrad.register_pre_step_hook(models.Net(), print))
     return out
@@ -98,6 +123,14 @@ def test_an_exception_on_one_rank_makes_every_rank_raise_and_no_step_is_taken(re
             assert f"rank(s) [{world - 1}]" in entry["message"] or "another rank" in entry["message"], entry
         assert entry["seconds"] < 10
         assert entry["unchanged"]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_variant_sees_plain_pytorch_gradients_in_the_hook(results, variant):
+    _, per_rank = results
+    tol = 1e-5 if VARIANTS[variant][1] == "fp32" else 2e-2
+    for res in per_rank:
+        assert len(res[variant]) == 1 and res[variant][0] < tol, res[variant]
 
 
 def test_arguments_are_checked(results):

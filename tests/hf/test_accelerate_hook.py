@@ -1,8 +1,8 @@
 """The pre-step hook inside Hugging Face Accelerate, where ``accelerator.backward(loss)`` runs
 DeepSpeed's backward and step in one call (2 CPU ranks, ZeRO-1/2/3, fp32 and bf16 with fp32
-accumulation, gradient accumulation 2): at each boundary the hook sees the gradients plain PyTorch
-computes on the same data, and an edit made in the hook trains the model exactly as the same edit
-does in plain PyTorch."""
+accumulation, gradient accumulation 2, gradient clipping): at each boundary the hook sees the
+gradients plain PyTorch computes on the same data, and an edit made in the hook trains the model
+exactly as the same edit does in plain PyTorch (DeepSpeed clips the edited gradients)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ CONFIGS = {  # name: (stage, dtype)
     "zero3_bf16_acc32": (3, "bf16_acc32"),
 }
 SCALED = "mid.weight"
+CLIP = 0.05  # every step clips: the edit changes the norm DeepSpeed clips with
 
 
 def _plain(world: int, edited: bool) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -44,6 +45,7 @@ def _plain(world: int, edited: bool) -> tuple[list[dict[str, torch.Tensor]], dic
         seen.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
         if edited:
             model.get_parameter(SCALED).grad.mul_(0.5)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], CLIP)
         opt.step()
     return seen, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -72,7 +74,8 @@ def _worker(rank, world):
     for name, (stage, dtype) in CONFIGS.items():
         for edited in (False, True):
             AcceleratorState._reset_state(True)
-            cfg = models.config(stage, dtype="bf16_acc32" if dtype != "fp32" else "fp32", gas=GAS)
+            cfg = models.config(stage, dtype=dtype, gas=GAS)
+            cfg["gradient_clipping"] = CLIP
             accelerator = Accelerator(
                 deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=GAS
             )
