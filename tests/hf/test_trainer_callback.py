@@ -1,7 +1,8 @@
 """GradStatsCallback in a Transformers Trainer on 2 CPU ranks (a tiny GPT-2 built from a config), with
 DeepSpeed ZeRO-2 and without it (DDP over Gloo): per-module gradient norms, the global norm and the
 non-finite count reach the logs at every logging step, equal to the norms of the full gradients at
-that step (and under DeepSpeed to the norm it clips with); the run's parameters are bitwise those of
+that step and, at the first step, to those of plain PyTorch on the batches the ranks saw (and under
+DeepSpeed to the norm it clips with); the run's parameters are bitwise those of
 the same run without the callback."""
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ def _train(rank: int, with_callback: bool, deepspeed: bool = True) -> tuple[list
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")  # unused: the process group already exists
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     import collgrad
     from collgrad.integrations.transformers import GradStatsCallback
     from tests.deepspeed import models
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16))
+    model = _model()
+    batches: list[list[list[int]]] = []  # what this rank's model saw, for the plain PyTorch reference
+    model.register_forward_pre_hook(lambda m, a, kw: batches.append(kw["input_ids"].tolist()), with_kwargs=True)
     gen = torch.Generator().manual_seed(0)
     data = []
     for _ in range(16):
@@ -72,7 +74,33 @@ def _train(rank: int, with_callback: bool, deepspeed: bool = True) -> tuple[list
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    return logs, full_norms, params
+    return logs, full_norms, params, batches
+
+
+def _model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0  # deterministic: comparable with plain
+    return GPT2LMHeadModel(config)
+
+
+def _plain_first_step_norms(first_batches: list[list[list[int]]], clip: bool) -> dict[str, float]:
+    """Plain PyTorch: per-module norms of the first step's gradient of the whole batch (every rank's),
+    normalized as the Trainer does: the summed token loss over the number of labels of all ranks."""
+    model = _model()
+    labels = sum(torch.tensor(batch).numel() for batch in first_batches)
+    for batch in first_batches:
+        ids = torch.tensor(batch)
+        model(input_ids=ids, labels=ids, num_items_in_batch=labels).loss.backward()
+    if clip:  # the Trainer's own clipping (max_grad_norm=1.0), which runs before on_pre_optimizer_step
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    per_module: dict[str, float] = {}
+    for n, p in model.named_parameters():
+        m = n.rpartition(".")[0]
+        per_module[m] = per_module.get(m, 0.0) + float(p.grad.double().square().sum())
+    return {m: math.sqrt(v) for m, v in per_module.items()}
 
 
 class _ReadAtStart:
@@ -101,10 +129,11 @@ def _ReadBeforeStep(fn):  # noqa: N802 - a class, made where transformers is imp
 
 
 def _worker(rank, world, deepspeed):
-    logs, full_norms, params = _train(rank, True, deepspeed)
-    _, _, plain_params = _train(rank, False, deepspeed)
+    logs, full_norms, params, batches = _train(rank, True, deepspeed)
+    _, _, plain_params, _ = _train(rank, False, deepspeed)
     return {
         "logs": logs,
+        "first_batch": batches[0],
         "full_norms": full_norms,
         "bitwise": all(torch.equal(params[n], plain_params[n]) for n in params),
     }
@@ -128,6 +157,15 @@ def test_per_module_norms_reach_the_logs_at_every_logging_step(results):
             if how == "deepspeed":  # the global norm is the one DeepSpeed clips with (logged as grad_norm)
                 assert abs(log["grad_norm/global"] - log["grad_norm"]) <= 1e-5 * log["grad_norm"]
     assert results[0]["logs"] == results[1]["logs"]  # the same numbers on every rank
+    plain = _plain_first_step_norms([res["first_batch"] for res in results], clip=how == "ddp")
+    first = results[0]["logs"][0]
+    for module, norm in plain.items():
+        assert abs(first[f"grad_norm/{module}"] - norm) <= 1e-5 * norm, (
+            how,
+            module,
+            first[f"grad_norm/{module}"],
+            norm,
+        )
 
 
 def test_the_callback_changes_nothing_in_training(results):
