@@ -69,11 +69,14 @@ def exchange(
 @dataclass(frozen=True)
 class Field:
     """One argument of a call as every rank must pass it. ``shown``: the value means something to a
-    reader (a size, a flag) and is printed in a mismatch; otherwise (a hash) only the ranks are."""
+    reader (a size, a flag) and is printed in a mismatch; otherwise (a hash) only the ranks are.
+    ``compare=False``: not an argument but something each rank tells the others (it may differ), carried
+    by the same exchange at no extra cost."""
 
     name: str
     value: int
     shown: bool = True
+    compare: bool = True
 
 
 def stable_hash(value: object) -> int:
@@ -100,6 +103,8 @@ def call_verdict(
         )
     differences, differing = [], []
     for k, field in enumerate(fields, start=1):
+        if not field.compare:
+            continue
         by_value: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             by_value.setdefault(row[k], []).append(group_ranks[i])

@@ -45,6 +45,7 @@ class Pieces:
             self.starts.append(total)
             total += p.numel()
         self._numel = total
+        self._tiling: tuple[torch.Tensor, tuple[int, ...]] | None | bool = False  # not computed yet
 
     def numel(self) -> int:
         return self._numel
@@ -92,6 +93,26 @@ class Pieces:
         hi = max(o + p.numel() for o, p in zip(offsets, self.pieces))
         span = first.new_empty(0).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
         return span, tuple(o - lo for o in offsets)
+
+    def tiling(self) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """``placement()`` when the pieces cover their span exactly (no gap, no overlap): the span then
+        holds every element once, in storage order, and can be sent as it lies instead of concatenated."""
+        if self._tiling is not False:
+            return self._tiling
+        self._tiling = self._tile()
+        return self._tiling
+
+    def _tile(self) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        placed = self.placement()
+        if placed is None:
+            return None
+        span, offsets = placed
+        end = 0
+        for offset, piece in sorted(zip(offsets, self.pieces), key=lambda t: t[0]):
+            if offset != end:
+                return None
+            end += piece.numel()
+        return (span, offsets) if end == span.numel() else None
 
     def whole(self) -> torch.Tensor:
         """Everything as one contiguous tensor: a view when the pieces already are back to back."""

@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 from collgrad import _compat
 from collgrad.backends.policy import Policy
 from collgrad.core.agreement import Field, agree_on_call, stable_hash, tell_invalid
+from collgrad.core.buffers import Pieces
 from collgrad.core.dispatch import Dispatcher, Prepared, checked_bucket_bytes, default_dispatcher, policy_print
 from collgrad.core.ops import Op, Primitive
 from collgrad.core.record import CallRecord
@@ -30,6 +31,7 @@ from collgrad.errors import InvalidArgumentError, LayoutChangedError, NotReadyEr
 from collgrad.grads import sources
 from collgrad.grads.plan import PLANS, GradCall, GradPlan, needs_capabilities, plan_grads
 from collgrad.grads.sources import LocalGrads, Problem, Source
+from collgrad.grads.sources.layout import Kind
 
 __all__ = ["OpenCall", "FIELDS"]
 
@@ -41,6 +43,7 @@ FIELDS = (
     "bucket_bytes",
     "streaming",
     "policy=",
+    "where each rank's gradient pieces lie",  # told, not compared (see OpenCall.placements)
 )
 
 
@@ -91,7 +94,13 @@ class OpenCall:
         self.call = GradCall(plan, cap, streaming)
         self.policy = policy
         self.unscale = unscale and self.local.loss_scale != 1.0
-        _agree(self.source, self.local, self._fields() + extra_fields, self.dispatcher.timeout, name)
+        rows = _agree(self.source, self.local, self._fields() + extra_fields, self.dispatcher.timeout, name)
+        #: Every rank's print of where its gradient pieces lie (its storage order), by global rank: a
+        #: gather of partitions as they lie checks it against what it cached (no extra collective).
+        self.placements: dict[int, int] = {}
+        if rows is not None:
+            at = 1 + FIELDS.index("where each rank's gradient pieces lie")
+            self.placements = dict(zip(_compat.group_ranks(self.source.control_group), (r[at] for r in rows)))
         #: Nothing was planned for this call so far: everything came from the cache.
         self.cached = True
         self._plan: GradPlan | None = None
@@ -104,6 +113,7 @@ class OpenCall:
             Field(FIELDS[3], self.call.bucket_bytes),
             Field(FIELDS[4], int(self.call.streaming)),
             Field(FIELDS[5], policy_print(self.policy), shown=False),
+            Field(FIELDS[6], _placement_print(self.source, self.local), compare=False),
         ]
 
     @property
@@ -158,14 +168,34 @@ class OpenCall:
         return found
 
 
-def _agree(source: Source, local: LocalGrads, fields: list[Field], timeout_s: float, name: str) -> None:
+def _placement_print(source: Source, local: LocalGrads) -> int:
+    """What this rank tells the others of where its gradient pieces lie: a print of them if the
+    placements cached with the source (by a gather of partitions as they lie) still hold for every
+    group, else -1, which makes every rank exchange placements again before such a gather."""
+    from collgrad.grads.execute import placed_pieces  # execute imports this module
+
+    prints = []
+    for position, buffer in enumerate(local.buffers):
+        if not isinstance(buffer, Pieces) or source.layout.groups[position].kind is not Kind.PARTITIONED_FLAT:
+            continue
+        pieces = placed_pieces(buffer)
+        cached = source.plans.get(("placements", source.layout.groups[position].index))
+        if cached is None or cached[0] != pieces:
+            return -1
+        prints.append(pieces)
+    return stable_hash(prints) & ((1 << 62) - 1)
+
+
+def _agree(
+    source: Source, local: LocalGrads, fields: list[Field], timeout_s: float, name: str
+) -> list[list[int]] | None:
     """Every rank of the control group learns every rank's readiness and arguments, and all raise the
-    same error if any rank cannot read now or asked for something else."""
+    same error if any rank cannot read now or asked for something else. Returns every rank's row."""
     rank = _compat.rank()
     if source.control_group is None:
         if local.problem is not Problem.OK:
             raise NotReadyError(f"rank {rank}: {local.problem.describe()}")
-        return
+        return None
     rows = agree_on_call(source.control_group, fields, timeout_s=timeout_s, call=name, status=int(local.problem))
     ranks = _compat.group_ranks(source.control_group)
     bad = [(ranks[i], Problem(row[0])) for i, row in enumerate(rows) if row[0] != Problem.OK]
@@ -175,6 +205,7 @@ def _agree(source: Source, local: LocalGrads, fields: list[Field], timeout_s: fl
             detail += f"; here: {local.detail}"
         error = LayoutChangedError if any(p is Problem.LAYOUT_CHANGED for _, p in bad) else NotReadyError
         raise error(f"full gradients cannot be read now ({detail}) [seen by rank {rank}]")
+    return rows
 
 
 def _tell_invalid(model: Any, timeout_s: float, name: str) -> None:

@@ -16,17 +16,26 @@ from typing import Iterator
 
 import torch
 
+from collgrad.core.agreement import exchange
 from collgrad.core.buffers import Pieces
 from collgrad.core.ops import Op
 from collgrad.core.record import CallRecord
 from collgrad.grads.call import OpenCall
 from collgrad.grads.plan import GroupPlan, PlanKind
 from collgrad.grads.record import FullGradRecord, GroupRecord
-from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, ParamSlot, owned_fragments
+from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, ParamSlot, gathered_runs, owned_fragments
 
-__all__ = ["Executor", "Result"]
+__all__ = ["Executor", "Result", "placed_pieces"]
 
 Result = list[tuple[str, torch.Tensor]]
+
+
+def placed_pieces(buffer: Pieces) -> tuple[tuple[int, int, int], ...]:
+    """This rank's pieces as a gather of its partition sends them: (offset in the partition, offset in
+    what is sent, numel) each; sent as they lie when they tile one storage span, else concatenated."""
+    tiling = buffer.tiling()
+    sent = tiling[1] if tiling is not None else buffer.starts
+    return tuple(zip(buffer.starts, sent, (p.numel() for p in buffer.pieces)))
 
 
 class Executor:
@@ -139,18 +148,52 @@ class Executor:
         return out
 
     def _gather_flat(self, gplan, group: GradGroup, buffer: Pieces, b: int, batch, calls) -> Result:
+        """ZeRO-1/2: every rank's partition gathered as it lies in memory (DeepSpeed fills its buffer in
+        backward order: no concatenation first), then each parameter is a view of the gathered buffer
+        (the buffer *is* the result) or, where it straddles ranks or pieces, one concatenation."""
         device, world = self.call.source.device, group.world
+        tiling = buffer.tiling()
+        local = tiling[0] if tiling is not None else buffer.whole()
         full = torch.empty(world * group.partition_numel, dtype=group.wire_dtype, device=device)
-        self._run(gplan, group, b, Op.ALL_GATHER, [buffer.whole().to(device)], [full], calls)
-        slots = [group.params[k] for k in batch]
-        # One split of the gathered flat group into [gap, param, gap, param, ...] (C++), then views.
-        sizes, at = [], 0
-        for s in slots:
-            sizes += [s.offset - at, s.numel]
-            at = s.offset + s.numel
-        sizes.append(full.numel() - at)
-        pieces = full.split(sizes)
-        return [(s.name, self._finish(piece, s, group.out_dtype)) for s, piece in zip(slots, pieces[1::2])]
+        self._run(gplan, group, b, Op.ALL_GATHER, [local.to(device)], [full], calls)
+        where = self._where(group, buffer, tiling)
+        out = []
+        for k in batch:
+            slot, segments = group.params[k], where[k]
+            if len(segments) == 1:
+                at, n = segments[0]
+                grad = full[at : at + n]
+            else:
+                grad = torch.cat([full[at : at + n] for at, n in segments])
+            out.append((slot.name, self._finish(grad, slot, group.out_dtype)))
+        return out
+
+    def _where(self, group: GradGroup, buffer: Pieces, tiling) -> list[list[tuple[int, int]]]:
+        """Per parameter, the (offset, numel) runs of the gathered buffer that make it up, in order:
+        from every rank's placement of its pieces (told in the readiness check; exchanged, in one more
+        small collective, only when some rank's differs from the cached one)."""
+        c = self.call
+        pieces = placed_pieces(buffer)
+        key = ("placements", group.index)
+        found = c.source.plans.get(key)
+        # Reused only if every rank said, in the readiness check, that its cached placements still hold
+        # (the same data on every rank of the group, so they all decide alike).
+        if found is not None and all(c.placements.get(r, -1) != -1 for r in group.group_ranks):
+            return found[1]
+        if group.world > 1:
+            pg = c.source.groups.get(group.index)
+            timeout = c.dispatcher.timeout
+            counts = exchange(pg, [len(pieces)], timeout_s=timeout, what="the count of gradient pieces")
+            width = 3 * max(row[0] for row in counts)
+            row = [v for piece in pieces for v in piece]  # (offset in partition, offset sent, numel) each
+            rows = exchange(pg, row + [-1] * (width - len(row)), timeout_s=timeout, what="where gradient pieces lie")
+            per_rank = [[tuple(r[i : i + 3]) for i in range(0, 3 * n[0], 3)] for r, n in zip(rows, counts)]
+        else:
+            per_rank = [list(pieces)]
+        where = gathered_runs(group, per_rank)
+        c.source.plans[key] = (pieces, where)
+        self.call.cached = False
+        return where
 
     def _gather_slices(self, gplan, group: GradGroup, buffer: Pieces, b: int, batch, calls) -> Result:
         """ZeRO-3: gather this batch's slices, rank-major, into a staging buffer kept between calls,

@@ -23,6 +23,7 @@ PER_PARAM) in the group's wire dtype. Nothing here touches a process group.
 
 from __future__ import annotations
 
+import bisect
 import zlib
 from dataclasses import dataclass
 
@@ -30,7 +31,17 @@ import torch
 
 from collgrad.core.ops import ValueEnum
 
-__all__ = ["Kind", "ParamSlot", "GradGroup", "GradLayout", "Fragment", "owned_fragments", "Run", "strided_runs"]
+__all__ = [
+    "Kind",
+    "ParamSlot",
+    "GradGroup",
+    "GradLayout",
+    "Fragment",
+    "owned_fragments",
+    "Run",
+    "strided_runs",
+    "gathered_runs",
+]
 
 
 class Kind(ValueEnum):
@@ -172,3 +183,28 @@ def strided_runs(frags: tuple[Fragment, ...], candidates: int = 8) -> tuple[Run,
             stride = best[1] - best[0] if len(best) > 1 else numel
             runs.append(Run(tuple(at[o] for o in best), start, stride, numel))
     return tuple(sorted(runs, key=lambda r: r.local_offset))
+
+
+def gathered_runs(group: GradGroup, placements: list[list[tuple[int, int, int]]]) -> list[list[tuple[int, int]]]:
+    """Where each parameter of a PARTITIONED_FLAT group lies in the gather of every rank's partition as
+    it lies in memory: per parameter, its (offset, numel) runs in the gathered buffer, in order.
+    ``placements[r]``: rank r's pieces as (offset in its partition, offset in what it sent, numel)."""
+    out: list[list[tuple[int, int]]] = [[] for _ in group.params]
+    for r, pieces in enumerate(placements):
+        pieces = sorted(pieces)
+        starts = [p[0] for p in pieces]
+        base = r * group.partition_numel
+        for f in owned_fragments(group, r):
+            at, left = f.local_offset, f.numel
+            while left:
+                j = bisect.bisect_right(starts, at) - 1
+                start, sent, numel = pieces[j]
+                n = min(left, start + numel - at)
+                runs = out[f.param]
+                where = base + sent + at - start
+                if runs and runs[-1][0] + runs[-1][1] == where:  # continues the previous run
+                    runs[-1] = (runs[-1][0], runs[-1][1] + n)
+                else:
+                    runs.append((where, n))
+                at, left = at + n, left - n
+    return out
