@@ -50,6 +50,7 @@ class BenchConfig:
     warmup: int = 2
     stream_fraction: int = 8  # the streaming check uses a bucket of 1/8 of the model's gradient
     methods: tuple[str, ...] = ()  # empty: all
+    world: int = 0  # local runs: ranks to spawn (0: --local, or 2)
 
 
 class VectorModel(nn.Module):
@@ -184,8 +185,9 @@ def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) 
         dist.barrier()
         times.append(time.perf_counter() - start)
         del result  # the output counts in the peak; free it before the next repetition
-        if progress:
-            print(f"[bench] {label}: {rep + 1}/{cfg.reps}", file=sys.stderr, flush=True)
+        if progress:  # one line per method, rewritten in place
+            end = "\n" if rep + 1 == cfg.reps else ""
+            print(f"\r[bench] {label}: {rep + 1}/{cfg.reps}", end=end, file=sys.stderr, flush=True)
     peak_host = peak_dev = 0
     for _ in range(_MEMORY_REPS):
         if device.type == "cuda":
@@ -212,6 +214,18 @@ def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) 
     }
 
 
+def _raw_all_reduce(numel: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(numel, dtype=torch.float32, device=device)
+    dist.all_reduce(out)
+    return out
+
+
+def _raw_all_gather(share: torch.Tensor, world: int) -> torch.Tensor:
+    out = torch.empty(share.numel() * world, dtype=share.dtype, device=share.device)
+    _compat.all_gather_flat(out, share, _compat.default_group()).wait()
+    return out
+
+
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run on every rank of the default group (already initialized). Returns rank 0's report."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
@@ -230,9 +244,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
     bucket = int(cfg.bucket_mb * 2**20)
     device = _device()
-    flat = torch.ones(numel, dtype=torch.float32, device=device)
     share = torch.ones(-(-numel // world), dtype=torch.float32, device=device)
-    gathered = torch.empty(share.numel() * world, dtype=torch.float32, device=device)
 
     methods: dict[str, Callable[[], Any]] = {}
     meta: dict[str, dict[str, Any]] = {}
@@ -264,9 +276,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     methods["deepspeed_norm_loop"] = lambda: [float(ds.safe_get_full_grad(p).norm()) for p in params]
     meta["deepspeed_norm_loop"] = {"collectives": len(params), "bytes": 4 * numel}
     methods["collgrad_stats"] = lambda: collgrad.model_grad_stats(engine)
-    methods["raw_all_reduce"] = lambda: dist.all_reduce(flat)
-    meta["raw_all_reduce"] = {"collectives": 1, "bytes": flat.numel() * 4}
-    methods["raw_all_gather"] = lambda: _compat.all_gather_flat(gathered, share, dist.group.WORLD).wait()
+    # The floors: the same collective on the same bytes into a fresh output (collgrad's plans allocate
+    # theirs too; the all_reduce plan zero-fills its bucket, so does this).
+    methods["raw_all_reduce"] = lambda: _raw_all_reduce(numel, device)
+    meta["raw_all_reduce"] = {"collectives": 1, "bytes": numel * 4}
+    methods["raw_all_gather"] = lambda: _raw_all_gather(share, world)
     meta["raw_all_gather"] = {"collectives": 1, "bytes": share.numel() * 4}
     if cfg.methods:
         methods = {k: v for k, v in methods.items() if k in cfg.methods}
@@ -280,6 +294,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         "optimizer": type(engine.optimizer).__name__,
         "params": len(params),
         "numel": numel,
+        "result_mb": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params) * 4 / 2**20,
         "methods": {},
     }
     for name, fn in methods.items():
@@ -323,21 +338,40 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
 _VERSUS = (("deepspeed_set_loop", "collgrad_set"), ("deepspeed_norm_loop", "collgrad_stats"))
 
 
+#: Each plan against its own floor (the same collective on the same bytes into a fresh output), and the
+#: goal for the ratio (issue "to the floor"); ZeRO-3's all-gather plan also reorders, hence its 1.20.
+FLOORS = {
+    "collgrad_all_gather": "raw_all_gather",
+    "collgrad_all_reduce": "raw_all_reduce",
+    "collgrad_iter": "raw_all_reduce",
+}
+
+
+def _goal(method: str, stage: int) -> float:
+    if method == "collgrad_iter":
+        return 1.25
+    return 1.20 if method == "collgrad_all_gather" and stage == 3 else 1.10
+
+
 def _ratios(report: dict[str, Any], cfg: BenchConfig) -> None:
     m = report["methods"]
+    out: dict[str, Any] = {"floors": {}}
+    for method, floor in FLOORS.items():
+        if method in m and floor in m:
+            out["floors"][method] = {
+                "floor": floor,
+                "time_ratio": m[method]["median_ms"] / m[floor]["median_ms"],
+                "goal": _goal(method, cfg.stage),
+                "memory_mb": max(m[method]["peak_host_mb"], m[method]["peak_device_mb"]),
+            }
     best = (
-        min((v["median_ms"], k) for k, v in m.items() if k in ("collgrad_all_gather", "collgrad_all_reduce"))[1]
+        min((m[k]["median_ms"], k) for k in ("collgrad_all_gather", "collgrad_all_reduce") if k in m)
         if any(k in m for k in ("collgrad_all_gather", "collgrad_all_reduce"))
         else None
     )
-    floor = "raw_all_gather" if cfg.stage == 3 else "raw_all_reduce"
-    out = {}
-    if best and floor in m:
-        out["collgrad_over_floor"] = m[best]["median_ms"] / m[floor]["median_ms"]
-        out["floor"] = floor
-        out["collgrad_best"] = best
     if best and "deepspeed_loop" in m:
-        out["deepspeed_loop_over_collgrad"] = m["deepspeed_loop"]["median_ms"] / m[best]["median_ms"]
+        out["collgrad_best"] = best[1]
+        out["deepspeed_loop_over_collgrad"] = m["deepspeed_loop"]["median_ms"] / best[0]
     for loop, ours in _VERSUS:
         if loop in m and ours in m:
             out[f"{loop}_over_{ours}"] = m[loop]["median_ms"] / m[ours]["median_ms"]
@@ -366,11 +400,17 @@ def format_report(report: dict[str, Any]) -> str:
             f"{max(row['peak_host_mb'], row['peak_device_mb']):>9.1f}  {plan}"
         )
     r = report.get("ratios", {})
-    if r:
-        lines.append(
-            f"ratios: {r.get('collgrad_best')} / {r.get('floor')} = {r.get('collgrad_over_floor', float('nan')):.2f}; "
-            f"deepspeed_loop / {r.get('collgrad_best')} = {r.get('deepspeed_loop_over_collgrad', float('nan')):.1f}x"
-        )
+    if r.get("floors"):
+        result = report["result_mb"]
+        lines.append(f"to the floor (result {result:.1f} MB; memory goal: result + one bucket, streaming 2 buckets):")
+        for method, f in r["floors"].items():
+            ok = "ok" if f["time_ratio"] <= f["goal"] else "over the goal"
+            lines.append(
+                f"  {method:<21} / {f['floor']:<15} time {f['time_ratio']:.2f}x (goal {f['goal']:.2f}x, {ok}); "
+                f"peak {f['memory_mb']:.1f} MB = {f['memory_mb'] / max(result, 1e-9):.2f}x the result"
+            )
+    if "deepspeed_loop_over_collgrad" in r:
+        lines.append(f"deepspeed_loop / {r['collgrad_best']} = {r['deepspeed_loop_over_collgrad']:.1f}x")
     for loop, ours in _VERSUS:
         if f"{loop}_over_{ours}" in r:
             lines.append(f"{loop} / {ours} = {r[f'{loop}_over_{ours}']:.1f}x")
@@ -390,7 +430,16 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-SWEEP_METHODS = ("collgrad_all_gather", "collgrad_all_reduce", "raw_all_reduce", "deepspeed_loop")
+SWEEP_METHODS = (
+    "collgrad_all_gather",
+    "collgrad_all_reduce",
+    "collgrad_iter",
+    "raw_all_reduce",
+    "raw_all_gather",
+    "deepspeed_loop",
+)
+#: The axes of the sweep and what each point varies.
+SWEEP_AXES = ("tensors", "bytes", "world", "bucket")
 
 
 def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | None:
@@ -399,58 +448,77 @@ def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any] | Non
 
 
 def sweep_configs(cfg: BenchConfig) -> list[tuple[str, BenchConfig]]:
-    """Time against the number of tensors at fixed bytes, and against bytes at fixed tensors."""
+    """Time against the number of tensors at fixed bytes, against bytes at fixed tensors, against the
+    world size (local runs) and against the bucket size."""
     reps = max(3, cfg.reps // 2)
-    points = [
-        ("tensors", BenchConfig(**{**asdict(cfg), "tensors": n, "reps": reps, "methods": SWEEP_METHODS}))
-        for n in (50, 100, 200, 400, 800, 1600)
-    ]
-    points += [
-        (
-            "bytes",
-            BenchConfig(**{**asdict(cfg), "elements": int(cfg.elements * f), "reps": reps, "methods": SWEEP_METHODS}),
-        )
-        for f in (0.25, 0.5, 1, 2)
-    ]
+    base = {**asdict(cfg), "reps": reps, "methods": SWEEP_METHODS}
+    fast = {**base, "methods": tuple(m for m in SWEEP_METHODS if m != "deepspeed_loop")}
+    points = [("tensors", BenchConfig(**{**base, "tensors": n})) for n in (50, 100, 200, 400, 800, 1600)]
+    points += [("bytes", BenchConfig(**{**base, "elements": int(cfg.elements * f)})) for f in (0.25, 0.5, 1, 2)]
+    points += [("world", BenchConfig(**{**fast, "world": w})) for w in (2, 3, 4)]
+    points += [("bucket", BenchConfig(**{**fast, "bucket_mb": mb})) for mb in (1.0, 4.0, 25.0, 100.0)]
     return points
 
 
+def _x(axis: str, report: dict[str, Any]) -> float:
+    if axis == "tensors":
+        return report["params"]
+    if axis == "bytes":
+        return report["numel"] * 4
+    if axis == "world":
+        return report["world"]
+    return report["config"]["bucket_mb"]
+
+
 def summarize_sweep(results: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    points: dict[str, Any] = {"tensors": [], "bytes": []}
+    points: dict[str, Any] = {axis: [] for axis in SWEEP_AXES}
     for axis, report in results:
-        x = report["params"] if axis == "tensors" else report["numel"] * 4
-        points[axis].append({axis: x, **{k: v["median_ms"] for k, v in report["methods"].items()}})
-    # Host-side cost per parameter tensor: slope of (collgrad - raw collective) against tensors.
+        row = {axis: _x(axis, report), **{k: v["median_ms"] for k, v in report["methods"].items()}}
+        row["ratios"] = {k: f["time_ratio"] for k, f in report["ratios"]["floors"].items()}
+        points[axis].append(row)
+    # Host-side cost per parameter tensor: slope of (collgrad - its floor) against tensors.
     xs = [p["tensors"] for p in points["tensors"]]
-    ys = [min(p["collgrad_all_gather"], p["collgrad_all_reduce"]) - p["raw_all_reduce"] for p in points["tensors"]]
+    ys = [
+        min(p["collgrad_all_gather"] - p["raw_all_gather"], p["collgrad_all_reduce"] - p["raw_all_reduce"])
+        for p in points["tensors"]
+    ]
     mx, my = statistics.mean(xs), statistics.mean(ys)
     points["per_tensor_us"] = 1e3 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return points
 
 
-def plot_sweep(sweep: dict[str, Any], path: str) -> None:
+def plot_sweep(sweep: dict[str, Any], path: str, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, label in (
-        (axes[0], "tensors", "parameter tensors (fixed bytes)"),
-        (axes[1], "bytes", "gradient bytes (fixed tensors)"),
-    ):
-        rows = sweep[key]
-        xs = [r[key] for r in rows]
-        for method in ("deepspeed_loop", "collgrad_all_gather", "collgrad_all_reduce", "raw_all_reduce"):
-            ax.plot(xs, [r[method] for r in rows], marker="o", label=method)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel(label)
-        ax.set_ylabel("median ms")
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4), sharey=True)
+    labels = {
+        "tensors": "parameter tensors (fixed bytes)",
+        "bytes": "gradient bytes (fixed tensors)",
+        "world": "ranks",
+        "bucket": "bucket MiB",
+    }
+    for ax, axis in zip(axes, SWEEP_AXES):
+        rows = sweep[axis]
+        if not rows:
+            continue
+        xs = [r[axis] for r in rows]
+        for method, floor in FLOORS.items():
+            ax.plot(xs, [r["ratios"].get(method, float("nan")) for r in rows], marker="o", label=f"{method} / {floor}")
+        ax.axhline(1.10, color="grey", linestyle="--", linewidth=1)
+        ax.axhline(1.25, color="grey", linestyle=":", linewidth=1)
+        if axis != "world":
+            ax.set_xscale("log")
+        ax.set_xlabel(labels[axis])
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend()
+    axes[0].set_ylabel("time / its floor (same collective, same bytes)")
+    axes[0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -490,12 +558,14 @@ def main(args: argparse.Namespace) -> int:
     )
     launched = "RANK" in os.environ or mpi_launcher.rank_and_size(os.environ) is not None
     configs = [("main", cfg)] + (sweep_configs(cfg) if args.sweep else [])
+    if launched and not args.local:  # the launcher fixed the world size
+        configs = [(axis, c) for axis, c in configs if axis != "world"]
     results = []
     if args.local or not launched:
         for i, (axis, c) in enumerate(configs):  # fresh ranks per point: no engine left over from the last
             if i:
                 print(f"[bench] sweep point {i}/{len(configs) - 1}: {axis}", file=sys.stderr, flush=True)
-            results.append((axis, run_local(_bench_rank, args.local or 2, c, timeout=3600)[0]))
+            results.append((axis, run_local(_bench_rank, c.world or args.local or 2, c, timeout=3600)[0]))
     else:
         created = init_from_environment()
         try:
@@ -514,6 +584,13 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     if args.png and "sweep" in report:
-        plot_sweep(report["sweep"], args.png)
+        cfg0 = report["config"]
+        plot_sweep(
+            report["sweep"],
+            args.png,
+            f"ZeRO-{cfg0['stage']} {cfg0['dtype']}, {report['optimizer']}, {report['backend']}, "
+            f"torch {report['torch']}, deepspeed {report['deepspeed']}, {os.cpu_count()} CPUs, "
+            f"medians of {max(3, cfg0['reps'] // 2)}",
+        )
         print(f"chart written to {args.png}")
     return 0

@@ -62,6 +62,10 @@ def test_bench_runs_and_reports_every_method(tmp_path):
     assert report["methods"]["collgrad_set"]["collectives"] == 0  # each rank writes what it owns
     assert report["methods"]["collgrad_stats"]["collectives"] == 1  # one small all-gather (one ZeRO-3 group)
     assert report["methods"]["collgrad_stats"]["bytes"] == 24 * 24  # 3 float64 per parameter
-    assert "ratios:" in proc.stdout and "streaming:" in proc.stdout
+    assert "to the floor" in proc.stdout and "streaming:" in proc.stdout
+    floors = report["ratios"]["floors"]
+    assert set(floors) == {"collgrad_all_gather", "collgrad_all_reduce", "collgrad_iter"}
+    assert floors["collgrad_all_gather"]["floor"] == "raw_all_gather" and floors["collgrad_all_gather"]["goal"] == 1.2
+    assert "collgrad_all_gather   / raw_all_gather  time" in proc.stdout
     assert "deepspeed_norm_loop / collgrad_stats" in proc.stdout and "update: peak extra" in proc.stdout
-    assert "[bench] deepspeed_loop: 2/2" in proc.stderr  # progress
+    assert "\r[bench] deepspeed_loop: 1/2\r[bench] deepspeed_loop: 2/2\n" in proc.stderr  # one line, updated
