@@ -9,13 +9,15 @@ pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
 
 def test_bench_runs_and_reports_every_method(tmp_path):
     out = tmp_path / "bench.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    root = pathlib.Path(__file__).resolve().parents[2]  # this source tree, as pytest's own imports
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(root))
     proc = subprocess.run(
         [
             sys.executable,
@@ -34,11 +36,11 @@ def test_bench_runs_and_reports_every_method(tmp_path):
             str(out),
         ],
         capture_output=True,
-        text=True,
         timeout=300,
         env=env,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    stdout, stderr = proc.stdout.decode(), proc.stderr.decode()  # bytes: "\r" kept as it is
+    assert proc.returncode == 0, stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["methods"]) == {
         "deepspeed_loop",
@@ -62,10 +64,10 @@ def test_bench_runs_and_reports_every_method(tmp_path):
     assert report["methods"]["collgrad_set"]["collectives"] == 0  # each rank writes what it owns
     assert report["methods"]["collgrad_stats"]["collectives"] == 1  # one small all-gather (one ZeRO-3 group)
     assert report["methods"]["collgrad_stats"]["bytes"] == 24 * 24  # 3 float64 per parameter
-    assert "to the floor" in proc.stdout and "streaming:" in proc.stdout
+    assert "to the floor" in stdout and "streaming:" in stdout
     floors = report["ratios"]["floors"]
     assert set(floors) == {"collgrad_all_gather", "collgrad_all_reduce", "collgrad_iter"}
     assert floors["collgrad_all_gather"]["floor"] == "raw_all_gather" and floors["collgrad_all_gather"]["goal"] == 1.2
-    assert "collgrad_all_gather   / raw_all_gather  time" in proc.stdout
-    assert "deepspeed_norm_loop / collgrad_stats" in proc.stdout and "update: peak extra" in proc.stdout
-    assert "\r[bench] deepspeed_loop: 1/2\r[bench] deepspeed_loop: 2/2\n" in proc.stderr  # one line, updated
+    assert "collgrad_all_gather   / raw_all_gather  time" in stdout
+    assert "deepspeed_norm_loop / collgrad_stats" in stdout and "update: peak extra" in stdout
+    assert "\r[bench] deepspeed_loop: 1/2\r[bench] deepspeed_loop: 2/2\n" in stderr  # one line per method
