@@ -3,9 +3,10 @@
 One small function per plan kind; none decides anything (the plan did), each only moves bytes:
 
   local       copies (or views) of what this rank already holds
-  all_gather  ZeRO-1/2: one gather of the flat partitions, then views per parameter;
-              ZeRO-3: one gather of a batch's slices into a reused staging buffer, then one copy
-              per parameter to lay its slices end to end
+  all_gather  ZeRO-1/2: one gather of the partitions as they lie, then views per parameter;
+              ZeRO-3: one gather of a batch's slices into a reused staging buffer, then one strided
+              copy per run of equal layers to lay each parameter's slices end to end (coalesced
+              backends: per-parameter gathers straight into those places instead)
   all_reduce  this rank's fragments copied into a zeroed bucket, one sum over the group
   per_param   DeepSpeed's own accessor, one collective per parameter
 """
@@ -18,7 +19,7 @@ import torch
 
 from collgrad.core.agreement import exchange
 from collgrad.core.buffers import Pieces
-from collgrad.core.ops import Op
+from collgrad.core.ops import Op, Primitive
 from collgrad.core.record import CallRecord
 from collgrad.grads.call import OpenCall
 from collgrad.grads.plan import GroupPlan, PlanKind
@@ -28,6 +29,17 @@ from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, ParamSlot, 
 __all__ = ["Executor", "Result", "placed_pieces"]
 
 Result = list[tuple[str, torch.Tensor]]
+
+
+def _equal_runs(slots: list[ParamSlot]) -> list[list[ParamSlot]]:
+    """``slots`` (back to back in a ZeRO-3 buffer) cut into runs of equal slice size."""
+    runs: list[list[ParamSlot]] = []
+    for s in slots:
+        if runs and runs[-1][-1].slice_numel == s.slice_numel and runs[-1][-1].offset + s.slice_numel == s.offset:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
 
 
 def placed_pieces(buffer: Pieces) -> tuple[tuple[int, int, int], ...]:
@@ -203,17 +215,43 @@ class Executor:
         lo = slots[0].offset
         span = slots[-1].offset + slots[-1].slice_numel - lo
         local = buffer.range(lo, span).to(device)  # a view of DeepSpeed's flat buffer, or one move
+        result = torch.empty(world * span, dtype=group.wire_dtype, device=device)
+        if self._coalesced(group):
+            # NCCL/XCCL (or a policy forcing it): per-parameter gathers in one coalesced call, each
+            # straight into its parameter-major output: no staging, no reorder copy.
+            ins = [local[s.offset - lo : s.offset - lo + s.slice_numel] for s in slots]
+            outs = [result[world * (s.offset - lo) : world * (s.offset - lo + s.slice_numel)] for s in slots]
+            self._run(gplan, group, b, Op.ALL_GATHER, ins, outs, calls)
+            return [(s.name, self._finish(o[: s.numel], s, group.out_dtype)) for s, o in zip(slots, outs)]
         staging = self._staging(group.wire_dtype, device, world * span)
         self._run(gplan, group, b, Op.ALL_GATHER, [local], [staging], calls)
-        sizes = [s.slice_numel for s in slots]
-        result = torch.empty(world * span, dtype=group.wire_dtype, device=device)
-        out = []
-        for s, src, dst in zip(
-            slots, staging.view(world, span).split(sizes, dim=1), result.split([world * n for n in sizes])
-        ):
-            dst.view(world, s.slice_numel).copy_(src)
-            out.append((s.name, self._finish(dst[: s.numel], s, group.out_dtype)))
+        # Parameter-major: each parameter's world slices end to end. One strided copy per run of equally
+        # sized neighbours (a model's repeated layers), not one per parameter: the copy is the same
+        # bytes, the calls are few.
+        rows = staging.view(world, span)
+        out, at = [], 0
+        for run in _equal_runs(slots):
+            n, count = run[0].slice_numel, len(run)
+            start = run[0].offset - lo
+            src = rows[:, start : start + count * n].view(world, count, n).transpose(0, 1)
+            dst = result[world * start : world * (start + count * n)].view(count, world, n)
+            dst.copy_(src)
+            for k, s in enumerate(run):
+                at = world * (start + k * n)
+                out.append((s.name, self._finish(result[at : at + s.numel], s, group.out_dtype)))
         return out
+
+    def _coalesced(self, group: GradGroup) -> bool:
+        """Whether this group's gathers go through the coalesced primitive (the registry's choice for the
+        wire dtype on this group: NCCL and XCCL run it as grouped per-tensor gathers into the outputs
+        given; Gloo flattens it itself, so it chooses a flat buffer). Asked once, cached with the source."""
+        c = self.call
+        key = ("coalesced gathers", group.index, c.policy)
+        found = c.source.plans.get(key)
+        if found is None:
+            caps = c.dispatcher.registry.capabilities(c.source.device.type, c.source.groups.get(group.index), c.policy)
+            found = c.source.plans[key] = caps.choice(Op.ALL_GATHER, group.wire_dtype).primitive is Primitive.COALESCED
+        return found
 
     def _staging(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         """Scratch for gathered slices, reused across calls (never returned: results are copies).

@@ -64,6 +64,8 @@ def _worker(rank, world):
             "all_gather": collgrad.safe_get_full_model_grads(eng, plan="all_gather"),
             "all_reduce": collgrad.safe_get_full_model_grads(eng, plan="all_reduce"),
             "per_tensor": collgrad.safe_get_full_model_grads(eng, policy=Policy(force="per_tensor")),
+            # what NCCL/XCCL choose: ZeRO-3 gathers per parameter straight into parameter-major outputs
+            "coalesced": collgrad.safe_get_full_model_grads(eng, plan="all_gather", policy=Policy(force="coalesced")),
         }
         stream = collgrad.iter_full_model_grads(eng, bucket_bytes=256)
         calls["iter"] = dict(stream)
@@ -92,8 +94,11 @@ def _worker(rank, world):
             "ref_rel": max(_rel(auto[n].float(), reference[n]) for n in reference),
             "plans_agree": all(
                 torch.equal(calls[k][n], auto[n])
-                for k in ("all_gather", "all_reduce", "per_tensor", "iter")
+                for k in ("all_gather", "all_reduce", "per_tensor", "iter", "coalesced")
                 for n in auto
+            ),
+            "coalesced_primitives": sorted(
+                {str(bk.primitive) for g in calls["coalesced"].record.groups for c in g.calls for bk in c.buckets}
             ),
             "subset_equal": all(torch.equal(calls["subset"][n], auto[n]) for n in subset),
             "dtype_device": {n: (str(t.dtype), str(t.device), tuple(t.shape)) for n, t in auto.items()},
@@ -149,6 +154,8 @@ def test_every_plan_and_the_stream_give_the_same_gradients(results, config):
         assert entry["keys"]["auto"] == entry["names"]  # named_parameters() order, tied weight once
         assert sorted(entry["keys"]["iter"]) == sorted(entry["names"])
         assert entry["subset_equal"] and entry["keys"]["subset"] == entry["subset"]
+        if CONFIGS[config][0] == 3:  # gathered per parameter into parameter-major outputs, forced over Gloo
+            assert entry["coalesced_primitives"] == ["coalesced"], entry["coalesced_primitives"]
 
 
 def test_frozen_and_tied_parameters(results):
