@@ -45,7 +45,9 @@ class Pieces:
             self.starts.append(total)
             total += p.numel()
         self._numel = total
-        self._tiling: tuple[torch.Tensor, tuple[int, ...]] | None | bool = False  # not computed yet
+        # Computed on first use (a Pieces lives for one call: DeepSpeed may move its buffers between calls)
+        self._placement: tuple[torch.Tensor, tuple[int, ...]] | None | bool = False
+        self._tiling: tuple[torch.Tensor, tuple[int, ...]] | None | bool = False
 
     def numel(self) -> int:
         return self._numel
@@ -82,6 +84,12 @@ class Pieces:
         ZeRO-1/2 fragments lie in reverse order, as backward fills its buffer): a 1-D view of the span
         of that storage they cover, and each piece's offset in it. None if they are not all contiguous
         views of one storage of one dtype."""
+        if self._placement is not False:
+            return self._placement
+        self._placement = self._place()
+        return self._placement
+
+    def _place(self) -> tuple[torch.Tensor, tuple[int, ...]] | None:
         first = self.pieces[0]
         storage = first.untyped_storage().data_ptr()
         offsets = []
