@@ -6,7 +6,8 @@ returns, each call and without communicating, the local buffers and whether read
 Sources are cached per model by the caller while ``Source.valid()`` holds, so a second call does no
 planning work.
 
-Only ``collgrad.grads.sources.deepspeed`` imports deepspeed, and only when a DeepSpeed engine is passed.
+Only ``collgrad.grads.sources.deepspeed`` imports deepspeed, and only when a DeepSpeed engine is passed;
+only ``collgrad.grads.sources.fsdp2`` touches FSDP2 internals, when a ``fully_shard`` model is passed.
 """
 
 from __future__ import annotations
@@ -175,6 +176,11 @@ def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
         raise InvalidArgumentError(
             f"rank {_compat.rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
         )
+    if "torch.distributed.fsdp" in sys.modules:  # imported by whoever called fully_shard
+        from collgrad.grads.sources import fsdp2
+
+        if fsdp2.is_fsdp2(model):
+            return fsdp2.open_fsdp2(model, select(model, params))
     params = None if params is None else list(params)
     named = select(model, params)
     group = _compat.default_group() if torch.distributed.is_initialized() else None
