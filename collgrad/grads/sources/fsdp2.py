@@ -12,9 +12,9 @@ so every executor of collgrad.grads applies: one gather per bucket over the shar
 statistics from the local shards, writing each rank's rows of the given value into its local shard.
 HSDP (mesh ``(replicate, shard)``): gathered over the shard dimension only; the replicate dimension
 already holds equal values. FSDP2 internals used: ``FSDPModule`` and its state's
-``_fsdp_param_group.fsdp_params`` (each ``FSDPParam``'s ``sharded_param`` and
-``unsharded_accumulated_grad``: set while ``set_requires_gradient_sync(False)`` micro-steps
-accumulate unreduced gradients), torch 2.13.
+``_fsdp_param_group.fsdp_params`` (each ``FSDPParam``'s ``_unsharded_param.grad`` and
+``unsharded_accumulated_grad``: where ``set_requires_gradient_sync(False)`` micro-steps leave the
+unreduced gradients until a reducing backward clears them), torch 2.13.
 """
 
 from __future__ import annotations
@@ -158,7 +158,13 @@ def _accumulating_params(model: nn.Module):
                 fsdp_params.extend(group.fsdp_params)
 
     def accumulating():
-        return (getattr(fp, "unsharded_accumulated_grad", None) is not None for fp in fsdp_params)
+        # FSDP2's post-backward without reduction leaves the unreduced gradient on the unsharded
+        # parameter, or upcast in unsharded_accumulated_grad (reduce_dtype); a reducing one clears both.
+        for fp in fsdp_params:
+            unsharded = getattr(fp, "_unsharded_param", None)
+            yield getattr(fp, "unsharded_accumulated_grad", None) is not None or (
+                unsharded is not None and unsharded.grad is not None
+            )
 
     return accumulating
 

@@ -1,0 +1,243 @@
+"""FSDP2 (``fully_shard``) models through the same model-wide API, on CPU ranks over Gloo (2 and 3
+ranks; HSDP 2 x 2 on 4): reading is bitwise equal to ``p.grad.full_tensor()`` and close to plain
+PyTorch, for evenly and unevenly sharded parameters, tied weights, frozen parameters, a subset, nested
+units and a single root unit, mixed precision; one collective per bucket; statistics equal plain
+PyTorch's and identical on every rank; training with an edit written before each step equals plain
+PyTorch with the same edit; misuse raises together on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.harness import attempt, run_ranks
+
+STEPS = 3
+
+
+class Net(nn.Module):
+    """Rows not divisible by 2 or 3 (uneven shards), a parameter with fewer rows than ranks, a frozen
+    layer and a tied weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(7, 9)
+        self.norm = nn.LayerNorm(9)
+        self.mid = nn.Linear(9, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.tiny = nn.Linear(8, 1)
+        self.out = nn.Linear(8, 5, bias=False)
+        self.back = nn.Linear(5, 8, bias=False)
+        self.emb = nn.Linear(5, 5, bias=False)
+        self.head = nn.Linear(5, 5, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.inp(x)))
+        h = torch.tanh(self.mid(h)) + self.frozen(torch.tanh(self.mid(h)))
+        o = self.out(h) * (1 + self.tiny(h))
+        return self.head(self.emb(o)) + 0.1 * self.out(self.back(o))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(4, 7, generator=g), torch.randn(4, 5, generator=g)
+
+
+def _shard(model: nn.Module, mesh, nested: bool, mp=None):
+    from torch.distributed.fsdp import fully_shard
+
+    kw = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    if nested:
+        for m in (model.inp, model.mid, model.out):
+            fully_shard(m, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _plain_grads(world: int, step: int = 0) -> dict[str, torch.Tensor]:
+    model = Net()
+    for r in range(world):
+        x, y = _batch(r, step)
+        (nn.functional.mse_loss(model(x), y) / world).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def edit(name: str, g: torch.Tensor) -> torch.Tensor:
+    return g * (3.0 if "weight" in name else 0.25)
+
+
+def _plain_trained(world: int, edited: bool) -> dict[str, torch.Tensor]:
+    model = Net()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for r in range(world):
+            x, y = _batch(r, step)
+            (nn.functional.mse_loss(model(x), y) / world).backward()
+        if edited:
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.grad = edit(n, p.grad)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _worker(rank: int, world: int, hsdp: bool):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import collgrad
+    from tests.counting import count_collectives
+
+    mesh = (
+        init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+        if hsdp
+        else init_device_mesh("cpu", (world,))
+    )
+    plain = _plain_grads(world)
+    out: dict = {}
+    variants = {"nested": (True, None), "root_only": (False, None)}
+    if not hsdp:
+        variants["mixed_precision"] = (
+            True,
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        )
+    for name, (nested, mp) in variants.items():
+        model = _shard(Net(), mesh, nested, mp)
+        entry = {"before_backward": attempt(lambda model=model: collgrad.safe_get_full_model_grads(model))}
+        x, y = _batch(rank, 0)
+        nn.functional.mse_loss(model(x).float(), y).backward()
+        full = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+        grads = collgrad.safe_get_full_model_grads(model)
+        with count_collectives() as seen:
+            again = collgrad.safe_get_full_model_grads(model)
+        stream = collgrad.iter_full_model_grads(model, bucket_bytes=256)
+        streamed = dict(stream)
+        subset = [n for n in full][1::2]
+        part = collgrad.safe_get_full_model_grads(model, params=subset)
+        stats = collgrad.model_grad_stats(model)
+        entry.update(
+            names=list(grads),
+            expected_names=list(full),
+            bitwise=all(torch.equal(grads[n], full[n]) for n in full),
+            dtypes={n: str(g.dtype) for n, g in grads.items()},
+            plain=max(_rel(grads[n], plain[n]) for n in plain),
+            again=all(torch.equal(again[n], full[n]) for n in full),
+            data_calls=seen.data,
+            agreements=seen.agreements,
+            buckets=again.record.buckets,
+            groups=[(str(g.plan), g.ranks) for g in again.record.groups],
+            streamed=sorted(streamed) == sorted(full) and all(torch.equal(streamed[n], full[n]) for n in full),
+            stream_buckets=stream.record().buckets,
+            subset=list(part) == subset and all(torch.equal(part[n], full[n]) for n in subset),
+            stats={n: (s.norm, s.max_abs, s.nonfinite, s.numel) for n, s in stats.params.items()},
+            stats_plain=max(
+                abs(stats.params[n].norm - float(g.double().norm())) / float(g.double().norm())
+                for n, g in plain.items()
+            ),
+            stats_full={
+                n: (
+                    abs(stats.params[n].norm - float(g.double().norm())) <= 1e-5 * float(g.double().norm()),
+                    stats.params[n].max_abs == float(g.abs().max()),
+                    stats.params[n].numel == g.numel(),
+                )
+                for n, g in full.items()
+            },
+        )
+        # misuse: an unreduced micro-step, and after zero_grad()
+        model.set_requires_gradient_sync(False)
+        nn.functional.mse_loss(model(x).float(), y).backward()
+        entry["no_sync"] = attempt(lambda model=model: collgrad.model_grad_stats(model))
+        model.set_requires_gradient_sync(True)
+        nn.functional.mse_loss(model(x).float(), y).backward()
+        model.zero_grad()
+        entry["after_zero_grad"] = attempt(lambda model=model: collgrad.safe_set_full_model_grads(model, {}))
+        out[name] = entry
+    # Training: an edit written before every step, by set and by update.
+    for how in ("set", "update"):
+        model = _shard(Net(), mesh, True)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = _batch(rank, step)
+            nn.functional.mse_loss(model(x), y).backward()
+            if how == "set":
+                current = collgrad.safe_get_full_model_grads(model)
+                collgrad.safe_set_full_model_grads(model, {n: edit(n, g) for n, g in current.items()})
+            else:
+                collgrad.update_full_model_grads(model, edit, bucket_bytes=512)
+            opt.step()
+        trained = {n: p.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+        out[f"trained_{how}"] = (
+            max(_rel(trained[n], t) for n, t in _plain_trained(world, True).items()),
+            max(_rel(trained[n], t) for n, t in _plain_trained(world, False).items()),
+        )
+    return out
+
+
+@pytest.fixture(scope="module", params=[(2, False), (3, False), (4, True)], ids=["world2", "world3", "hsdp2x2"])
+def results(request):
+    world, hsdp = request.param
+    return world, hsdp, run_ranks(_worker, world, hsdp, timeout=600)
+
+
+VARIANTS = ("nested", "root_only", "mixed_precision")
+
+
+def _entries(results):
+    world, hsdp, per_rank = results
+    for rank, res in enumerate(per_rank):
+        for variant in VARIANTS:
+            if variant in res:
+                yield world, hsdp, rank, variant, res[variant]
+
+
+def test_read_is_bitwise_full_tensor_and_close_to_plain_pytorch(results):
+    for _world, _hsdp, _rank, variant, e in _entries(results):
+        assert e["names"] == e["expected_names"] and "head.weight" not in e["names"]  # tied: once
+        assert "frozen.weight" not in e["names"]
+        assert e["bitwise"] and e["again"] and e["streamed"] and e["subset"], variant
+        assert set(e["dtypes"].values()) == {"torch.float32"}  # mixed precision: reduce_dtype, as FSDP2 keeps it
+        assert e["plain"] < (2e-2 if variant == "mixed_precision" else 1e-5), (variant, e["plain"])
+
+
+def test_one_collective_per_bucket_over_the_shard_dimension_only(results):
+    world, hsdp, per_rank = results
+    for _world, _hsdp, rank, _variant, e in _entries(results):
+        assert e["data_calls"] == e["buckets"] == 1 and e["agreements"] == 1, e
+        assert e["stream_buckets"] > 1
+        shard_ranks = tuple(range(rank - rank % 2, rank - rank % 2 + 2)) if hsdp else tuple(range(world))
+        assert e["groups"] == [("all_gather", shard_ranks)], e["groups"]
+
+
+def test_stats_equal_plain_pytorch_and_identical_on_every_rank(results):
+    _, _, per_rank = results
+    for _world, _hsdp, _rank, variant, e in _entries(results):
+        assert all(all(ok) for ok in e["stats_full"].values()), e["stats_full"]
+        assert e["stats_plain"] < (2e-2 if variant == "mixed_precision" else 1e-5)
+    for variant in VARIANTS:
+        if variant in per_rank[0]:
+            assert all(res[variant]["stats"] == per_rank[0][variant]["stats"] for res in per_rank)
+
+
+def test_training_with_an_edit_equals_plain_pytorch(results):
+    _, _, per_rank = results
+    for res in per_rank:
+        for how in ("set", "update"):
+            with_edit, without = res[f"trained_{how}"]
+            assert with_edit < 1e-5 and without > 1e-3, (how, with_edit, without)
+
+
+def test_misuse_raises_on_every_rank(results):
+    for _world, _hsdp, _rank, _variant, e in _entries(results):
+        for phase in ("before_backward", "no_sync", "after_zero_grad"):
+            assert e[phase]["error"] == "NotReadyError", (phase, e[phase])
+        assert "not a gradient accumulation boundary" in e["no_sync"]["message"]
