@@ -51,6 +51,7 @@ class BenchConfig:
     stream_fraction: int = 8  # the streaming check uses a bucket of 1/8 of the model's gradient
     methods: tuple[str, ...] = ()  # empty: all
     world: int = 0  # local runs: ranks to spawn (0: --local, or 2)
+    source: str = "deepspeed"  # deepspeed (ZeRO --stage) | fsdp2 (fully_shard)
 
 
 class VectorModel(nn.Module):
@@ -226,30 +227,67 @@ def _raw_all_gather(share: torch.Tensor, world: int) -> torch.Tensor:
     return out
 
 
+def _deepspeed_model(cfg: BenchConfig, rank: int, device: torch.device) -> tuple[Any, list, int, dict[str, Any]]:
+    """A DeepSpeed engine after one backward, its parameters, their elements, and DeepSpeed's own
+    per-parameter loops (get, set, norm) to compare with."""
+    from collgrad.grads.sources import deepspeed as ds  # the adapter: collgrad's one door to DeepSpeed
+
+    model = VectorModel(cfg.tensors, cfg.elements)
+    engine = ds.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-4), _ds_config(cfg))
+    dtype = next(engine.module.parameters()).dtype
+    x = torch.rand(2, model.width, generator=torch.Generator().manual_seed(rank)).to(device=engine.device, dtype=dtype)
+    engine.backward(engine(x))
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
+
+    def set_loop(full: dict[str, torch.Tensor]) -> Callable[[], Any]:
+        by_param = [(p, full[n]) for n, p in engine.module.named_parameters() if n in full]
+        return lambda: [ds.safe_set_full_grad(p, g) for p, g in by_param]
+
+    loops = {
+        "version": ds.VERSION,
+        "get": lambda: [ds.safe_get_full_grad(p) for p in params],
+        "set": set_loop,
+        "norm": lambda: [float(ds.safe_get_full_grad(p).norm()) for p in params],
+    }
+    return engine, params, numel, loops
+
+
+def _fsdp2_model(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> tuple[Any, list, int]:
+    """The same synthetic model sharded with ``fully_shard`` over every rank, after one backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = VectorModel(cfg.tensors, cfg.elements).to(device)
+    fully_shard(model, mesh=init_device_mesh(device.type, (world,)))
+    x = torch.rand(2, model.width, generator=torch.Generator().manual_seed(rank)).to(device)
+    model(x).backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return model, params, sum(p.numel() for p in params)
+
+
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run on every rank of the default group (already initialized). Returns rank 0's report."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     import collgrad
     from collgrad import Policy
-    from collgrad.grads.sources import deepspeed as ds  # the adapter: collgrad's one door to DeepSpeed
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = VectorModel(cfg.tensors, cfg.elements)
-    engine = ds.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-4), _ds_config(cfg))
-    dtype = next(engine.module.parameters()).dtype
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.rand(2, model.width, generator=gen).to(device=engine.device, dtype=dtype)
-    engine.backward(engine(x))
-    params = [p for p in engine.module.parameters() if p.requires_grad]
-    numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
     bucket = int(cfg.bucket_mb * 2**20)
     device = _device()
-    share = torch.ones(-(-numel // world), dtype=torch.float32, device=device)
-
     methods: dict[str, Callable[[], Any]] = {}
     meta: dict[str, dict[str, Any]] = {}
-    methods["deepspeed_loop"] = lambda: [ds.safe_get_full_grad(p) for p in params]
-    meta["deepspeed_loop"] = {"collectives": len(params), "bytes": 4 * numel}
+    if cfg.source == "fsdp2":
+        engine, params, numel = _fsdp2_model(cfg, rank, world, device)
+        methods["full_tensor_loop"] = lambda: [p.grad.full_tensor() for p in params]
+        meta["full_tensor_loop"] = {"collectives": len(params), "bytes": 4 * numel * (world - 1) // world}
+        origin = {"optimizer": "torch.optim.SGD (fully_shard)", "deepspeed": None}
+    else:
+        engine, params, numel, loops = _deepspeed_model(cfg, rank, device)
+        origin = {"optimizer": type(engine.optimizer).__name__, "deepspeed": loops.pop("version")}
+        methods["deepspeed_loop"] = loops["get"]
+        meta["deepspeed_loop"] = {"collectives": len(params), "bytes": 4 * numel}
+    share = torch.ones(-(-numel // world), dtype=torch.float32, device=device)
     for plan in ("all_gather", "all_reduce"):
         methods[f"collgrad_{plan}"] = lambda plan=plan: collgrad.safe_get_full_model_grads(
             engine, plan=plan, bucket_bytes=bucket
@@ -261,20 +299,24 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     # deque(maxlen=0) consumes without keeping a reference: what is measured is what collgrad holds.
     methods["collgrad_iter"] = lambda: deque(collgrad.iter_full_model_grads(engine, bucket_bytes=bucket), maxlen=0)
     # Writing and statistics, against DeepSpeed's own per-parameter loops. The values written are the
-    # gradients themselves, so every repetition sees the same engine.
+    # gradients themselves, so every repetition sees the same gradients.
     full = collgrad.safe_get_full_model_grads(engine)
-    by_param = [(p, full[n]) for n, p in engine.module.named_parameters() if n in full]
-    methods["deepspeed_set_loop"] = lambda: [ds.safe_set_full_grad(p, g) for p, g in by_param]
-    # ZeRO-1/2: DeepSpeed's setter copies this rank's fragment locally (tensor_fragment.set_full_hp_grad);
-    # ZeRO-3: it too writes the local partition only.
-    meta["deepspeed_set_loop"] = {"collectives": 0, "bytes": 0}
+    if cfg.source != "fsdp2":
+        methods["deepspeed_set_loop"] = loops["set"](full)
+        # ZeRO-1/2: DeepSpeed's setter copies this rank's fragment locally (tensor_fragment.set_full_hp_grad);
+        # ZeRO-3: it too writes the local partition only.
+        meta["deepspeed_set_loop"] = {"collectives": 0, "bytes": 0}
     methods["collgrad_set"] = lambda: collgrad.safe_set_full_model_grads(engine, full)
     methods["collgrad_set_unchecked"] = lambda: collgrad.safe_set_full_model_grads(engine, full, check=False)
     methods["collgrad_update"] = lambda: collgrad.update_full_model_grads(
         engine, lambda n, g: None, bucket_bytes=max(1, 4 * numel // cfg.stream_fraction)
     )
-    methods["deepspeed_norm_loop"] = lambda: [float(ds.safe_get_full_grad(p).norm()) for p in params]
-    meta["deepspeed_norm_loop"] = {"collectives": len(params), "bytes": 4 * numel}
+    if cfg.source != "fsdp2":
+        methods["deepspeed_norm_loop"] = loops["norm"]
+        meta["deepspeed_norm_loop"] = {"collectives": len(params), "bytes": 4 * numel}
+    else:
+        methods["full_tensor_norm_loop"] = lambda: [float(p.grad.full_tensor().norm()) for p in params]
+        meta["full_tensor_norm_loop"] = meta["full_tensor_loop"]
     methods["collgrad_stats"] = lambda: collgrad.model_grad_stats(engine)
     # The floors: the same collective on the same bytes into a fresh output (collgrad's plans allocate
     # theirs too; the all_reduce plan zero-fills its bucket, so does this).
@@ -290,11 +332,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         "world": world,
         "backend": str(dist.get_backend()),
         "torch": torch.__version__,
-        "deepspeed": ds.VERSION,
-        "optimizer": type(engine.optimizer).__name__,
+        **origin,
+        "source": cfg.source,
         "params": len(params),
         "numel": numel,
-        "result_mb": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params) * 4 / 2**20,
+        "result_mb": numel * 4 / 2**20,
         "methods": {},
     }
     for name, fn in methods.items():
@@ -335,7 +377,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     return report
 
 
-_VERSUS = (("deepspeed_set_loop", "collgrad_set"), ("deepspeed_norm_loop", "collgrad_stats"))
+_VERSUS = (
+    ("deepspeed_set_loop", "collgrad_set"),
+    ("deepspeed_norm_loop", "collgrad_stats"),
+    ("full_tensor_norm_loop", "collgrad_stats"),
+)
 
 
 #: Each plan against its own floor (the same collective on the same bytes into a fresh output), and the
@@ -369,9 +415,11 @@ def _ratios(report: dict[str, Any], cfg: BenchConfig) -> None:
         if any(k in m for k in ("collgrad_all_gather", "collgrad_all_reduce"))
         else None
     )
-    if best and "deepspeed_loop" in m:
+    loop = "deepspeed_loop" if "deepspeed_loop" in m else "full_tensor_loop"
+    if best and loop in m:
         out["collgrad_best"] = best[1]
-        out["deepspeed_loop_over_collgrad"] = m["deepspeed_loop"]["median_ms"] / best[0]
+        out["loop"] = loop
+        out["loop_over_collgrad"] = m[loop]["median_ms"] / best[0]
     for loop, ours in _VERSUS:
         if loop in m and ours in m:
             out[f"{loop}_over_{ours}"] = m[loop]["median_ms"] / m[ours]["median_ms"]
@@ -381,10 +429,17 @@ def _ratios(report: dict[str, Any], cfg: BenchConfig) -> None:
     report["ratios"] = out
 
 
+def _what(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    if cfg.get("source") == "fsdp2":
+        return "FSDP2 fully_shard fp32"
+    return f"ZeRO-{cfg['stage']} {cfg['dtype']}{' offload' if cfg['offload'] else ''}"
+
+
 def format_report(report: dict[str, Any]) -> str:
     cfg = report["config"]
     lines = [
-        f"collgrad bench: ZeRO-{cfg['stage']} {cfg['dtype']}{' offload' if cfg['offload'] else ''}, "
+        f"collgrad bench: {_what(report)}, "
         f"{report['params']} tensors / {report['numel']:,} elements, {report['world']} ranks over "
         f"{report['backend']}, {report['optimizer']}, torch {report['torch']}, deepspeed {report['deepspeed']}, "
         f"bucket {cfg['bucket_mb']} MiB, median of {cfg['reps']}",
@@ -409,8 +464,8 @@ def format_report(report: dict[str, Any]) -> str:
                 f"  {method:<21} / {f['floor']:<15} time {f['time_ratio']:.2f}x (goal {f['goal']:.2f}x, {ok}); "
                 f"peak {f['memory_mb']:.1f} MB = {f['memory_mb'] / max(result, 1e-9):.2f}x the result"
             )
-    if "deepspeed_loop_over_collgrad" in r:
-        lines.append(f"deepspeed_loop / {r['collgrad_best']} = {r['deepspeed_loop_over_collgrad']:.1f}x")
+    if "loop_over_collgrad" in r:
+        lines.append(f"{r['loop']} / {r['collgrad_best']} = {r['loop_over_collgrad']:.1f}x")
     for loop, ours in _VERSUS:
         if f"{loop}_over_{ours}" in r:
             lines.append(f"{loop} / {ours} = {r[f'{loop}_over_{ours}']:.1f}x")
@@ -437,6 +492,7 @@ SWEEP_METHODS = (
     "raw_all_reduce",
     "raw_all_gather",
     "deepspeed_loop",
+    "full_tensor_loop",
 )
 #: The axes of the sweep and what each point varies.
 SWEEP_AXES = ("tensors", "bytes", "world", "bucket")
@@ -452,7 +508,7 @@ def sweep_configs(cfg: BenchConfig) -> list[tuple[str, BenchConfig]]:
     world size (local runs) and against the bucket size."""
     reps = max(3, cfg.reps // 2)
     base = {**asdict(cfg), "reps": reps, "methods": SWEEP_METHODS}
-    fast = {**base, "methods": tuple(m for m in SWEEP_METHODS if m != "deepspeed_loop")}
+    fast = {**base, "methods": tuple(m for m in SWEEP_METHODS if not m.endswith("_loop"))}
     points = [("tensors", BenchConfig(**{**base, "tensors": n})) for n in (50, 100, 200, 400, 800, 1600)]
     points += [("bytes", BenchConfig(**{**base, "elements": int(cfg.elements * f)})) for f in (0.25, 0.5, 1, 2)]
     points += [("world", BenchConfig(**{**fast, "world": w})) for w in (2, 3, 4)]
@@ -532,6 +588,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=d.stage)
     parser.add_argument(
+        "--source",
+        choices=("deepspeed", "fsdp2"),
+        default=d.source,
+        help="fsdp2: the model sharded with fully_shard, against per-parameter full_tensor()",
+    )
+    parser.add_argument(
         "--dtype", choices=("fp32", "bf16", "fp16"), default=d.dtype, help="bf16: with fp32 gradient accumulation"
     )
     parser.add_argument("--offload", action="store_true", help="CPU optimizer offload")
@@ -549,6 +611,7 @@ def main(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(
         stage=args.stage,
+        source=args.source,
         dtype=args.dtype,
         offload=args.offload,
         tensors=args.tensors,
@@ -588,7 +651,7 @@ def main(args: argparse.Namespace) -> int:
         plot_sweep(
             report["sweep"],
             args.png,
-            f"ZeRO-{cfg0['stage']} {cfg0['dtype']}, {report['optimizer']}, {report['backend']}, "
+            f"{_what(report)}, {report['optimizer']}, {report['backend']}, "
             f"torch {report['torch']}, deepspeed {report['deepspeed']}, {os.cpu_count()} CPUs, "
             f"medians of {max(3, cfg0['reps'] // 2)}",
         )
