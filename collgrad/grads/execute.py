@@ -31,6 +31,26 @@ __all__ = ["Executor", "Result", "placed_pieces"]
 Result = list[tuple[str, torch.Tensor]]
 
 
+def _reduce_step(group: GradGroup, batch: tuple[int, ...], rank: int):
+    """For one all-reduce step: where each parameter starts in the bucket, its size, this rank's
+    fragments with where each goes, and the ranges no fragment of this rank fills (to be zeroed)."""
+    starts, total = [], 0
+    where = {}
+    for k in batch:
+        starts.append(total)
+        where[k] = total
+        total += group.params[k].numel
+    mine = [(f, where[f.param] + f.param_offset) for f in owned_fragments(group, rank) if f.param in where]
+    gaps, at = [], 0
+    for f, lo in sorted(mine, key=lambda m: m[1]):
+        if lo > at:
+            gaps.append((at, lo - at))
+        at = max(at, lo + f.numel)
+    if at < total:
+        gaps.append((at, total - at))
+    return starts, total, mine, gaps
+
+
 def _equal_runs(slots: list[ParamSlot]) -> list[list[ParamSlot]]:
     """``slots`` (back to back in a ZeRO-3 buffer) cut into runs of equal slice size."""
     runs: list[list[ParamSlot]] = []
@@ -242,15 +262,20 @@ class Executor:
         return out
 
     def _coalesced(self, group: GradGroup) -> bool:
-        """Whether this group's gathers go through the coalesced primitive (the registry's choice for the
-        wire dtype on this group: NCCL and XCCL run it as grouped per-tensor gathers into the outputs
-        given; Gloo flattens it itself, so it chooses a flat buffer). Asked once, cached with the source."""
+        """Whether this group's gathers go through the coalesced primitive (NCCL and XCCL run it as
+        grouped per-tensor gathers into the outputs given; Gloo flattens it itself, so it chooses a
+        flat buffer)."""
+        return self._primitive(group, Op.ALL_GATHER, group.wire_dtype) is Primitive.COALESCED
+
+    def _primitive(self, group: GradGroup, op: Op, dtype: torch.dtype) -> Primitive | None:
+        """The registry's choice of primitive for ``op`` on ``dtype`` over this group, under the call's
+        policy. Asked once (collective the first time, on every rank alike), cached with the source."""
         c = self.call
-        key = ("coalesced gathers", group.index, c.policy)
-        found = c.source.plans.get(key)
-        if found is None:
+        key = ("primitive", group.index, op, dtype, c.policy)
+        found = c.source.plans.get(key, False)
+        if found is False:
             caps = c.dispatcher.registry.capabilities(c.source.device.type, c.source.groups.get(group.index), c.policy)
-            found = c.source.plans[key] = caps.choice(Op.ALL_GATHER, group.wire_dtype).primitive is Primitive.COALESCED
+            found = c.source.plans[key] = caps.choice(op, dtype).primitive
         return found
 
     def _staging(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
@@ -264,25 +289,31 @@ class Executor:
         return found[:numel]
 
     def _all_reduce(self, gplan, group: GradGroup, buffer: Pieces, b: int, batch, calls) -> Result:
-        device = self.call.source.device
-        slots = {k: group.params[k] for k in batch}
-        starts, total = {}, 0
-        for k in batch:
-            starts[k] = total
-            total += slots[k].numel
-        result = torch.zeros(total, dtype=group.out_dtype, device=device)
+        """This rank's fragments copied into a bucket zeroed elsewhere, one sum over the group."""
+        c = self.call
+        device = c.source.device
         rank = group.group_ranks.index(torch.distributed.get_rank())
-        mine = [f for f in owned_fragments(group, rank) if f.param in slots]
+        key = ("all_reduce step", group.index, b, rank)
+        step = c.source.plans.get(key)
+        if step is None:  # pure layout: cached with the source
+            step = c.source.plans[key] = _reduce_step(group, batch, rank)
+        starts, total, mine, gaps = step
+        result = torch.empty(total, dtype=group.out_dtype, device=device)
+        for lo, n in gaps:  # only what no fragment of this rank fills
+            result[lo : lo + n].zero_()
         if mine and buffer.device != device:  # offloaded: this rank's part moves once per bucket
-            lo = min(f.local_offset for f in mine)
-            moved = Pieces([buffer.range(lo, max(f.local_offset + f.numel for f in mine) - lo).to(device)])
-            mine = [Fragment(f.param, f.param_offset, f.local_offset - lo, f.numel) for f in mine]
+            lo = min(f.local_offset for f, _ in mine)
+            moved = Pieces([buffer.range(lo, max(f.local_offset + f.numel for f, _ in mine) - lo).to(device)])
+            mine = [(Fragment(f.param, f.param_offset, f.local_offset - lo, f.numel), at) for f, at in mine]
             buffer = moved
-        for frag in mine:  # straight from where each fragment lies into the zeroed bucket
-            at = starts[frag.param] + frag.param_offset
+        for frag, at in mine:  # straight from where each fragment lies into the bucket
             result[at : at + frag.numel].copy_(buffer.range(frag.local_offset, frag.numel))
-        # One tensor per parameter, back to back in ``result``: bucket primitives send them as one run
-        # without copying, the per-tensor fallback sends one collective per parameter.
-        views = [result[starts[k] : starts[k] + slots[k].numel] for k in batch]
-        self._run(gplan, group, b, Op.ALL_REDUCE, views, None, calls)
-        return [(slots[k].name, self._finish(view, slots[k], group.out_dtype)) for k, view in zip(batch, views)]
+        views = [result[at : at + group.params[k].numel] for k, at in zip(batch, starts)]
+        # The bucket as one tensor (one collective, no per-tensor bookkeeping), unless the registry
+        # sends one collective per tensor for this group (then it needs the per-parameter views).
+        per_tensor = self._primitive(group, Op.ALL_REDUCE, group.out_dtype) is Primitive.PER_TENSOR
+        self._run(gplan, group, b, Op.ALL_REDUCE, views if per_tensor else [result], None, calls)
+        return [
+            (group.params[k].name, self._finish(view, group.params[k], group.out_dtype))
+            for k, view in zip(batch, views)
+        ]
