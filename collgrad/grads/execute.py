@@ -31,6 +31,22 @@ __all__ = ["Executor", "Result", "placed_pieces"]
 Result = list[tuple[str, torch.Tensor]]
 
 
+def _cut(where: list[list[tuple[int, int]]], batch: tuple[int, ...], numel: int):
+    """How to cut the gathered buffer in one ``split``: the sizes (runs and the gaps between them, in
+    buffer order), and for each parameter of ``batch`` the indices of its runs among the pieces."""
+    runs = sorted((at, n, k, i) for k in batch for i, (at, n) in enumerate(where[k]))
+    sizes, index, at = [], {}, 0
+    for lo, n, k, i in runs:
+        if lo > at:
+            sizes.append(lo - at)
+        index[(k, i)] = len(sizes)
+        sizes.append(n)
+        at = lo + n
+    if at < numel:
+        sizes.append(numel - at)
+    return sizes, [[index[(k, i)] for i in range(len(where[k]))] for k in batch]
+
+
 def _reduce_step(group: GradGroup, batch: tuple[int, ...], rank: int):
     """For one all-reduce step: where each parameter starts in the bucket, its size, this rank's
     fragments with where each goes, and the ranges no fragment of this rank fills (to be zeroed)."""
@@ -188,22 +204,24 @@ class Executor:
         local = tiling[0] if tiling is not None else buffer.whole()
         full = torch.empty(world * group.partition_numel, dtype=group.wire_dtype, device=device)
         self._run(gplan, group, b, Op.ALL_GATHER, [local.to(device)], [full], calls)
-        where = self._where(group, buffer, tiling)
+        where, cuts = self._where(group, buffer, tiling)
+        cut = cuts.get(b)
+        if cut is None:  # kept with the placements it was made from
+            cut = cuts[b] = _cut(where, batch, full.numel())
+        sizes, take = cut
+        parts = full.split(sizes)  # every run of every parameter as a view, in one call
         out = []
-        for k in batch:
-            slot, segments = group.params[k], where[k]
-            if len(segments) == 1:
-                at, n = segments[0]
-                grad = full[at : at + n]
-            else:
-                grad = torch.cat([full[at : at + n] for at, n in segments])
+        for k, runs in zip(batch, take):
+            slot = group.params[k]
+            grad = parts[runs[0]] if len(runs) == 1 else torch.cat([parts[i] for i in runs])
             out.append((slot.name, self._finish(grad, slot, group.out_dtype)))
         return out
 
-    def _where(self, group: GradGroup, buffer: Pieces, tiling) -> list[list[tuple[int, int]]]:
+    def _where(self, group: GradGroup, buffer: Pieces, tiling) -> tuple[list[list[tuple[int, int]]], dict]:
         """Per parameter, the (offset, numel) runs of the gathered buffer that make it up, in order:
         from every rank's placement of its pieces (told in the readiness check; exchanged, in one more
-        small collective, only when some rank's differs from the cached one)."""
+        small collective, only when some rank's differs from the cached one); and a dict for what is
+        derived from them (cached with them, dropped with them)."""
         c = self.call
         pieces = placed_pieces(buffer)
         key = ("placements", group.index)
@@ -211,7 +229,7 @@ class Executor:
         # Reused only if every rank said, in the readiness check, that its cached placements still hold
         # (the same data on every rank of the group, so they all decide alike).
         if found is not None and all(c.placements.get(r, -1) != -1 for r in group.group_ranks):
-            return found[1]
+            return found[1], found[2]
         if group.world > 1:
             pg = c.source.groups.get(group.index)
             timeout = c.dispatcher.timeout
@@ -223,9 +241,9 @@ class Executor:
         else:
             per_rank = [list(pieces)]
         where = gathered_runs(group, per_rank)
-        c.source.plans[key] = (pieces, where)
+        c.source.plans[key] = (pieces, where, {})
         self.call.cached = False
-        return where
+        return where, c.source.plans[key][2]
 
     def _gather_slices(self, gplan, group: GradGroup, buffer: Pieces, b: int, batch, calls) -> Result:
         """ZeRO-3: gather this batch's slices, rank-major, into a staging buffer kept between calls,
