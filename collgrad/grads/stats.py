@@ -187,7 +187,12 @@ def _arranged(call: OpenCall, group: GradGroup, buffer: Pieces, placement: tuple
     found = call.source.plans.get(key)
     if found is not None and found.placement == placement:
         return found
-    frags = owned_fragments(group, rank)
+    if group.kind is Kind.REPLICATED:  # every gradient whole, one piece each
+        frags = tuple(
+            Fragment(k, 0, start, p.numel()) for k, (start, p) in enumerate(zip(buffer.starts, buffer.pieces))
+        )
+    else:
+        frags = owned_fragments(group, rank)
     placed, loose = [], []  # fragments within one piece, at their offset in the span; the others
     for f in frags:
         j = bisect.bisect_right(buffer.starts, f.local_offset) - 1
@@ -214,9 +219,11 @@ _Reduced = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callabl
 def _reduce(call: OpenCall, group: GradGroup, buffer: Any) -> _Reduced:
     """Per owned fragment: the parameter it belongs to, its L2 norm (accumulated in fp32 at least), its
     min and its max; and the i-th fragment's view (for the rare count of non-finite elements)."""
-    if group.kind is Kind.REPLICATED:
-        views = [buffer[k].reshape(-1) for k in range(len(group.params))]
-        return (torch.arange(len(views)), *_one_by_one(views), views.__getitem__)
+    if group.kind is Kind.REPLICATED:  # full gradients, often views of one flat buffer (BF16_Optimizer)
+        buffer = Pieces([buffer[k] for k in range(len(group.params))])
+        if buffer.placement() is None:
+            views = buffer.pieces
+            return (torch.arange(len(views)), *_one_by_one(views), views.__getitem__)
     placed = buffer.placement()
     if placed is None:  # pieces in different storages: one view per fragment, where it lies
         rank = group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
