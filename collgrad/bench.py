@@ -283,11 +283,9 @@ def _deepspeed_model(cfg: BenchConfig, rank: int, device: torch.device) -> tuple
 
 def _fsdp2_model(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> tuple[Any, list, int]:
     """The same synthetic model sharded with ``fully_shard`` over every rank, after one backward."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from collgrad.grads.sources import fsdp2  # collgrad's one door to FSDP2
 
-    model = VectorModel(cfg.tensors, cfg.elements).to(device)
-    fully_shard(model, mesh=init_device_mesh(device.type, (world,)))
+    model = fsdp2.shard_whole(VectorModel(cfg.tensors, cfg.elements).to(device), device.type, world)
     x = torch.rand(2, model.width, generator=torch.Generator().manual_seed(rank)).to(device)
     model(x).backward()
     params = [p for p in model.parameters() if p.requires_grad]

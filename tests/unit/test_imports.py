@@ -3,6 +3,8 @@
 deepspeed   collgrad/grads/sources/deepspeed.py (the adapter; the benchmark reaches it through there)
 mpi4py      collgrad/backends/mpi.py
 torch._C    collgrad/_compat.py (private bindings change between torch versions)
+FSDP2       collgrad/grads/sources/fsdp2.py (its internals tell an unreduced micro-step)
+transformers, accelerate   collgrad/integrations/transformers.py (accelerate: read by attribute only)
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ HOMES = {
     "deepspeed": {"grads/sources/deepspeed.py"},
     "mpi4py": {"backends/mpi.py"},
     "torch._C": {"_compat.py"},
+    "torch.distributed.fsdp": {"grads/sources/fsdp2.py"},
+    "transformers": {"integrations/transformers.py"},
+    "accelerate": set(),
 }
 
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from collgrad import _compat
@@ -32,7 +33,7 @@ from collgrad.errors import InvalidArgumentError
 from collgrad.grads.sources import LocalGrads, Problem, Source
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 
-__all__ = ["is_fsdp2", "open_fsdp2"]
+__all__ = ["is_fsdp2", "open_fsdp2", "shard_whole"]
 
 
 def is_fsdp2(model: Any) -> bool:
@@ -171,3 +172,10 @@ def _accumulating_params(model: nn.Module):
 
 def open_fsdp2(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> Source:
     return FSDP2Source(model, named)
+
+
+def shard_whole(model: nn.Module, device_type: str, world: int) -> nn.Module:
+    """``model`` sharded with ``fully_shard`` as one unit over all ``world`` ranks (the benchmark's
+    model; it reaches FSDP2 through here, as it reaches DeepSpeed through the adapter)."""
+    fully_shard(model, mesh=init_device_mesh(device_type, (world,)))
+    return model
