@@ -406,6 +406,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         for method, floor in FLOORS.items()
         if method in methods and floor in methods
     }
+    # The per-parameter loops against collgrad, paired the same way (ratio = loop / collgrad).
+    report["paired_versus"] = {
+        f"{loop}_over_{ours}": _paired(methods[loop], methods[ours], cfg, f"{loop} vs {ours}", progress and rank == 0)
+        for loop, ours in _VERSUS
+        if loop in methods and ours in methods
+    }
     _ratios(report, cfg)
     return report
 
@@ -457,7 +463,11 @@ def _ratios(report: dict[str, Any], cfg: BenchConfig) -> None:
         out["loop"] = loop
         out["loop_over_collgrad"] = m[loop]["median_ms"] / best[0]
     for loop, ours in _VERSUS:
-        if loop in m and ours in m:
+        paired = report.get("paired_versus", {}).get(f"{loop}_over_{ours}")
+        if paired:
+            out[f"{loop}_over_{ours}"] = paired["ratio"]
+            out[f"{loop}_over_{ours}_spread"] = (paired["min"], paired["max"])
+        elif loop in m and ours in m:
             out[f"{loop}_over_{ours}"] = m[loop]["median_ms"] / m[ours]["median_ms"]
     if "collgrad_update" in m:
         bucket = 4 * report["numel"] // cfg.stream_fraction
@@ -508,7 +518,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{r['loop']} / {r['collgrad_best']} = {r['loop_over_collgrad']:.1f}x")
     for loop, ours in _VERSUS:
         if f"{loop}_over_{ours}" in r:
-            lines.append(f"{loop} / {ours} = {r[f'{loop}_over_{ours}']:.1f}x")
+            spread = r.get(f"{loop}_over_{ours}_spread")
+            paired = f" [{spread[0]:.1f}-{spread[1]:.1f}], paired" if spread else ""
+            lines.append(f"{loop} / {ours} = {r[f'{loop}_over_{ours}']:.1f}x{paired}")
     if "update_peak_buckets" in r:
         lines.append(
             f"update: peak extra {r['update_peak_buckets']:.2f} buckets "
