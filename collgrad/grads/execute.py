@@ -205,9 +205,9 @@ class Executor:
         full = torch.empty(world * group.partition_numel, dtype=group.wire_dtype, device=device)
         self._run(gplan, group, b, Op.ALL_GATHER, [local.to(device)], [full], calls)
         where, cuts = self._where(group, buffer, tiling)
-        cut = cuts.get(b)
+        cut = cuts.get(batch)
         if cut is None:  # kept with the placements it was made from
-            cut = cuts[b] = _cut(where, batch, full.numel())
+            cut = cuts[batch] = _cut(where, batch, full.numel())
         sizes, take = cut
         parts = full.split(sizes)  # every run of every parameter as a view, in one call
         out = []
@@ -311,7 +311,7 @@ class Executor:
         c = self.call
         device = c.source.device
         rank = group.group_ranks.index(torch.distributed.get_rank())
-        key = ("all_reduce step", group.index, b, rank)
+        key = ("all_reduce step", group.index, batch, rank)  # the batch itself: calls batch differently
         step = c.source.plans.get(key)
         if step is None:  # pure layout: cached with the source
             step = c.source.plans[key] = _reduce_step(group, batch, rank)

@@ -69,6 +69,8 @@ def _worker(rank, world):
         }
         stream = collgrad.iter_full_model_grads(eng, bucket_bytes=256)
         calls["iter"] = dict(stream)
+        # Another bucket size on the same engine: other batches, from the same cached layout
+        calls["iter_512"] = dict(collgrad.iter_full_model_grads(eng, bucket_bytes=512))
         subset = [n for n, _ in trainable][1::2]
         calls["subset"] = collgrad.safe_get_full_model_grads(eng, params=subset)
         ds_after = None if ds is None else {n: safe_get_full_grad(p) for n, p in trainable}
@@ -94,7 +96,14 @@ def _worker(rank, world):
             "ref_rel": max(_rel(auto[n].float(), reference[n]) for n in reference),
             "plans_agree": all(
                 torch.equal(calls[k][n], auto[n])
-                for k in ("all_gather", "all_reduce", "per_tensor", "iter", "coalesced")
+                for k in (
+                    "all_gather",
+                    "all_reduce",
+                    "per_tensor",
+                    "iter",
+                    "coalesced",
+                    "iter_512",
+                )
                 for n in auto
             ),
             "coalesced_primitives": sorted(
@@ -152,7 +161,7 @@ def test_every_plan_and_the_stream_give_the_same_gradients(results, config):
         entry = res[config]
         assert entry["plans_agree"]
         assert entry["keys"]["auto"] == entry["names"]  # named_parameters() order, tied weight once
-        assert sorted(entry["keys"]["iter"]) == sorted(entry["names"])
+        assert sorted(entry["keys"]["iter"]) == sorted(entry["keys"]["iter_512"]) == sorted(entry["names"])
         assert entry["subset_equal"] and entry["keys"]["subset"] == entry["subset"]
         if CONFIGS[config][0] == 3:  # gathered per parameter into parameter-major outputs, forced over Gloo
             assert entry["coalesced_primitives"] == ["coalesced"], entry["coalesced_primitives"]

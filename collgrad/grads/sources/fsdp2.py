@@ -11,21 +11,30 @@ none), unpadded. That is the PER_PARAM layout with a slice of ``ceil(d0 / n)`` r
 so every executor of collgrad.grads applies: one gather per bucket over the shard group, the
 statistics from the local shards, writing each rank's rows of the given value into its local shard.
 HSDP (mesh ``(replicate, shard)``): gathered over the shard dimension only; the replicate dimension
-already holds equal values. FSDP2 internals used: ``FSDPModule`` and its state's
-``_fsdp_param_group.fsdp_params`` (each ``FSDPParam``'s ``_unsharded_param.grad`` and
-``unsharded_accumulated_grad``: where ``set_requires_gradient_sync(False)`` micro-steps leave the
-unreduced gradients until a reducing backward clears them), torch 2.13.
+already holds equal values. Tensor parallel (a DTensor parameter before ``fully_shard``): FSDP shards
+the rank's TP shard, so the gather over FSDP's dimension rebuilds that TP shard, which stays local
+and is named in ``model_parallel`` (as AutoTP shards are).
+
+FSDP2 internals used (torch 2.13): ``FSDPModule`` and its state's ``_fsdp_param_group.fsdp_params``;
+of each ``FSDPParam``: ``sharded_param`` (the model's parameter), ``fsdp_placement`` (dim 0 unless a
+``shard_placement_fn`` chose another), ``mesh_info.shard_process_group`` (FSDP's shard dimension),
+``_orig_size`` (the local shape FSDP shards: the TP shard under TP), ``is_dtensor`` and ``_tp_spec``
+(TP before FSDP, and whether it shards),
+and ``_unsharded_param.grad`` / ``unsharded_accumulated_grad`` (where a
+``set_requires_gradient_sync(False)`` micro-step leaves unreduced gradients until a reducing
+backward clears them).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from collgrad import _compat
 from collgrad.core.buffers import Pieces
@@ -43,59 +52,55 @@ def is_fsdp2(model: Any) -> bool:
     )
 
 
-def _shard_dim(p: nn.Parameter, name: str) -> int:
-    """The mesh dimension FSDP shards ``p`` on: its one ``Shard(0)`` placement, the others replicated."""
-    placements = p.placements
-    shards = [i for i, pl in enumerate(placements) if isinstance(pl, Shard)]
-    if (
-        len(shards) != 1
-        or placements[shards[0]] != Shard(0)
-        or not all(isinstance(pl, Replicate) for i, pl in enumerate(placements) if i != shards[0])
-    ):
-        raise InvalidArgumentError(
-            f"rank {_compat.rank()}: {name} has placements {tuple(placements)}; collgrad reads FSDP2 parameters "
-            "sharded on dim 0 over one mesh dimension (fully_shard, or HSDP: (Replicate(), Shard(0))). "
-            "Tensor-parallel placements are not supported yet: use p.grad.full_tensor() for those"
-        )
-    return shards[0]
-
-
 class FSDP2Source(Source):
-    """Parameters grouped by the process group that shards them; each group PER_PARAM."""
+    """Parameters grouped by the process group that shards them (FSDP's shard dimension of the mesh);
+    each group PER_PARAM over the parameter's local shape before FSDP (the tensor-parallel shard under
+    TP, else the whole parameter)."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
         self.model = model
         self.params = dict(named)
         self._ids = [(n, id(p)) for n, p in named]
         self.scratch, self.plans, self.groups = {}, {}, {}
-        self.model_parallel = frozenset()
         self.control_group = _compat.default_group()
         self.device = named[0][1].device if named else torch.device("cpu")
-        members: dict[Any, list[tuple[str, nn.Parameter]]] = {}
-        pgs = {}
+        managed = {id(fp.sharded_param): fp for fp in _fsdp_params(model)}
+        members: dict[Any, list[tuple[str, Any]]] = {}
+        pgs, tensor_parallel = {}, set()
         for name, p in named:
-            if not isinstance(p, DTensor):
+            fp = managed.get(id(p))
+            if fp is None or not isinstance(p, DTensor):
                 raise InvalidArgumentError(
-                    f"rank {_compat.rank()}: {name} is not sharded (a plain tensor in a fully_shard model): "
-                    "shard every trainable parameter with fully_shard, or leave it out with params="
+                    f"rank {_compat.rank()}: {name} is not sharded by fully_shard (a plain parameter of a "
+                    "fully_shard model): shard every trainable parameter with fully_shard, or leave it out with params="
                 )
-            dim = _shard_dim(p, name)
-            pg = p.device_mesh.get_group(dim)
+            if fp.fsdp_placement != Shard(0) or not hasattr(fp.mesh_info, "shard_process_group"):
+                raise InvalidArgumentError(
+                    f"rank {_compat.rank()}: {name} is sharded as {fp.fsdp_placement} over "
+                    f"{type(fp.mesh_info).__name__}; collgrad reads FSDP2 parameters sharded on dim 0 "
+                    "(fully_shard's default, HSDP included). Use p.grad.full_tensor() for this one"
+                )
+            tp_spec = getattr(fp, "_tp_spec", None) if fp.is_dtensor else None
+            if tp_spec is not None and any(pl.is_shard() for pl in tp_spec.placements):
+                tensor_parallel.add(name)  # a tensor-parallel shard before FSDP: it stays this rank's TP shard
+            pg = fp.mesh_info.shard_process_group
             key = (id(pg), str(p.to_local().dtype))
             pgs[key] = pg
-            members.setdefault(key, []).append((name, p))
+            members.setdefault(key, []).append((name, fp))
+        self.model_parallel = frozenset(tensor_parallel)
         groups = []
         for index, (key, params) in enumerate(members.items()):
             pg = pgs[key]
             world = pg.size()
             slots, offset = [], 0
-            for name, p in params:
-                rows = p.shape[0] if p.dim() else 1
-                row = p.numel() // max(rows, 1)
-                slice_numel = -(-rows // world) * row
-                slots.append(ParamSlot(name, tuple(p.shape), p.numel(), offset, slice_numel))
+            for name, fp in params:
+                shape = tuple(fp._orig_size)  # the local shape FSDP shards (TP-local under TP)
+                numel = math.prod(shape)
+                rows = shape[0] if shape else 1
+                slice_numel = -(-rows // world) * (numel // max(rows, 1))
+                slots.append(ParamSlot(name, shape, numel, offset, slice_numel, name in tensor_parallel))
                 offset += slice_numel
-            dtype = params[0][1].to_local().dtype
+            dtype = self.params[params[0][0]].to_local().dtype
             groups.append(
                 GradGroup(index, Kind.PER_PARAM, tuple(_compat.group_ranks(pg)), offset, dtype, dtype, tuple(slots))
             )
@@ -148,15 +153,21 @@ def _zeros(scratch: dict, numel: int, dtype: torch.dtype, device: torch.device) 
     return found[:numel]
 
 
-def _accumulating_params(model: nn.Module):
-    """A function telling, per FSDP parameter, whether it holds gradients accumulated without
-    reduction (micro-steps under ``set_requires_gradient_sync(False)``)."""
-    fsdp_params = []
+def _fsdp_params(model: nn.Module) -> list[Any]:
+    """Every ``FSDPParam`` of the ``fully_shard`` units in ``model``."""
+    out = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
             group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
             if group is not None:
-                fsdp_params.extend(group.fsdp_params)
+                out.extend(group.fsdp_params)
+    return out
+
+
+def _accumulating_params(model: nn.Module):
+    """A function telling, per FSDP parameter, whether it holds gradients accumulated without
+    reduction (micro-steps under ``set_requires_gradient_sync(False)``)."""
+    fsdp_params = _fsdp_params(model)
 
     def accumulating():
         # FSDP2's post-backward without reduction leaves the unreduced gradient on the unsharded
