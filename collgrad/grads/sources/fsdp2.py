@@ -18,7 +18,7 @@ and is named in ``model_parallel`` (as AutoTP shards are).
 FSDP2 internals used (torch 2.13): ``FSDPModule`` and its state's ``_fsdp_param_group.fsdp_params``;
 of each ``FSDPParam``: ``sharded_param`` (the model's parameter), ``fsdp_placement`` (dim 0 unless a
 ``shard_placement_fn`` chose another), ``mesh_info.shard_process_group`` (FSDP's shard dimension),
-``_orig_size`` (the local shape FSDP shards: the TP shard under TP), ``is_dtensor`` and ``_tp_spec``
+``_orig_size`` (the local shape FSDP shards: the TP shard under TP), ``is_dtensor`` and ``_unsharded_dtensor_spec``
 (TP before FSDP, and whether it shards),
 and ``_unsharded_param.grad`` / ``unsharded_accumulated_grad`` (where a
 ``set_requires_gradient_sync(False)`` micro-step leaves unreduced gradients until a reducing
@@ -80,7 +80,7 @@ class FSDP2Source(Source):
                     f"{type(fp.mesh_info).__name__}; collgrad reads FSDP2 parameters sharded on dim 0 "
                     "(fully_shard's default, HSDP included). Use p.grad.full_tensor() for this one"
                 )
-            tp_spec = getattr(fp, "_tp_spec", None) if fp.is_dtensor else None
+            tp_spec = getattr(fp, "_unsharded_dtensor_spec", None) if fp.is_dtensor else None
             if tp_spec is not None and any(pl.is_shard() for pl in tp_spec.placements):
                 tensor_parallel.add(name)  # a tensor-parallel shard before FSDP: it stays this rank's TP shard
             pg = fp.mesh_info.shard_process_group
