@@ -127,8 +127,9 @@ def batch_params(group: GradGroup, kind: PlanKind, call: GradCall) -> tuple[tupl
 
     ZeRO-3 all-gathers go by buckets of gathered bytes (the staging buffer is one bucket); when
     streaming, each step's staging and results together stay within a bucket (half each). Streamed
-    all-reduces go by buckets of result bytes; per-parameter reads go one parameter at a time.
-    Everything else (local, ZeRO-1/2 gathers, unstreamed all-reduces) is one step.
+    all-reduces and streamed local reads (copies) go by buckets of result bytes; per-parameter reads
+    go one parameter at a time. Everything else (unstreamed local reads, ZeRO-1/2 gathers, unstreamed
+    all-reduces) is one step.
     """
     indices = tuple(range(len(group.params)))
     if not indices:
@@ -136,7 +137,7 @@ def batch_params(group: GradGroup, kind: PlanKind, call: GradCall) -> tuple[tupl
     if kind is PlanKind.PER_PARAM:
         return tuple((k,) for k in indices), None
     per_param_gather = kind is PlanKind.ALL_GATHER and group.kind is Kind.PER_PARAM
-    if not (per_param_gather or (call.streaming and kind is PlanKind.ALL_REDUCE)):
+    if not (per_param_gather or (call.streaming and kind in (PlanKind.ALL_REDUCE, PlanKind.LOCAL))):
         return (indices,), None
     itemsize = torch.empty((), dtype=group.out_dtype).element_size()
     budget = call.bucket_bytes // 2 if (call.streaming and per_param_gather) else call.bucket_bytes

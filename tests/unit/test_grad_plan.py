@@ -14,6 +14,7 @@ from collgrad.grads.plan import (
     PLANS,
     GradCall,
     PlanKind,
+    batch_params,
     choose_kind,
     needs_capabilities,
     plan_grads,
@@ -130,3 +131,12 @@ def test_zero3_gathers_go_by_buckets_of_gathered_bytes_and_half_when_streaming()
     assert plan.groups[0].batches == ((0, 1, 2), (3, 4, 5), (6, 7, 8), (9,))
     plan = plan_grads(_layout([group]), GradCall("auto", 1200, True), {0: True})
     assert plan.groups[0].budget == 600 and plan.groups[0].batches == tuple((k,) for k in range(10))
+
+
+def test_streamed_local_reads_go_bucket_by_bucket():
+    # BF16_Optimizer / stage 0 hold full gradients: streaming copies them a bucket at a time, not all at once
+    group = _group(0, Kind.REPLICATED, [100] * 8, 1)
+    streamed, budget = batch_params(group, PlanKind.LOCAL, GradCall("auto", 4 * 250, True))
+    assert budget == 1000 and streamed == ((0, 1), (2, 3), (4, 5), (6, 7))
+    whole, _ = batch_params(group, PlanKind.LOCAL, GradCall("auto", 4 * 250, False))
+    assert whole == (tuple(range(8)),)
