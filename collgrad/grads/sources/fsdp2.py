@@ -20,7 +20,8 @@ of each ``FSDPParam``: ``sharded_param`` (the model's parameter), ``fsdp_placeme
 ``shard_placement_fn`` chose another), ``mesh_info.shard_process_group`` (FSDP's shard dimension),
 ``_orig_size`` (the local shape FSDP shards: the TP shard under TP), ``is_dtensor`` and ``_unsharded_dtensor_spec``
 (TP before FSDP, and whether it shards),
-and ``_unsharded_param.grad`` / ``unsharded_accumulated_grad`` (where a
+``DTensor._local_tensor`` (the local shard, without ``to_local()``'s autograd cost), and
+``_unsharded_param.grad`` / ``unsharded_accumulated_grad`` (where a
 ``set_requires_gradient_sync(False)`` micro-step leaves unreduced gradients until a reducing
 backward clears them).
 """
@@ -129,7 +130,8 @@ class FSDP2Source(Source):
                 if grad is None:  # took no part in backward: its gradient is zero
                     local = torch.zeros(owned, dtype=group.wire_dtype, device=self.device)
                 else:
-                    local = grad.to_local().reshape(-1) if isinstance(grad, DTensor) else None
+                    # DTensor's local shard itself: to_local() is an autograd function, ~10 us per call
+                    local = grad._local_tensor.reshape(-1) if isinstance(grad, DTensor) else None
                     if local is None or local.numel() != owned:
                         return LocalGrads(
                             Problem.LAYOUT_CHANGED,
