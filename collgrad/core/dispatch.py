@@ -205,11 +205,31 @@ class Dispatcher:
         reduce_op: ReduceOp.RedOpType | None = ReduceOp.SUM,
         *,
         atomic: bool = True,
+        done: Callable[[int], None] | None = None,
     ) -> CallRecord:
         """Run a prepared plan on ``inputs`` (and ``outputs`` for an all-gather), tensors of the specs it
-        was prepared for. Collective: every rank runs the same plan (no argument check here)."""
+        was prepared for. Collective: every rank runs the same plan (no argument check here).
+
+        ``done(i)``: called as soon as output ``i`` is complete (its last bucket finished), while the
+        next bucket is still in flight, so a caller can work on it meanwhile. Only for non-atomic runs
+        whose outputs are contiguous (nothing is written back at the end)."""
         plan, op = prepared.plan, prepared.plan.op
         assert prepared.fits(inputs), "a prepared plan run on tensors it was not prepared for"
+        left: dict[int, int] = {}
+        if done is not None:
+            assert not atomic and all(t.is_contiguous() for t in (outputs or inputs)), "done needs in-place outputs"
+            for bucket in plan.buckets:
+                for seg in bucket.segments:
+                    left[seg.tensor] = left.get(seg.tensor, 0) + 1
+
+        def finish(flight: _InFlight) -> None:
+            _finish(flight, op, reduce_op, src, dst, plan, self.timeout, group, failures)
+            if done is not None:
+                for seg in flight.bucket.segments:
+                    left[seg.tensor] -= 1
+                    if not left[seg.tensor]:
+                        done(seg.tensor)
+
         failures = BucketFailures(group, next_call(group))
         with torch.no_grad():
             # Atomic: every bucket works on private copies; the caller's tensors are written at the end.
@@ -223,9 +243,9 @@ class Dispatcher:
                 in_flight.append(flight)
                 records.append(_record(bucket, len(flight.handles), flight.fallback))
                 if len(in_flight) == 2:
-                    _finish(in_flight.popleft(), op, reduce_op, src, dst, plan, self.timeout, group, failures)
+                    finish(in_flight.popleft())
             while in_flight:
-                _finish(in_flight.popleft(), op, reduce_op, src, dst, plan, self.timeout, group, failures)
+                finish(in_flight.popleft())
             for work in dst:
                 work.write_back()
         return CallRecord(op, tuple(_compat.group_ranks(group)), tuple(records), prepared.decisions)

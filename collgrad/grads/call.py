@@ -149,21 +149,29 @@ class OpenCall:
         inputs: Sequence[torch.Tensor],
         outputs: Sequence[torch.Tensor] | None,
         group: ProcessGroup | None,
+        *,
+        bucket_bytes: int | None = None,
+        done: Callable[[int], None] | None = None,
     ) -> CallRecord:
-        """One dispatcher call for ``step`` of this call, through its cached bucket plan. Not atomic and
-        not re-checked: the tensors are collgrad's own buffers, and the ranks agreed when the call opened."""
+        """One dispatcher call for ``step`` of this call, through its cached bucket plan (buckets of
+        ``bucket_bytes``, default the call's). Not atomic and not re-checked: the tensors are collgrad's
+        own buffers, and the ranks agreed when the call opened. ``done``: see ``Dispatcher.run``."""
         group = _compat.default_group() if group is None else group
-        return self.dispatcher.run(self._prepared(step, op, inputs, group), inputs, outputs, group, atomic=False)
+        cap = self.call.bucket_bytes if bucket_bytes is None else bucket_bytes
+        prepared = self._prepared(step, op, inputs, group, cap)
+        return self.dispatcher.run(prepared, inputs, outputs, group, atomic=False, done=done)
 
-    def _prepared(self, step: Hashable, op: Op, tensors: Sequence[torch.Tensor], group: ProcessGroup) -> Prepared:
+    def _prepared(
+        self, step: Hashable, op: Op, tensors: Sequence[torch.Tensor], group: ProcessGroup, cap: int
+    ) -> Prepared:
         """The dispatcher's bucket plan for one step of this call, built once and cached with the source
         (the tensors of a step have the same specs every call: they come from the layout)."""
-        key = ("bucket plan", self.name, self.call, self.policy, step)
+        key = ("bucket plan", self.name, self.call, self.policy, step, cap)
         found = self.source.plans.get(key)
         if found is None:
             self.cached = False
             found = self.source.plans[key] = self.dispatcher.prepare(
-                op, tensors, group, bucket_bytes=self.call.bucket_bytes, policy=self.policy
+                op, tensors, group, bucket_bytes=cap, policy=self.policy
             )
         return found
 
