@@ -4,9 +4,10 @@ One small function per plan kind; none decides anything (the plan did), each onl
 
   local       copies (or views) of what this rank already holds
   all_gather  ZeRO-1/2: one gather of the partitions as they lie, then views per parameter;
-              ZeRO-3: one gather of a batch's slices into a reused staging buffer, then one strided
-              copy per run of equal layers to lay each parameter's slices end to end (coalesced
-              backends: per-parameter gathers straight into those places instead)
+              ZeRO-3 / FSDP2: a batch's slices gathered in a few chunks into a reused staging
+              buffer, each chunk laid parameter-major (one strided copy per run of equal layers)
+              while the next is in flight (coalesced backends: per-parameter gathers straight
+              into those places instead)
   all_reduce  this rank's fragments copied into a zeroed bucket, one sum over the group
   per_param   DeepSpeed's own accessor, one collective per parameter
 """
@@ -271,8 +272,9 @@ class Executor:
         return where, c.source.plans[key][2]
 
     def _gather_slices(self, gplan, group: GradGroup, buffer: Pieces, b: int, batch, calls) -> Result:
-        """ZeRO-3: gather this batch's slices, rank-major, into a staging buffer kept between calls,
-        then lay each parameter's slices end to end (the copy a rank-major gather always needs)."""
+        """ZeRO-3 / FSDP2: gather this batch's slices, rank-major, into a staging buffer kept between
+        calls, and lay each parameter's slices end to end (the copy a rank-major gather always needs),
+        chunk by chunk as the chunks arrive."""
         device, world = self.call.source.device, group.world
         slots = [group.params[k] for k in batch]
         lo = slots[0].offset
