@@ -168,6 +168,27 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def _once(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of one call on every rank (between barriers; the device synchronized). The output is
+    freed before the next call: it counts in that call only."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    del result
+    return elapsed
+
+
+def _progress(label: str, rep: int, reps: int) -> None:
+    """One line per method on stderr, rewritten in place."""
+    print(f"\r[bench] {label}: {rep + 1}/{reps}", end="\n" if rep + 1 == reps else "", file=sys.stderr, flush=True)
+
+
 def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) -> dict[str, Any]:
     """Median time of ``cfg.reps`` calls, then the peak memory of separate calls: the host sampler is a
     thread that takes the GIL every millisecond, so it would slow the Python it measures."""
@@ -176,19 +197,9 @@ def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) 
         fn()
     times = []
     for rep in range(cfg.reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        result = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-        del result  # the output counts in the peak; free it before the next repetition
-        if progress:  # one line per method, rewritten in place
-            end = "\n" if rep + 1 == cfg.reps else ""
-            print(f"\r[bench] {label}: {rep + 1}/{cfg.reps}", end=end, file=sys.stderr, flush=True)
+        times.append(_once(fn, device))
+        if progress:
+            _progress(label, rep, cfg.reps)
     peak_host = peak_dev = 0
     for _ in range(_MEMORY_REPS):
         if device.type == "cuda":
@@ -219,27 +230,12 @@ def _paired(fn: Callable[[], Any], floor: Callable[[], Any], cfg: BenchConfig, l
     """``fn`` and ``floor`` timed alternately, ``cfg.reps`` pairs: the median of the per-pair ratios and
     their spread."""
     device = _device()
-
-    def once(f: Callable[[], Any]) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        result = f()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        elapsed = time.perf_counter() - start
-        del result
-        return elapsed
-
     ratios = []
     for rep in range(cfg.reps):
-        below = once(floor)
-        ratios.append(once(fn) / below)
+        below = _once(floor, device)
+        ratios.append(_once(fn, device) / below)
         if progress:
-            end = "\n" if rep + 1 == cfg.reps else ""
-            print(f"\r[bench] {label}: {rep + 1}/{cfg.reps}", end=end, file=sys.stderr, flush=True)
+            _progress(label, rep, cfg.reps)
     return {"ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 

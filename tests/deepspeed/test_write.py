@@ -13,6 +13,7 @@ pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install
 
 import torch
 
+from tests.edits import write_edit
 from tests.harness import attempt, run_ranks
 
 STEPS = 3
@@ -131,11 +132,7 @@ def _worker(rank, world):
             eng = models.engine(cfg)
             for _ in range(STEPS):
                 models.run_backward(eng, rank, gas)
-                if how == "set":
-                    grads = collgrad.safe_get_full_model_grads(eng)
-                    collgrad.safe_set_full_model_grads(eng, {n: edit(n, g) for n, g in grads.items()})
-                else:
-                    collgrad.update_full_model_grads(eng, edit, bucket_bytes=512)
+                write_edit(eng, how, edit)
                 eng.step()
             # tensors cannot travel back from a rank: compare here, return the distances
             trained = _params(eng)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.edits import write_edit
 from tests.harness import attempt, run_ranks
 
 STEPS = 3
@@ -169,11 +170,7 @@ def _worker(rank: int, world: int, hsdp: bool):
             opt.zero_grad()
             x, y = _batch(rank, step)
             nn.functional.mse_loss(model(x), y).backward()
-            if how == "set":
-                current = collgrad.safe_get_full_model_grads(model)
-                collgrad.safe_set_full_model_grads(model, {n: edit(n, g) for n, g in current.items()})
-            else:
-                collgrad.update_full_model_grads(model, edit, bucket_bytes=512)
+            write_edit(model, how, edit)
             opt.step()
         trained = {n: p.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
         out[f"trained_{how}"] = (
