@@ -109,6 +109,12 @@ class FSDP2Source(Source):
         self.layout = GradLayout("fsdp2", tuple(groups), tuple(n for n, _ in named))
         self.fingerprint = self.layout.fingerprint()
         self._accumulating = _accumulating_params(model)
+        # Per group, per parameter: (name, elements this rank holds, padding to a full slice): pure layout.
+        self._owned = []
+        for group in groups:
+            rank = group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
+            owned = [(s.name, max(0, min(s.slice_numel, s.numel - rank * s.slice_numel))) for s in group.params]
+            self._owned.append([(n, k, s.slice_numel - k) for (n, k), s in zip(owned, group.params)])
 
     def valid(self) -> bool:
         return [(n, id(p)) for n, p in self.model.named_parameters() if n in self.params] == self._ids
@@ -116,32 +122,29 @@ class FSDP2Source(Source):
     def read(self) -> LocalGrads:
         if any(self._accumulating()):
             return LocalGrads(Problem.NOT_BOUNDARY, [])
-        grads = [p.grad for p in self.params.values()]
-        if all(g is None for g in grads):
+        grads = {name: p.grad for name, p in self.params.items()}
+        if all(g is None for g in grads.values()):
             return LocalGrads(Problem.NO_BACKWARD, [])
         buffers = []
-        for group in self.layout.groups:
-            rank = group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
+        for group, slots in zip(self.layout.groups, self._owned):
             pieces = []
-            for slot in group.params:
-                p = self.params[slot.name]
-                owned = max(0, min(slot.slice_numel, slot.numel - rank * slot.slice_numel))
-                grad = p.grad
+            for name, owned, pad in slots:
+                grad = grads[name]
                 if grad is None:  # took no part in backward: its gradient is zero
                     local = torch.zeros(owned, dtype=group.wire_dtype, device=self.device)
                 else:
                     # DTensor's local shard itself: to_local() is an autograd function, ~10 us per call
-                    local = grad._local_tensor.reshape(-1) if isinstance(grad, DTensor) else None
+                    local = grad._local_tensor.view(-1) if isinstance(grad, DTensor) else None
                     if local is None or local.numel() != owned:
                         return LocalGrads(
                             Problem.LAYOUT_CHANGED,
                             [],
-                            detail=f"{slot.name}: the local gradient shard is not the {owned} elements of dim-0 rows "
+                            detail=f"{name}: the local gradient shard is not the {owned} elements of dim-0 rows "
                             "FSDP2 gives this rank",
                         )
                 pieces.append(local)
-                if owned < slot.slice_numel:  # the padding every rank's slice has, so that gathers line up
-                    pieces.append(_zeros(self.scratch, slot.slice_numel - owned, group.wire_dtype, self.device))
+                if pad:  # the padding every rank's slice has, so that gathers line up
+                    pieces.append(_zeros(self.scratch, pad, group.wire_dtype, self.device))
             buffers.append(Pieces(pieces))
         return LocalGrads(Problem.OK, buffers)
 
@@ -175,10 +178,10 @@ def _accumulating_params(model: nn.Module):
         # FSDP2's post-backward without reduction leaves the unreduced gradient on the unsharded
         # parameter, or upcast in unsharded_accumulated_grad (reduce_dtype); a reducing one clears both.
         for fp in fsdp_params:
-            unsharded = getattr(fp, "_unsharded_param", None)
-            yield getattr(fp, "unsharded_accumulated_grad", None) is not None or (
-                unsharded is not None and unsharded.grad is not None
-            )
+            if fp.unsharded_accumulated_grad is not None:
+                yield True
+            unsharded = fp.__dict__.get("_unsharded_param")
+            yield unsharded is not None and unsharded.grad is not None
 
     return accumulating
 
