@@ -32,6 +32,7 @@ __all__ = [
     "agree_on_call",
     "call_verdict",
     "stable_hash",
+    "ranks_by_value",
     "tell_invalid",
 ]
 
@@ -85,6 +86,14 @@ def stable_hash(value: object) -> int:
     return zlib.crc32(repr(value).encode())
 
 
+def ranks_by_value(rows: Sequence[Sequence[int]], column: int, group_ranks: Sequence[int]) -> dict[int, list[int]]:
+    """Pure: the ranks grouped by what they put in ``column`` of their row (first seen value first)."""
+    by_value: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_value.setdefault(row[column], []).append(group_ranks[i])
+    return by_value
+
+
 def call_verdict(
     rows: Sequence[Sequence[int]], fields: Sequence[Field], group_ranks: Sequence[int], *, call: str, rank: int
 ) -> ArgumentMismatchError | PreStepHookError | None:
@@ -105,9 +114,7 @@ def call_verdict(
     for k, field in enumerate(fields, start=1):
         if not field.compare:
             continue
-        by_value: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            by_value.setdefault(row[k], []).append(group_ranks[i])
+        by_value = ranks_by_value(rows, k, group_ranks)
         if len(by_value) > 1:
             differing.append(field.name)
             if field.shown:

@@ -31,7 +31,7 @@ from collgrad.errors import InvalidArgumentError, LayoutChangedError, NotReadyEr
 from collgrad.grads import sources
 from collgrad.grads.plan import PLANS, GradCall, GradPlan, needs_capabilities, plan_grads
 from collgrad.grads.sources import LocalGrads, Problem, Source
-from collgrad.grads.sources.layout import Kind
+from collgrad.grads.sources.layout import GradGroup, Kind
 
 __all__ = ["OpenCall", "FIELDS"]
 
@@ -135,12 +135,23 @@ class OpenCall:
         gather_ok = {}
         for i, group in enumerate(layout.groups):
             if needs_capabilities(group, self.call, per_param):  # collective on first use: only if needed
-                caps = self.dispatcher.registry.capabilities(
-                    self.source.device.type, self.source.groups.get(group.index), self.policy
+                gather_ok[i] = self.primitive(group, Op.ALL_GATHER, group.wire_dtype) not in (
+                    None,
+                    Primitive.PER_TENSOR,
                 )
-                choice = caps.choice(Op.ALL_GATHER, group.wire_dtype)
-                gather_ok[i] = choice.primitive not in (None, Primitive.PER_TENSOR)
         return plan_grads(layout, self.call, gather_ok, per_param)
+
+    def primitive(self, group: GradGroup, op: Op, dtype: torch.dtype) -> Primitive | None:
+        """The registry's choice of primitive for ``op`` on ``dtype`` over ``group``, under this call's
+        policy. Asked once (collective the first time, on every rank alike), cached with the source."""
+        key = ("primitive", group.index, op, dtype, self.policy)
+        found = self.source.plans.get(key, False)
+        if found is False:
+            caps = self.dispatcher.registry.capabilities(
+                self.source.device.type, self.source.groups.get(group.index), self.policy
+            )
+            found = self.source.plans[key] = caps.choice(op, dtype).primitive
+        return found
 
     def run(
         self,

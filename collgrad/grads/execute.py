@@ -25,6 +25,7 @@ from collgrad.core.record import CallRecord
 from collgrad.grads.call import OpenCall
 from collgrad.grads.plan import GroupPlan, PlanKind
 from collgrad.grads.record import FullGradRecord, GroupRecord
+from collgrad.grads.sources import rank_in
 from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, ParamSlot, gathered_runs, owned_fragments
 
 __all__ = ["Executor", "Result", "placed_pieces"]
@@ -322,18 +323,7 @@ class Executor:
         """Whether this group's gathers go through the coalesced primitive (NCCL and XCCL run it as
         grouped per-tensor gathers into the outputs given; Gloo flattens it itself, so it chooses a
         flat buffer)."""
-        return self._primitive(group, Op.ALL_GATHER, group.wire_dtype) is Primitive.COALESCED
-
-    def _primitive(self, group: GradGroup, op: Op, dtype: torch.dtype) -> Primitive | None:
-        """The registry's choice of primitive for ``op`` on ``dtype`` over this group, under the call's
-        policy. Asked once (collective the first time, on every rank alike), cached with the source."""
-        c = self.call
-        key = ("primitive", group.index, op, dtype, c.policy)
-        found = c.source.plans.get(key, False)
-        if found is False:
-            caps = c.dispatcher.registry.capabilities(c.source.device.type, c.source.groups.get(group.index), c.policy)
-            found = c.source.plans[key] = caps.choice(op, dtype).primitive
-        return found
+        return self.call.primitive(group, Op.ALL_GATHER, group.wire_dtype) is Primitive.COALESCED
 
     def _staging(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         """Scratch for gathered slices, reused across calls (never returned: results are copies).
@@ -349,7 +339,7 @@ class Executor:
         """This rank's fragments copied into a bucket zeroed elsewhere, one sum over the group."""
         c = self.call
         device = c.source.device
-        rank = group.group_ranks.index(torch.distributed.get_rank())
+        rank = rank_in(group)
         key = ("all_reduce step", group.index, batch, rank)  # the batch itself: calls batch differently
         step = c.source.plans.get(key)
         if step is None:  # pure layout: cached with the source
@@ -368,7 +358,7 @@ class Executor:
         views = [result[at : at + group.params[k].numel] for k, at in zip(batch, starts)]
         # The bucket as one tensor (one collective, no per-tensor bookkeeping), unless the registry
         # sends one collective per tensor for this group (then it needs the per-parameter views).
-        per_tensor = self._primitive(group, Op.ALL_REDUCE, group.out_dtype) is Primitive.PER_TENSOR
+        per_tensor = self.call.primitive(group, Op.ALL_REDUCE, group.out_dtype) is Primitive.PER_TENSOR
         self._run(gplan, group, b, Op.ALL_REDUCE, views if per_tensor else [result], None, calls)
         return [
             (group.params[k].name, self._finish(view, group.params[k], group.out_dtype))

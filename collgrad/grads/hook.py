@@ -69,27 +69,16 @@ def register_pre_step_hook(model: Any, fn: Callable[[Any], Any], *, every: int =
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise InvalidArgumentError(f"rank {_compat.rank()}: every must be a positive int, got {every!r}")
     handle = PreStepHook(fn, every)
-    group_box: list[Any] = []
-    engine_box: list[Any] = []
 
-    def run() -> None:
+    def run(engine: Any) -> None:
         handle.boundaries += 1
         if handle.boundaries % handle.every:
             return
         handle.calls += 1
-        _run_checked(handle.fn, engine_box[0], group_box[0])
+        _run_checked(handle.fn, engine, sources.control_group_of(engine))
 
-    remove, group = sources.hook_model_step(model, run)
-    group_box.append(group)
-    engine_box.append(_engine_of(model))
-    handle._remove = remove
+    handle._remove = sources.hook_model_step(model, run)
     return handle
-
-
-def _engine_of(model: Any) -> Any:
-    from collgrad.grads.sources import deepspeed as ds_source  # hook_model_step found one: deepspeed is here
-
-    return ds_source.find_engine(model)
 
 
 def _run_checked(fn: Callable[[Any], Any], engine: Any, group: Any) -> None:

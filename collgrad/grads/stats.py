@@ -32,6 +32,7 @@ from collgrad.errors import InvalidArgumentError
 from collgrad.grads.call import OpenCall
 from collgrad.grads.plan import PlanKind
 from collgrad.grads.record import FullGradRecord, GroupRecord
+from collgrad.grads.sources import rank_in
 from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, Run, owned_fragments, strided_runs
 
 __all__ = ["GradStat", "GradStats", "model_grad_stats", "module_of"]
@@ -182,7 +183,7 @@ class _Arranged:
 def _arranged(call: OpenCall, group: GradGroup, buffer: Pieces, placement: tuple[int, ...]) -> _Arranged:
     """The arrangement for ``placement`` (the offset of each piece in its storage span), from the cache
     while the pieces stay where they are (DeepSpeed keeps its buffers: the usual case)."""
-    rank = group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
+    rank = rank_in(group)
     key = ("stats arrangement", group.index, rank)
     found = call.source.plans.get(key)
     if found is not None and found.placement == placement:
@@ -226,7 +227,7 @@ def _reduce(call: OpenCall, group: GradGroup, buffer: Any) -> _Reduced:
             return (torch.arange(len(views)), *_one_by_one(views), views.__getitem__)
     placed = buffer.placement()
     if placed is None:  # pieces in different storages: one view per fragment, where it lies
-        rank = group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
+        rank = rank_in(group)
         frags = owned_fragments(group, rank)
         views = [buffer.range(f.local_offset, f.numel) for f in frags]
         index = torch.tensor([f.param for f in frags], dtype=torch.int64)

@@ -22,7 +22,7 @@ import torch
 
 from collgrad import _compat
 from collgrad.backends.policy import Policy
-from collgrad.core.agreement import Field, exchange, stable_hash
+from collgrad.core.agreement import Field, exchange, ranks_by_value, stable_hash
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import ArgumentMismatchError, InvalidArgumentError, UnknownParameterError
 from collgrad.grads.call import OpenCall
@@ -136,9 +136,7 @@ def _which_differ(
     ranks = _compat.group_ranks(group)
     differ = []
     for k, (name, _) in enumerate(sums):
-        by_value: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            by_value.setdefault(row[k], []).append(ranks[i])
+        by_value = ranks_by_value(rows, k, ranks)
         if len(by_value) > 1:
             differ.append(f"{name!r} (ranks grouped by value: {sorted(by_value.values())})")
     shown = "; ".join(differ[:5]) + (f"; and {len(differ) - 5} more" if len(differ) > 5 else "")

@@ -26,7 +26,21 @@ from collgrad import _compat
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
 
-__all__ = ["Problem", "LocalGrads", "Source", "ReplicatedSource", "open_source", "select", "control_group_of"]
+__all__ = [
+    "Problem",
+    "LocalGrads",
+    "Source",
+    "ReplicatedSource",
+    "open_source",
+    "select",
+    "control_group_of",
+    "rank_in",
+]
+
+
+def rank_in(group: GradGroup) -> int:
+    """This process's position among ``group``'s ranks (0 in a group of one, which needs no process group)."""
+    return group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
 
 
 class Problem(enum.IntEnum):
@@ -105,8 +119,7 @@ class Source:
                     if slot.name in values:
                         self._write_full(k, slot, buffer, _scaled(values[slot.name], scale))
                 continue
-            rank = group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
-            for frag in owned_fragments(group, rank):
+            for frag in owned_fragments(group, rank_in(group)):
                 new = values.get(group.params[frag.param].name)
                 if new is not None:
                     part = new.reshape(-1)[frag.param_offset : frag.param_offset + frag.numel]
@@ -204,16 +217,16 @@ def control_group_of(model: Any) -> ProcessGroup | None:
     return _compat.default_group()
 
 
-def hook_model_step(model: Any, run: Callable[[], None]) -> tuple[Callable[[], None], ProcessGroup | None]:
-    """Have ``run()`` called inside ``model``'s fused step (a DeepSpeed engine's ``step()``, at each
-    accumulation boundary, before clipping and the update); returns the function that undoes it and
-    the group whose ranks all step together. Raises InvalidArgumentError where there is no such step."""
+def hook_model_step(model: Any, run: Callable[[Any], None]) -> Callable[[], None]:
+    """Have ``run(engine)`` called inside ``model``'s fused step (a DeepSpeed engine's ``step()``, at each
+    accumulation boundary, before clipping and the update); returns the function that undoes it.
+    Raises InvalidArgumentError where there is no such step."""
     if "deepspeed" in sys.modules or _looks_like_engine(model):
         from collgrad.grads.sources import deepspeed as ds_source
 
         engine = ds_source.find_engine(model)
         if engine is not None:
-            return ds_source.hook_model_step(engine, run), control_group_of(engine)
+            return ds_source.hook_model_step(engine, run)
     raise InvalidArgumentError(
         f"rank {_compat.rank()}: {type(model).__name__} is not a DeepSpeed engine (or a module one wraps): there is "
         "no fused step to hook. With a torch optimizer, call your function between backward() and "

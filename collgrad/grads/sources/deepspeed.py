@@ -79,8 +79,8 @@ def find_engine(model: Any) -> DeepSpeedEngine | None:
     return None
 
 
-def hook_model_step(engine: DeepSpeedEngine, run: Callable[[], None]) -> Callable[[], None]:
-    """Call ``run()`` inside every ``engine.step()`` that updates the model, before it clips, checks for
+def hook_model_step(engine: DeepSpeedEngine, run: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``run(engine)`` inside every ``engine.step()`` that updates the model, before it clips, checks for
     overflow or steps the optimizer; returns a function that undoes it. Relies on DeepSpeed 0.19
     internals (runtime/engine.py): ``step()`` calls ``self._take_model_step(lr_kwargs)`` exactly when
     ``is_gradient_accumulation_boundary()``, after the gradients are reduced (in ``backward()``, or in
@@ -88,14 +88,14 @@ def hook_model_step(engine: DeepSpeedEngine, run: Callable[[], None]) -> Callabl
     clipping (``clip_fp32_gradients``), ``optimizer.step()`` (ZeRO and the fp16/bf16 optimizers check
     overflow and clip there), ``zero_grad()``. An instance attribute shadows the method; DeepSpeed's
     source is unchanged. Several callers share one wrapper (each run in the order registered)."""
-    runs: list[Callable[[], None]] | None = engine.__dict__.get("_collgrad_pre_step")
+    runs: list[Callable[[Any], None]] | None = engine.__dict__.get("_collgrad_pre_step")
     if runs is None:
         runs = engine.__dict__["_collgrad_pre_step"] = []
         take_model_step = type(engine)._take_model_step
 
         def _take_model_step(*args: Any, **kwargs: Any) -> Any:
             for fn in list(runs):
-                fn()
+                fn(engine)
             return take_model_step(engine, *args, **kwargs)
 
         engine._take_model_step = _take_model_step

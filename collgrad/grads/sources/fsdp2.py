@@ -40,8 +40,8 @@ from torch.distributed.tensor import DTensor, Shard
 from collgrad import _compat
 from collgrad.core.buffers import Pieces
 from collgrad.errors import InvalidArgumentError
-from collgrad.grads.sources import LocalGrads, Problem, Source
-from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
+from collgrad.grads.sources import LocalGrads, Problem, Source, rank_in
+from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
 
 __all__ = ["is_fsdp2", "open_fsdp2", "shard_whole"]
 
@@ -112,9 +112,10 @@ class FSDP2Source(Source):
         # Per group, per parameter: (name, elements this rank holds, padding to a full slice): pure layout.
         self._owned = []
         for group in groups:
-            rank = group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
-            owned = [(s.name, max(0, min(s.slice_numel, s.numel - rank * s.slice_numel))) for s in group.params]
-            self._owned.append([(n, k, s.slice_numel - k) for (n, k), s in zip(owned, group.params)])
+            held = {f.param: f.numel for f in owned_fragments(group, rank_in(group))}
+            self._owned.append(
+                [(s.name, held.get(k, 0), s.slice_numel - held.get(k, 0)) for k, s in enumerate(group.params)]
+            )
 
     def valid(self) -> bool:
         return [(n, id(p)) for n, p in self.model.named_parameters() if n in self.params] == self._ids
