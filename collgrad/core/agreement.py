@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,15 +55,27 @@ def control_device_type(group: ProcessGroup, preferred: str = "cpu") -> str:
 
 
 def exchange(
-    group: ProcessGroup, row: Sequence[int], device_type: str | None = None, *, timeout_s: float, what: str
+    group: ProcessGroup,
+    row: Sequence[int],
+    device_type: str | None = None,
+    *,
+    timeout_s: float,
+    what: str,
+    meanwhile: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """All-gather ``row`` (same length on every rank) over ``group``, waiting at most ``timeout_s``;
-    returns every rank's row. ``what`` names the agreement in a timeout error."""
+    returns every rank's row. ``what`` names the agreement in a timeout error. ``meanwhile``: local
+    work run while the exchange is in flight (it must not communicate); the exchange is waited for
+    even if it raises, so this rank never leaves a collective of its own behind."""
     device = _compat.agreement_device(device_type or control_device_type(group))
     mine = torch.tensor(list(row), dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(group.size())]
     work = dist.all_gather(rows, mine, group=group, async_op=True)
-    wait_work(work, timeout_s, f"{what} (a small all_gather over group {_compat.group_ranks(group)})")
+    try:
+        if meanwhile is not None:
+            meanwhile()
+    finally:
+        wait_work(work, timeout_s, f"{what} (a small all_gather over group {_compat.group_ranks(group)})")
     return [r.tolist() for r in rows]
 
 
@@ -142,17 +154,19 @@ def agree_on_call(
     call: str,
     status: int = 0,
     device_type: str | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """Exchange this rank's ``status`` and call ``fields`` with the group and raise, on every rank alike,
     if any rank's arguments were invalid (``status=INVALID``) or differ. Returns every rank's row, so
     a caller can read the other statuses it defined. Collective: every rank of ``group`` calls it with
-    the same number of fields."""
+    the same number of fields. ``meanwhile``: see ``exchange``."""
     rows = exchange(
         group,
         [status, *(f.value for f in fields)],
         device_type,
         timeout_s=timeout_s,
         what=f"the argument check of {call}",
+        meanwhile=meanwhile,
     )
     error = call_verdict(rows, fields, _compat.group_ranks(group), call=call, rank=_compat.rank())
     if error is not None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import bisect
-from typing import Iterator, Sequence
+import weakref
+from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["adjacent_view"]
+__all__ = ["adjacent_view", "Pieces", "PiecesCache"]
 
 
 def adjacent_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -45,9 +46,12 @@ class Pieces:
             self.starts.append(total)
             total += p.numel()
         self._numel = total
-        # Computed on first use (a Pieces lives for one call: DeepSpeed may move its buffers between calls)
+        # Computed on first use (or known from a PiecesCache: the same fragment tensors lie where they lay)
         self._placement: tuple[torch.Tensor, tuple[int, ...]] | None | bool = False
         self._tiling: tuple[torch.Tensor, tuple[int, ...]] | None | bool = False
+        #: Values derived from where the pieces lie (plain data, no tensors), shared by the Pieces a
+        #: PiecesCache builds for the same fragments: computed once while they stay.
+        self.memo: dict[Any, Any] = {}
 
     def numel(self) -> int:
         return self._numel
@@ -122,6 +126,28 @@ class Pieces:
             end += piece.numel()
         return (span, offsets) if end == span.numel() else None
 
+    def _known(self) -> tuple:
+        """Where the pieces lie as plain data (no tensor): what a PiecesCache keeps between calls."""
+        placed, tiled = self.placement(), self.tiling() is not None
+        if placed is None:
+            return (self.starts, self._numel, None, 0, False, self.memo)
+        span, offsets = placed
+        return (self.starts, self._numel, offsets, span.numel(), tiled, self.memo)
+
+    @classmethod
+    def _from_known(cls, pieces: Sequence[torch.Tensor], known: tuple) -> Pieces:
+        self = cls.__new__(cls)
+        self.pieces = list(pieces)
+        self.starts, self._numel, offsets, span_numel, tiled, self.memo = known
+        if offsets is None:
+            self._placement = self._tiling = None
+            return self
+        first = self.pieces[0]
+        lo = first.storage_offset() - offsets[0]
+        self._placement = (first.new_empty(0).set_(first.untyped_storage(), lo, (span_numel,), (1,)), offsets)
+        self._tiling = self._placement if tiled else None
+        return self
+
     def whole(self) -> torch.Tensor:
         """Everything as one contiguous tensor: a view when the pieces already are back to back."""
         return self.range(0, self._numel)
@@ -143,3 +169,25 @@ class Pieces:
             return parts[0]
         view = adjacent_view(parts)
         return view if view is not None else torch.cat(parts)
+
+
+class PiecesCache:
+    """The Pieces of a fragment list that stays the same between calls (DeepSpeed's ZeRO-1/2 list lives
+    from a step's reduction to its ``zero_grad()``; accumulation adds in place): where the fragments lie
+    is worked out once per list, not once per call (~0.4 ms at 200 fragments). The fragments are held
+    weakly, so the cache never keeps freed gradient memory alive (DeepSpeed allocates them anew every
+    step), and a fragment freed and replaced is never mistaken for the old one. It relies on a tensor
+    object never being re-pointed in place (``set_``): DeepSpeed makes new views, it never re-points."""
+
+    def __init__(self) -> None:
+        self._refs: tuple[weakref.ref, ...] = ()
+        self._known: tuple | None = None
+
+    def pieces(self, fragments: Sequence[torch.Tensor]) -> Pieces:
+        refs = self._refs
+        if self._known is not None and len(refs) == len(fragments) and all(r() is t for r, t in zip(refs, fragments)):
+            return Pieces._from_known(fragments, self._known)
+        built = Pieces(fragments)
+        self._known = built._known() if all(p.dim() == 1 for p in fragments) else None
+        self._refs = tuple(weakref.ref(t) for t in fragments)
+        return built

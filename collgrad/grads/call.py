@@ -53,7 +53,10 @@ class OpenCall:
     Construction is collective over the model's data-parallel group (one small all-gather); it raises
     on every rank together when any rank's arguments are invalid or different, or when gradients
     cannot be read now. ``extra``: a function of the opened source giving ``EXTRA`` more fields to
-    compare (an entry point's own arguments); it may raise InvalidArgumentError.
+    compare (an entry point's own arguments); it may raise InvalidArgumentError. ``meanwhile``: local
+    work on this rank's located gradients (it must not communicate), run while the check is in flight
+    where this rank can read them; its result is ``early`` (None where it did not run), and it is
+    discarded, with the call, if the check fails.
     """
 
     EXTRA = 2
@@ -71,6 +74,7 @@ class OpenCall:
         streaming: bool,
         name: str,
         extra: Callable[[Source], Sequence[Field]] | None = None,
+        meanwhile: Callable[[OpenCall], Any] | None = None,
     ) -> None:
         self.name = name
         self.dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
@@ -94,7 +98,14 @@ class OpenCall:
         self.call = GradCall(plan, cap, streaming)
         self.policy = policy
         self.unscale = unscale and self.local.loss_scale != 1.0
-        rows = _agree(self.source, self.local, self._fields() + extra_fields, self.dispatcher.timeout, name)
+        #: What ``meanwhile`` returned, computed while the ranks were agreeing.
+        self.early: Any = None
+
+        def early() -> None:
+            if meanwhile is not None and self.local.problem is Problem.OK:
+                self.early = meanwhile(self)
+
+        rows = _agree(self.source, self.local, self._fields() + extra_fields, self.dispatcher.timeout, name, early)
         #: Every rank's print of where its gradient pieces lie (its storage order), by global rank: a
         #: gather of partitions as they lie checks it against what it cached (no extra collective).
         self.placements: dict[int, int] = {}
@@ -201,21 +212,32 @@ def _placement_print(source: Source, local: LocalGrads) -> int:
         cached = source.plans.get(("placements", source.layout.groups[position].index))
         if cached is None or cached[0] != pieces:
             return -1
-        prints.append(pieces)
+        if "placed print" not in buffer.memo:
+            buffer.memo["placed print"] = stable_hash(pieces)
+        prints.append(buffer.memo["placed print"])
     return stable_hash(prints) & ((1 << 62) - 1)
 
 
 def _agree(
-    source: Source, local: LocalGrads, fields: list[Field], timeout_s: float, name: str
+    source: Source,
+    local: LocalGrads,
+    fields: list[Field],
+    timeout_s: float,
+    name: str,
+    meanwhile: Callable[[], None],
 ) -> list[list[int]] | None:
     """Every rank of the control group learns every rank's readiness and arguments, and all raise the
-    same error if any rank cannot read now or asked for something else. Returns every rank's row."""
+    same error if any rank cannot read now or asked for something else; ``meanwhile`` runs while the
+    exchange is in flight. Returns every rank's row."""
     rank = _compat.rank()
     if source.control_group is None:
         if local.problem is not Problem.OK:
             raise NotReadyError(f"rank {rank}: {local.problem.describe()}")
+        meanwhile()
         return None
-    rows = agree_on_call(source.control_group, fields, timeout_s=timeout_s, call=name, status=int(local.problem))
+    rows = agree_on_call(
+        source.control_group, fields, timeout_s=timeout_s, call=name, status=int(local.problem), meanwhile=meanwhile
+    )
     ranks = _compat.group_ranks(source.control_group)
     bad = [(ranks[i], Problem(row[0])) for i, row in enumerate(rows) if row[0] != Problem.OK]
     if bad:

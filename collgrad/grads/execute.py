@@ -106,9 +106,12 @@ def _equal_runs(slots: list[ParamSlot]) -> list[list[ParamSlot]]:
 def placed_pieces(buffer: Pieces) -> tuple[tuple[int, int, int], ...]:
     """This rank's pieces as a gather of its partition sends them: (offset in the partition, offset in
     what is sent, numel) each; sent as they lie when they tile one storage span, else concatenated."""
-    tiling = buffer.tiling()
-    sent = tiling[1] if tiling is not None else buffer.starts
-    return tuple(zip(buffer.starts, sent, (p.numel() for p in buffer.pieces)))
+    found = buffer.memo.get("placed pieces")
+    if found is None:
+        tiling = buffer.tiling()
+        sent = tiling[1] if tiling is not None else buffer.starts
+        found = buffer.memo["placed pieces"] = tuple(zip(buffer.starts, sent, (p.numel() for p in buffer.pieces)))
+    return found
 
 
 class Executor:

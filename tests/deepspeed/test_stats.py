@@ -81,8 +81,17 @@ def _worker(rank, world):
         entry["after_step"] = attempt(lambda eng=eng: collgrad.model_grad_stats(eng))
         out[name] = entry
     # Non-finite values: put NaN and Inf into this rank's own partition, then compare with a full read.
-    # Blocks: repeated layers, whose fragments statistics reduce as strided runs (one NaN lands in one).
-    for name, model in (("injected", None), ("injected_blocks", models.Blocks())):
+    # Blocks: repeated layers, whose fragments statistics reduce as strided runs (one NaN lands in one);
+    # reduced in blocks of 32 elements too (rows of a run in several blocks, tensors cut into spans).
+    from collgrad.grads import stats as stats_module
+
+    default_block = stats_module.CPU_BLOCK_BYTES
+    for name, model, block in (
+        ("injected", None, default_block),
+        ("injected_blocks", models.Blocks(), default_block),
+        ("injected_small_blocks", models.Blocks(), 128),
+    ):
+        stats_module.CPU_BLOCK_BYTES = block
         eng = models.engine(models.config(2), model)
         models.run_backward(eng, rank)
         clean = collgrad.model_grad_stats(eng)
@@ -100,6 +109,7 @@ def _worker(rank, world):
             "full": {n: _stat(g) for n, g in full.items()},
             "nonfinite_total": sum(s.nonfinite for s in stats.params.values()),
         }
+    stats_module.CPU_BLOCK_BYTES = default_block
     return out
 
 
@@ -162,7 +172,7 @@ def test_by_module_groups_parameters_by_module_path(results):
         assert _close(norm, math.sqrt(sum(x * x for x, _ in parts)), 1e-12) and numel == sum(n for _, n in parts)
 
 
-@pytest.mark.parametrize("model", ["injected", "injected_blocks"])
+@pytest.mark.parametrize("model", ["injected", "injected_blocks", "injected_small_blocks"])
 def test_nonfinite_values_are_counted_exactly(results, model):
     world, per_rank = results
     for res in per_rank:

@@ -40,3 +40,34 @@ def test_write_lands_in_place_across_pieces():
     pieces.write(2, torch.arange(1.0, 5.0))  # elements 2..5: the last of a, all of b, the first of c
     assert a.tolist() == [0, 0, 1] and b.tolist() == [2, 3] and c.tolist() == [4, 0, 0, 0]
     assert torch.equal(pieces.range(2, 4), torch.arange(1.0, 5.0))
+
+
+def test_pieces_cache_reuses_where_the_same_fragments_lie_and_holds_them_weakly():
+    import gc
+    import weakref
+
+    from collgrad.core.buffers import PiecesCache
+
+    def fragments(flat):  # DeepSpeed's ZeRO-1/2 order: back to front in one storage
+        return [flat[6:10], flat[2:6], flat[0:2]]
+
+    cache, flat = PiecesCache(), torch.arange(12.0)
+    frags = fragments(flat)
+    first = cache.pieces(frags)
+    first.memo["derived"] = 1
+    again = cache.pieces(frags)
+    assert again is not first and again.memo is first.memo  # known, not worked out again
+    span, offsets = again.placement()
+    assert offsets == (6, 2, 0) and span.data_ptr() == flat.data_ptr() and span.numel() == 10
+    assert again.tiling() is not None and torch.equal(again.whole(), torch.cat(frags))
+    assert again.starts == [0, 4, 8] and again.numel() == 10
+    # a fragment replaced (DeepSpeed's next step), or the list re-made: worked out anew
+    replaced = cache.pieces([frags[0], flat[1:5], frags[2]])
+    assert "derived" not in replaced.memo and replaced.tiling() is None
+    # held weakly: the gradient memory goes when its owner lets go of it
+    other = torch.arange(8.0)
+    cache.pieces(fragments(other))
+    ref = weakref.ref(other)  # its views (what the cache saw) keep it alive as their base
+    del other
+    gc.collect()
+    assert ref() is None

@@ -39,7 +39,7 @@ from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 from torch import nn
 
 from collgrad import _compat
-from collgrad.core.buffers import Pieces
+from collgrad.core.buffers import Pieces, PiecesCache
 from collgrad.errors import InvalidArgumentError
 from collgrad.grads.sources import LocalGrads, Problem, ReplicatedSource, Source
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
@@ -292,6 +292,14 @@ class _Zero12(_EngineSource):
     def valid(self) -> bool:
         return self._sign() == self._signature
 
+    def _pieces_of(self, i: int, fragments: list) -> Pieces:
+        """Group ``i``'s fragment list as Pieces, where they lie known from the last call while
+        DeepSpeed holds the same fragment tensors (see PiecesCache)."""
+        cache = self.scratch.get(("pieces", i))
+        if cache is None:
+            cache = self.scratch[("pieces", i)] = PiecesCache()
+        return cache.pieces(fragments)
+
     def read(self) -> LocalGrads:
         opt = self.opt
         # step() resets micro_step_id to -1; the first gradient hook of a backward() advances it.
@@ -308,7 +316,7 @@ class _Zero12(_EngineSource):
                 if averaged is None:
                     return LocalGrads(Problem.NO_GRADIENT_BUFFERS, [])
                 flat_partition = getattr(averaged, "flat_partition", None)  # bf16 + fp32 accumulation
-                local = Pieces([flat_partition] if flat_partition is not None else averaged)
+                local = self._pieces_of(i, [flat_partition] if flat_partition is not None else averaged)
             if local.numel() != group.partition_numel or local.dtype != group.wire_dtype:
                 # Told to every rank in the readiness check, which then raises LayoutChangedError everywhere.
                 return LocalGrads(
