@@ -47,6 +47,8 @@ class BenchConfig:
     elements: int = 6_553_600
     bucket_mb: float = 25.0
     reps: int = 7
+    #: pairs for each plan against its floor (cheap: tens of ms each); the loops use ``reps``
+    pairs: int = 21
     warmup: int = 2
     stream_fraction: int = 8  # the streaming check uses a bucket of 1/8 of the model's gradient
     methods: tuple[str, ...] = ()  # empty: all
@@ -226,16 +228,24 @@ def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) 
     }
 
 
-def _paired(fn: Callable[[], Any], floor: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) -> dict:
-    """``fn`` and ``floor`` timed alternately, ``cfg.reps`` pairs: the median of the per-pair ratios and
-    their spread."""
+def _paired(
+    fn: Callable[[], Any], floor: Callable[[], Any], pairs: int, label: str, progress: bool
+) -> dict[str, float]:
+    """``fn`` and ``floor`` timed alternately, ``pairs`` pairs, in ABBA order (every other pair runs
+    ``fn`` first, so neither always runs right after the other's frees and barriers): the median of the
+    per-pair ratios and their spread."""
     device = _device()
     ratios = []
-    for rep in range(cfg.reps):
-        below = _once(floor, device)
-        ratios.append(_once(fn, device) / below)
+    for rep in range(pairs):
+        if rep % 2:
+            mine = _once(fn, device)
+            below = _once(floor, device)
+        else:
+            below = _once(floor, device)
+            mine = _once(fn, device)
+        ratios.append(mine / below)
         if progress:
-            _progress(label, rep, cfg.reps)
+            _progress(label, rep, pairs)
     return {"ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
@@ -398,13 +408,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     # Each plan against its floor, paired: the two alternate, so both see the same machine (on a shared
     # machine the medians of separate series drift apart by more than the difference measured).
     report["paired"] = {
-        method: _paired(methods[method], methods[floor], cfg, f"{method} vs {floor}", progress and rank == 0)
+        method: _paired(methods[method], methods[floor], cfg.pairs, f"{method} vs {floor}", progress and rank == 0)
         for method, floor in FLOORS.items()
         if method in methods and floor in methods
     }
     # The per-parameter loops against collgrad, paired the same way (ratio = loop / collgrad).
     report["paired_versus"] = {
-        f"{loop}_over_{ours}": _paired(methods[loop], methods[ours], cfg, f"{loop} vs {ours}", progress and rank == 0)
+        f"{loop}_over_{ours}": _paired(
+            methods[loop], methods[ours], cfg.reps, f"{loop} vs {ours}", progress and rank == 0
+        )
         for loop, ours in _VERSUS
         if loop in methods and ours in methods
     }
@@ -500,7 +512,7 @@ def format_report(report: dict[str, Any]) -> str:
     if r.get("floors"):
         result = report["result_mb"]
         lines.append(
-            f"to the floor, paired (median of {cfg['reps']} alternating pairs [min-max]; result {result:.1f} MB; "
+            f"to the floor, paired (median of {cfg['pairs']} alternating pairs [min-max]; result {result:.1f} MB; "
             "memory goal: result + one bucket, streaming 2 buckets):"
         )
         for method, f in r["floors"].items():
@@ -555,7 +567,7 @@ def sweep_configs(cfg: BenchConfig) -> list[tuple[str, BenchConfig]]:
     """Time against the number of tensors at fixed bytes, against bytes at fixed tensors, against the
     world size (local runs) and against the bucket size."""
     reps = max(3, cfg.reps // 2)
-    base = {**asdict(cfg), "reps": reps, "methods": SWEEP_METHODS}
+    base = {**asdict(cfg), "reps": reps, "pairs": max(5, cfg.pairs // 3), "methods": SWEEP_METHODS}
     fast = {**base, "methods": tuple(m for m in SWEEP_METHODS if not m.endswith("_loop"))}
     points = [("tensors", BenchConfig(**{**base, "tensors": n})) for n in (50, 100, 200, 400, 800, 1600)]
     points += [("bytes", BenchConfig(**{**base, "elements": int(cfg.elements * f)})) for f in (0.25, 0.5, 1, 2)]
@@ -649,6 +661,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--elements", type=int, default=d.elements)
     parser.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
     parser.add_argument("--reps", type=int, default=d.reps)
+    parser.add_argument("--pairs", type=int, default=d.pairs, help="pairs timed against each plan's floor")
     parser.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--sweep", action="store_true", help="also sweep tensors and bytes (slow)")
     parser.add_argument("--png", metavar="PATH", help="with --sweep: write a chart (pip install 'collgrad[plot]')")
@@ -666,6 +679,7 @@ def main(args: argparse.Namespace) -> int:
         elements=args.elements,
         bucket_mb=args.bucket_mb,
         reps=args.reps,
+        pairs=args.pairs,
     )
     launched = "RANK" in os.environ or mpi_launcher.rank_and_size(os.environ) is not None
     configs = [("main", cfg)] + (sweep_configs(cfg) if args.sweep else [])

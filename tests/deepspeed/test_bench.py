@@ -30,6 +30,8 @@ def test_bench_runs_and_reports_every_method(tmp_path):
             "24000",
             "--reps",
             "2",
+            "--pairs",
+            "3",
             "--stage",
             "3",
             "--json",

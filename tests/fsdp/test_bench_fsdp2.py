@@ -16,7 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_bench_fsdp2_runs_and_reports_every_method(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    args = ["--source", "fsdp2", "--tensors", "24", "--elements", "24000", "--reps", "2", "--json", str(out)]
+    args = ["--source", "fsdp2", "--tensors", "24", "--elements", "24000", "--reps", "2", "--pairs", "3"]
+    args += ["--json", str(out)]
     proc = subprocess.run(
         [sys.executable, "-m", "collgrad", "bench", *args], capture_output=True, text=True, timeout=300, env=env
     )
