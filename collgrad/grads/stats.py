@@ -306,11 +306,16 @@ def _reduce(call: OpenCall, group: GradGroup, buffer: Any) -> _Reduced:
             views = buffer.pieces
             return (torch.arange(len(views)), *_one_by_one(views), views.__getitem__)
     placed = buffer.placement()
-    if placed is None:  # pieces in different storages: one view per fragment, where it lies
+    if placed is None:  # pieces in different storages: views of each fragment where it lies, in blocks
         rank = rank_in(group)
-        frags = owned_fragments(group, rank)
-        views = [buffer.range(f.local_offset, f.numel) for f in frags]
-        index = torch.tensor([f.param for f in frags], dtype=torch.int64)
+        block = CPU_BLOCK_BYTES // buffer.pieces[0].element_size() if buffer.device.type == "cpu" else 0
+        views, owners = [], []
+        for f in owned_fragments(group, rank):
+            view = buffer.range(f.local_offset, f.numel)
+            parts = view.split(block) if block and f.numel > block else (view,)
+            views += parts
+            owners += [f.param] * len(parts)
+        index = torch.tensor(owners, dtype=torch.int64)
         return (index, *_one_by_one(views), views.__getitem__)
     span, placement = placed
     arranged = _arranged(call, group, buffer, placement)

@@ -426,16 +426,29 @@ class _Zero3(_EngineSource):
         if self._pieces is not None and not self.swaps and self._sign() == self._signature:
             return LocalGrads(problem, self._pieces, _loss_scale(self.engine))  # views of live buffers
         pieces = []
-        for params in self.members.values():
-            parts = []
-            for p in params:
-                part, _ = opt._get_fp32_grad_state_partition(p, release_swap_buffers=False)
-                parts.append(part.clone() if self.swaps else part)  # NVMe buffers are released below
-            pieces.append(Pieces(parts))
-        if self.swaps and hasattr(opt, "_release_swap_buffers"):
-            for g in range(len(opt.fp16_groups)):
-                if opt._swappable_optimizer_subgroup(g):
-                    opt._release_swap_buffers(g)
+        swapped_in = None  # NVMe: the sub-group whose swap buffers are held now (one at a time)
+        try:
+            for params in self.members.values():
+                parts = []
+                for p in params:
+                    group_idx, offset, numel = opt.grad_position[opt.get_param_id(p)]
+                    if not (self.swaps and opt._swappable_optimizer_subgroup(group_idx)):
+                        parts.append(opt._get_fp32_grad_state_partition(p, release_swap_buffers=False)[0])
+                        continue
+                    # _get_fp32_grad_state_partition swaps the parameter's whole sub-group in (into
+                    # buffers from a fixed pool) each time it is called: once per sub-group, not per
+                    # parameter, or the pool runs dry (DeepSpeed asserts); copies, as the buffers go back.
+                    if swapped_in != group_idx:
+                        if swapped_in is not None:
+                            opt._release_swap_buffers(swapped_in)
+                        swapped_in = None
+                        opt._get_fp32_grad_state_partition(p, release_swap_buffers=False)
+                        swapped_in = group_idx
+                    parts.append(opt.fp32_partitioned_groups_flat[group_idx].grad.narrow(0, offset, numel).clone())
+                pieces.append(Pieces(parts))
+        finally:
+            if swapped_in is not None:
+                opt._release_swap_buffers(swapped_in)
         self._signature = self._sign()
         self._pieces = None if self.swaps else pieces
         return LocalGrads(problem, pieces, _loss_scale(self.engine))
