@@ -94,14 +94,20 @@ def _worker(rank, world, path):
     cfg = _nvme_config(os.path.join(path, f"read{world}"))
     eng = models.engine(cfg, Wide())
     _backward(eng, rank)
-    swaps = any(eng.optimizer._swappable_optimizer_subgroup(g) for g in range(len(eng.optimizer.fp16_groups)))
+    opt = eng.optimizer
+    swappable = sum(opt._swappable_optimizer_subgroup(g) for g in range(len(opt.fp16_groups)))
+    swap_ins = []  # DeepSpeed swaps a whole sub-group in per call: once per sub-group, not per parameter
+    swap_in = opt._optimizer_states_and_gradient_swap_in
+    opt._optimizer_states_and_gradient_swap_in = lambda *a, **k: swap_ins.append(a) or swap_in(*a, **k)
     full = collgrad.safe_get_full_model_grads(eng)
+    read_swap_ins = len(swap_ins)
     again = collgrad.safe_get_full_model_grads(eng)  # the swapped-in buffers were released in between
     ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
     reference, _ = _reference(world, False, 1)
     stats = collgrad.model_grad_stats(eng)
     out["read"] = {
-        "swaps": swaps,
+        "swaps": swappable > 0,
+        "swap_ins": (read_swap_ins, swappable),
         "names": sorted(full) == sorted(reference),
         "deepspeed": all(torch.equal(full[n], ds[n]) for n in full),
         "again": all(torch.equal(full[n], again[n]) for n in full),
@@ -110,7 +116,9 @@ def _worker(rank, world, path):
     }
     gen = torch.Generator().manual_seed(7)  # the same values on every rank
     new = {n: torch.randn(p.ds_shape, generator=gen) for n, p in eng.module.named_parameters() if p.requires_grad}
+    swap_ins.clear()
     collgrad.safe_set_full_model_grads(eng, new)
+    out["write_swap_ins"] = (len(swap_ins), swappable)
     back = collgrad.safe_get_full_model_grads(eng)
     ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
     out["written"] = all(torch.equal(back[n], new[n]) and torch.equal(ds[n], new[n]) for n in new)
@@ -149,12 +157,16 @@ def test_reading_equals_deepspeed_and_plain_pytorch(results):
     for res in results:
         read = res["read"]
         assert read["swaps"] and read["names"] and read["deepspeed"] and read["again"], read
+        assert read["swap_ins"][0] == read["swap_ins"][1] >= 1, read  # once per swapped sub-group
         assert read["reference"] < 1e-5 and read["stats"] < 1e-5, read  # norms accumulate in fp32
 
 
 def test_what_is_written_is_read_back(results):
     for res in results:
         assert res["written"]
+        # the readiness check reads (one swap-in per sub-group), the write swaps in once per sub-group
+        done, swappable = res["write_swap_ins"]
+        assert done == 2 * swappable, res["write_swap_ins"]
 
 
 @pytest.mark.parametrize("how", ["set", "update"])

@@ -456,16 +456,37 @@ class _Zero3(_EngineSource):
     def write(self, local: LocalGrads, values, scale: float) -> None:
         """Through DeepSpeed's own local setter, parameter by parameter (no communication): it writes
         this rank's slice where the step reads it (flat buffer, CPU offload, NVMe swap write-back) and
-        refreshes the per-parameter norms offload clips with."""
+        refreshes the per-parameter norms offload clips with. NVMe: that setter swaps the parameter's
+        whole sub-group in and its gradients out again, per parameter; here once per sub-group."""
         opt = self.opt
-        for name, new in values.items():
-            p = self.params[name]
-            rank = torch.distributed.get_rank(group=opt._get_param_partition_group(p))
-            size = p.partition_numel()
-            flat = new.detach().reshape(-1).to(torch.float32)
-            part = torch.zeros(size, dtype=torch.float32, device=flat.device)
-            lo, hi = min(rank * size, flat.numel()), min((rank + 1) * size, flat.numel())
-            part[: hi - lo] = flat[lo:hi]
-            if scale != 1.0:
-                part.mul_(scale)
-            opt.set_local_grad_for_param(part, p)
+        swapped_in = None  # NVMe: the sub-group swapped in now, written back when done with
+        try:
+            for name, new in values.items():
+                p = self.params[name]
+                rank = torch.distributed.get_rank(group=opt._get_param_partition_group(p))
+                size = p.partition_numel()
+                flat = new.detach().reshape(-1).to(torch.float32)
+                part = torch.zeros(size, dtype=torch.float32, device=flat.device)
+                lo, hi = min(rank * size, flat.numel()), min((rank + 1) * size, flat.numel())
+                part[: hi - lo] = flat[lo:hi]
+                if scale != 1.0:
+                    part.mul_(scale)
+                group_idx, offset, numel = opt.grad_position[opt.get_param_id(p)]
+                if not (self.swaps and opt._swappable_optimizer_subgroup(group_idx)):
+                    opt.set_local_grad_for_param(part, p)
+                    continue
+                # what set_local_grad_for_param does, less its per-parameter swap-in and write-back
+                if swapped_in != group_idx:
+                    if swapped_in is not None:
+                        opt._writeback_swap_state(swapped_in, write_opt_state=False, write_gradients=True)
+                    swapped_in = None
+                    opt._get_fp32_grad_state_partition(p, release_swap_buffers=False)
+                    swapped_in = group_idx
+                opt.norm_for_param_grads[opt.get_param_id(p)] = opt._constant_buffered_norm2(part)
+                opt.fp32_partitioned_groups_flat[group_idx].grad.narrow(0, offset, numel).copy_(part)
+        except BaseException:
+            if swapped_in is not None:  # this sub-group's unfinished writes are dropped, not written back
+                opt._release_swap_buffers(swapped_in)
+            raise
+        if swapped_in is not None:
+            opt._writeback_swap_state(swapped_in, write_opt_state=False, write_gradients=True)
