@@ -29,6 +29,7 @@ from collgrad.errors import (
     NotReadyError,
     PolicyError,
     PreStepHookError,
+    RankFailedError,
     UnknownParameterError,
 )
 from collgrad.grads import (
@@ -53,6 +54,7 @@ __all__ = [
     "register_pre_step_hook",
     "PreStepHook",
     "PreStepHookError",
+    "RankFailedError",
     "safe_get_full_model_grads",
     "iter_full_model_grads",
     "model_grad_stats",

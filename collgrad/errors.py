@@ -95,3 +95,8 @@ class PreStepHookError(CollgradError):
     """A pre-step hook (``register_pre_step_hook``) raised on another rank of the group; this rank
     raises this instead of going on alone, and the optimizer step is not taken (the rank whose hook
     failed raises its own exception)."""
+
+
+class RankFailedError(CollgradError):
+    """Another rank of the group failed inside a collgrad call after the ranks had agreed to go on (its
+    own error says why); this rank raises this instead of waiting for it, and returns nothing."""

@@ -6,8 +6,11 @@ rank's partials to every rank, and every rank combines them in the same fixed or
 holds the same numbers::
 
     rank r, group g    fragments of p0 p1 p2 ...  ->  [ sum of squares | max |g| | non-finite ] x P
-    all_gather         world x 3 x P float64 (24 bytes per parameter per rank)
+    all_gather         world x (3 x P + 1) float64 (24 bytes per parameter per rank, and a flag)
     combine            sum over ranks (rank order), max over ranks, sum over ranks -> GradStat per p
+
+The reductions run while the readiness check is in flight; a rank whose reductions raise sets the
+flag, and every rank raises (RankFailedError; that rank its own error) instead of waiting for it.
 
 Groups whose ranks already hold full gradients (BF16_Optimizer, stage 0, single-rank groups) send
 nothing. fp16 statistics are of the unscaled gradient.
@@ -28,7 +31,7 @@ from collgrad.core.buffers import Pieces
 from collgrad.core.dispatch import Dispatcher
 from collgrad.core.ops import Op
 from collgrad.core.record import CallRecord
-from collgrad.errors import InvalidArgumentError
+from collgrad.errors import InvalidArgumentError, RankFailedError
 from collgrad.grads.call import OpenCall
 from collgrad.grads.plan import PlanKind
 from collgrad.grads.record import FullGradRecord, GroupRecord
@@ -112,11 +115,16 @@ def model_grad_stats(
             )
         return []
 
-    def local_partials(call: OpenCall) -> list[torch.Tensor] | None:
-        # this rank's reductions (most of a call's time) overlap the readiness check's round trip
+    def local_partials(call: OpenCall) -> list[torch.Tensor] | Exception | None:
+        # This rank's reductions (most of a call's time) overlap the readiness check's round trip, so
+        # they end after the ranks agreed to go on: a failure here is told in the statistics' own
+        # gather (a flag), and every rank raises, instead of the others waiting for this one.
         if call.source.per_param is not None:
             return None
-        return [_partials(call, group, call.local.buffers[i]) for i, group in enumerate(call.source.layout.groups)]
+        try:
+            return [_partials(call, g, call.local.buffers[i]) for i, g in enumerate(call.source.layout.groups)]
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the others
+            return exc
 
     call = OpenCall(
         model,
@@ -142,11 +150,14 @@ def model_grad_stats(
             per_param_collectives += 1
             per_param[name] = _full_stat(grad, scale)
     else:
+        failure = call.early if isinstance(call.early, Exception) else None
+        failed: set[int] = set()  # ranks whose reductions raised, as told in the gathers
         for position, group in enumerate(layout.groups):
-            partials = call.early[position]
+            partials = torch.zeros(3, len(group.params), dtype=torch.float64) if failure else call.early[position]
             calls: list[CallRecord] = []
             if group.kind is not Kind.REPLICATED and group.world > 1:
-                partials = _gather(call, position, group, partials, calls)
+                partials, told = _gather(call, position, group, partials, calls, failure is not None)
+                failed.update(told)
             kind = PlanKind.ALL_GATHER if calls else PlanKind.LOCAL
             records.append(
                 GroupRecord(group.index, group.kind, kind, group.group_ranks, len(group.params), tuple(calls))
@@ -156,6 +167,13 @@ def model_grad_stats(
             peaks = (max_abs / scale).tolist()
             for slot, norm, peak, count in zip(group.params, norms, peaks, nonfinite.long().tolist()):
                 per_param[slot.name] = GradStat(norm, peak, count, slot.numel)
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RankFailedError(
+                f"rank(s) {sorted(failed)} failed reducing their gradients (their own errors say why); "
+                f"model_grad_stats returns nothing [seen by rank {_compat.rank()}]"
+            )
     ordered = {name: per_param[name] for name in layout.order if name in per_param}
     if by == "param":
         groups: dict[str, GradStat] = dict(ordered)
@@ -383,19 +401,22 @@ def _partials(call: OpenCall, group: GradGroup, buffer: Any) -> torch.Tensor:
 
 
 def _gather(
-    call: OpenCall, position: int, group: GradGroup, partials: torch.Tensor, calls: list[CallRecord]
-) -> torch.Tensor:
-    """Every rank's partials, combined in rank order: the same result on every rank."""
+    call: OpenCall, position: int, group: GradGroup, partials: torch.Tensor, calls: list[CallRecord], failed: bool
+) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's partials, combined in rank order: the same result on every rank; and the ranks
+    that said (``failed``, one more number each) that they have none."""
     pg = call.source.groups.get(group.index)
     device = _compat.agreement_device(call.source.device.type)
-    mine = partials.reshape(-1).to(device)
+    mine = torch.cat([partials.reshape(-1), torch.tensor([float(failed)], dtype=partials.dtype)]).to(device)
     gathered = torch.empty(group.world * mine.numel(), dtype=mine.dtype, device=device)
     calls.append(call.run(("stats", position), Op.ALL_GATHER, [mine], [gathered], pg))
-    rows = gathered.cpu().view(group.world, 3, len(group.params))
+    every = gathered.cpu().view(group.world, -1)
+    told = [group.group_ranks[r] for r in every[:, -1].nonzero().flatten().tolist()]
+    rows = every[:, :-1].view(group.world, 3, len(group.params))
     sumsq = rows[0, 0].clone()
     for r in range(1, group.world):  # a fixed order: every rank adds the same numbers the same way
         sumsq += rows[r, 0]
-    return torch.stack([sumsq, rows[:, 1].amax(0), rows[:, 2].sum(0)])  # amax propagates NaN
+    return torch.stack([sumsq, rows[:, 1].amax(0), rows[:, 2].sum(0)]), told  # amax propagates NaN
 
 
 def _full_stat(grad: torch.Tensor, scale: float) -> GradStat:

@@ -110,6 +110,19 @@ def _worker(rank, world):
             "nonfinite_total": sum(s.nonfinite for s in stats.params.values()),
         }
     stats_module.CPU_BLOCK_BYTES = default_block
+    # One rank's reductions raise (after the readiness check: they overlap it): every rank raises.
+    eng = models.engine(models.config(2))
+    models.run_backward(eng, rank)
+    reduce = stats_module._partials
+    if rank == world - 1:
+
+        def broken(*args):
+            raise RuntimeError("injected reduction failure")
+
+        stats_module._partials = broken
+    out["reduction_fails"] = attempt(lambda: collgrad.model_grad_stats(eng))
+    stats_module._partials = reduce
+    out["after_failure"] = attempt(lambda: collgrad.model_grad_stats(eng).global_norm > 0, keep=True)
     return out
 
 
@@ -141,7 +154,7 @@ def test_identical_on_every_rank_one_collective_per_group_no_full_gradient(resul
         assert entry["data_calls"] == entry["record_collectives"] == entry["partitioned"], entry  # as torch saw
         assert entry["agreements"] == 1  # the readiness check
         # 3 float64 per parameter per rank: nothing of the size of a gradient travels
-        assert entry["record_bytes"] == 24 * entry["params_total"]
+        assert entry["record_bytes"] == 24 * entry["params_total"] + 8 * entry["partitioned"]  # and a flag
     if CONFIGS[config][0] == 0 or config == "zero1_bf16_acc32":
         assert first["partitioned"] == 0  # every rank holds full gradients: nothing sent
     if CONFIGS[config][1] == "fp16":
@@ -194,3 +207,14 @@ def test_misuse_raises_on_every_rank(results):
         for config in CONFIGS:
             for phase in ("before_backward", "after_step"):
                 assert res[config][phase]["error"] == "NotReadyError", (config, phase, res[config][phase])
+
+
+def test_a_rank_whose_reduction_fails_makes_every_rank_raise(results):
+    world, per_rank = results
+    for rank, res in enumerate(per_rank):
+        failure = res["reduction_fails"]
+        expected = "RuntimeError" if rank == world - 1 else "RankFailedError"
+        assert failure["error"] == expected and failure["seconds"] < 10, failure
+        if rank != world - 1:
+            assert f"rank(s) [{world - 1}]" in failure["message"], failure["message"]
+        assert res["after_failure"]["value"] is True  # the group goes on: the next call works
