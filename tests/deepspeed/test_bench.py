@@ -65,7 +65,7 @@ def test_bench_runs_and_reports_every_method(tmp_path):
     assert report["methods"]["collgrad_all_gather"]["plan_cached"] is True
     assert report["methods"]["collgrad_set"]["collectives"] == 0  # each rank writes what it owns
     assert report["methods"]["collgrad_stats"]["collectives"] == 1  # one small all-gather (one ZeRO-3 group)
-    assert report["methods"]["collgrad_stats"]["bytes"] == 24 * 24  # 3 float64 per parameter
+    assert report["methods"]["collgrad_stats"]["bytes"] == 24 * 24 + 8  # 3 float64 per parameter, a flag
     assert "to the floor" in stdout and "streaming:" in stdout
     floors = report["ratios"]["floors"]
     assert set(floors) == {"collgrad_all_gather", "collgrad_all_reduce", "collgrad_iter"}

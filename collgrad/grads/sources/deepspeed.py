@@ -347,6 +347,47 @@ class _Zero12(_EngineSource):
                     opt.norm_for_param_grads[param_id] = grad.narrow(0, dest_offset, numel).to(get_norm_dtype()).norm(2)
 
 
+class _SwappedIn:
+    """ZeRO-3 with the optimizer on NVMe: the gradient partitions of swapped sub-groups, one sub-group
+    swapped in at a time. DeepSpeed's per-parameter accessors (``_get_fp32_grad_state_partition``,
+    ``set_local_grad_for_param``) swap the parameter's whole sub-group in, into buffers from a fixed
+    pool, every time they are called: per parameter, reading runs the pool dry (DeepSpeed asserts)
+    and writing moves a sub-group per parameter. Here a sub-group goes in once and back (its
+    gradients written back with ``write_back``, else released) when the next one is needed or at
+    the end; after an exception the sub-group held is released without writing back."""
+
+    def __init__(self, opt, *, write_back: bool) -> None:
+        self.opt, self.write_back, self.held = opt, write_back, None
+
+    def grad(self, param) -> torch.Tensor | None:
+        """This rank's fp32 gradient partition of ``param`` in the swap buffers, or None when its
+        sub-group is not swapped (it lies in memory)."""
+        opt = self.opt
+        group_idx, offset, numel = opt.grad_position[opt.get_param_id(param)]
+        if not opt._swappable_optimizer_subgroup(group_idx):
+            return None
+        if self.held != group_idx:
+            self._let_go(self.write_back)
+            opt._get_fp32_grad_state_partition(param, release_swap_buffers=False)  # swaps the sub-group in
+            self.held = group_idx
+        return opt.fp32_partitioned_groups_flat[group_idx].grad.narrow(0, offset, numel)
+
+    def _let_go(self, write_back: bool) -> None:
+        held, self.held = self.held, None
+        if held is None:
+            return
+        if write_back:
+            self.opt._writeback_swap_state(held, write_opt_state=False, write_gradients=True)
+        else:
+            self.opt._release_swap_buffers(held)
+
+    def __enter__(self) -> _SwappedIn:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        self._let_go(self.write_back and kind is None)
+
+
 def _fp32_accumulation(opt) -> bool:
     """bf16 + ``grad_accum_dtype: fp32`` keeps a compact fp32 partition (GradPartitionBufferGroup)."""
     accum = getattr(opt, "gradient_accumulation_dtype", None)
@@ -426,29 +467,16 @@ class _Zero3(_EngineSource):
         if self._pieces is not None and not self.swaps and self._sign() == self._signature:
             return LocalGrads(problem, self._pieces, _loss_scale(self.engine))  # views of live buffers
         pieces = []
-        swapped_in = None  # NVMe: the sub-group whose swap buffers are held now (one at a time)
-        try:
+        with _SwappedIn(opt, write_back=False) as swapped:
             for params in self.members.values():
                 parts = []
                 for p in params:
-                    group_idx, offset, numel = opt.grad_position[opt.get_param_id(p)]
-                    if not (self.swaps and opt._swappable_optimizer_subgroup(group_idx)):
+                    grad = swapped.grad(p) if self.swaps else None
+                    if grad is None:  # in memory: a view of DeepSpeed's own buffer
                         parts.append(opt._get_fp32_grad_state_partition(p, release_swap_buffers=False)[0])
-                        continue
-                    # _get_fp32_grad_state_partition swaps the parameter's whole sub-group in (into
-                    # buffers from a fixed pool) each time it is called: once per sub-group, not per
-                    # parameter, or the pool runs dry (DeepSpeed asserts); copies, as the buffers go back.
-                    if swapped_in != group_idx:
-                        if swapped_in is not None:
-                            opt._release_swap_buffers(swapped_in)
-                        swapped_in = None
-                        opt._get_fp32_grad_state_partition(p, release_swap_buffers=False)
-                        swapped_in = group_idx
-                    parts.append(opt.fp32_partitioned_groups_flat[group_idx].grad.narrow(0, offset, numel).clone())
+                    else:  # in swap buffers that go back to their pool: a copy
+                        parts.append(grad.clone())
                 pieces.append(Pieces(parts))
-        finally:
-            if swapped_in is not None:
-                opt._release_swap_buffers(swapped_in)
         self._signature = self._sign()
         self._pieces = None if self.swaps else pieces
         return LocalGrads(problem, pieces, _loss_scale(self.engine))
@@ -459,8 +487,7 @@ class _Zero3(_EngineSource):
         refreshes the per-parameter norms offload clips with. NVMe: that setter swaps the parameter's
         whole sub-group in and its gradients out again, per parameter; here once per sub-group."""
         opt = self.opt
-        swapped_in = None  # NVMe: the sub-group swapped in now, written back when done with
-        try:
+        with _SwappedIn(opt, write_back=True) as swapped:
             for name, new in values.items():
                 p = self.params[name]
                 rank = torch.distributed.get_rank(group=opt._get_param_partition_group(p))
@@ -471,22 +498,9 @@ class _Zero3(_EngineSource):
                 part[: hi - lo] = flat[lo:hi]
                 if scale != 1.0:
                     part.mul_(scale)
-                group_idx, offset, numel = opt.grad_position[opt.get_param_id(p)]
-                if not (self.swaps and opt._swappable_optimizer_subgroup(group_idx)):
+                grad = swapped.grad(p) if self.swaps else None
+                if grad is None:
                     opt.set_local_grad_for_param(part, p)
-                    continue
-                # what set_local_grad_for_param does, less its per-parameter swap-in and write-back
-                if swapped_in != group_idx:
-                    if swapped_in is not None:
-                        opt._writeback_swap_state(swapped_in, write_opt_state=False, write_gradients=True)
-                    swapped_in = None
-                    opt._get_fp32_grad_state_partition(p, release_swap_buffers=False)
-                    swapped_in = group_idx
-                opt.norm_for_param_grads[opt.get_param_id(p)] = opt._constant_buffered_norm2(part)
-                opt.fp32_partitioned_groups_flat[group_idx].grad.narrow(0, offset, numel).copy_(part)
-        except BaseException:
-            if swapped_in is not None:  # this sub-group's unfinished writes are dropped, not written back
-                opt._release_swap_buffers(swapped_in)
-            raise
-        if swapped_in is not None:
-            opt._writeback_swap_state(swapped_in, write_opt_state=False, write_gradients=True)
+                else:  # what set_local_grad_for_param does, less its swap-in and write-back per parameter
+                    opt.norm_for_param_grads[opt.get_param_id(p)] = opt._constant_buffered_norm2(part)
+                    grad.copy_(part)
