@@ -56,7 +56,9 @@ class OpenCall:
     compare (an entry point's own arguments); it may raise InvalidArgumentError. ``meanwhile``: local
     work on this rank's located gradients (it must not communicate), run while the check is in flight
     where this rank can read them; its result is ``early`` (None where it did not run), and it is
-    discarded, with the call, if the check fails.
+    discarded, with the call, if the check fails. It ends after the others may have gone on: it should
+    return a failure rather than raise, and the caller tell the others in its next collective (as
+    ``model_grad_stats`` does with a flag), or they wait for this rank until the bounded wait runs out.
     """
 
     EXTRA = 2
