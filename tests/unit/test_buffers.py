@@ -64,6 +64,13 @@ def test_pieces_cache_reuses_where_the_same_fragments_lie_and_holds_them_weakly(
     # a fragment replaced (DeepSpeed's next step), or the list re-made: worked out anew
     replaced = cache.pieces([frags[0], flat[1:5], frags[2]])
     assert "derived" not in replaced.memo and replaced.tiling() is None
+    # a fragment re-pointed in place (``.data =``): worked out anew, from where it lies now
+    frags = fragments(flat)
+    cache.pieces(frags)
+    elsewhere = torch.arange(100.0, 112.0)
+    frags[1].data = elsewhere[2:6]
+    moved = cache.pieces(frags)
+    assert moved.placement() is None and torch.equal(moved.whole(), torch.cat([flat[6:10], elsewhere[2:6], flat[0:2]]))
     # held weakly: the gradient memory goes when its owner lets go of it
     other = torch.arange(8.0)
     cache.pieces(fragments(other))
