@@ -177,17 +177,17 @@ class PiecesCache:
     is worked out once per list, not once per call (~0.4 ms at 200 fragments). The fragments are held
     weakly, so the cache never keeps freed gradient memory alive (DeepSpeed allocates them anew every
     step), and a fragment freed and replaced is never mistaken for the old one. Where each fragment's
-    data starts is checked too (~30 us at 200 fragments), so a fragment re-pointed in place (``.data =``,
-    ``set_``, as ``offload_states`` does) is worked out again."""
+    data starts and its size are checked too (~40 us at 200 fragments), so a fragment re-pointed or
+    resized in place (``.data =``, ``set_``, as ``offload_states`` does) is worked out again."""
 
     def __init__(self) -> None:
         self._refs: tuple[weakref.ref, ...] = ()
-        self._ptrs: list[int] = []
+        self._ptrs: list[tuple[int, int]] = []
         self._known: tuple | None = None
 
     def pieces(self, fragments: Sequence[torch.Tensor]) -> Pieces:
         refs = self._refs
-        ptrs = [t.data_ptr() for t in fragments]
+        ptrs = [(t.data_ptr(), t.numel()) for t in fragments]  # set_ checks no bounds: sizes too
         if (
             self._known is not None
             and ptrs == self._ptrs

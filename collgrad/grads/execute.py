@@ -109,7 +109,8 @@ def _copy_plan(mine: list[tuple[Fragment, int]], buffer: Pieces, placement: tupl
         to = [dsts[placed[i].param][1] for i in run.frags]
         step = to[1] - to[0] if len(to) > 1 else 0
         if len(to) > 1 and abs(step) >= run.numel and all(t == to[0] + i * step for i, t in enumerate(to)):
-            reverse = torch.arange(run.count - 1, -1, -1) if step < 0 else None
+            # on the buffer's device: index_select and index_copy_ refuse an index elsewhere (CUDA)
+            reverse = torch.arange(run.count - 1, -1, -1, device=buffer.device) if step < 0 else None
             runs.append(_CopyRows(run.local_offset, run.count, run.numel, run.stride, to[0], step, reverse))
         else:
             single += [dsts[placed[i].param] for i in run.frags]
@@ -428,8 +429,8 @@ class Executor:
         else:  # a run of equal fragments (a model's repeated layers) in one copy
             span, placement = placed
             copies = c.source.plans.get(("all_reduce copies", key, moved))
-            if copies is None or copies[0] != placement:
-                copies = (placement, *_copy_plan(mine, buffer, placement))
+            if copies is None or copies[0] != (placement, buffer.starts):  # where the pieces lie, their sizes
+                copies = ((placement, buffer.starts), *_copy_plan(mine, buffer, placement))
                 c.source.plans[("all_reduce copies", key, moved)] = copies
             for run in copies[1]:
                 _copy_rows(result, span, run)

@@ -278,6 +278,7 @@ def _blocks(placed: tuple[Fragment, ...], block: int) -> tuple[list, list[int], 
     sizes: list[int] = []
     owners: list[int] = []
     spans: list[tuple[int, int, int]] = []  # (offset, numel, parameter), reduced one by one
+    placed = tuple(f for f in placed if f.numel)  # an empty parameter's partials stay zero
     for run in strided_runs(placed):
         if run.count > 1 and (block == 0 or run.numel <= block):
             per = run.count if block == 0 else max(1, block // run.numel)

@@ -42,6 +42,16 @@ def _worker(rank, world):
             "device": {str(t.device) for t in true.values()},
             "collectives": raw.record.collectives,
         }
+    # The all-reduce plan copies a rank's repeated layers a run at a time; DeepSpeed's ZeRO-1/2 fragments
+    # lie back to front, so those runs are gathered into place with an index (on the device).
+    from tests.deepspeed.test_all_reduce_runs import Equal
+
+    eng = models.engine(models.config(2), Equal().cuda())
+    x = torch.randn(4, 20, generator=torch.Generator().manual_seed(rank)).cuda()
+    eng.backward(eng(x).float().pow(2).mean())
+    gathered = collgrad.safe_get_full_model_grads(eng, plan="all_gather")
+    reduced = collgrad.safe_get_full_model_grads(eng, plan="all_reduce")
+    out["all_reduce_runs"] = all(torch.equal(reduced[n], g) for n, g in gathered.items())
     return out
 
 
@@ -50,6 +60,7 @@ def test_deepspeed_on_cuda_matches_accessor_and_unscales_fp16():
     count = torch.cuda.device_count()
     backend = "cpu:gloo,cuda:nccl" if count >= 2 else "gloo"
     for rank, res in enumerate(run_ranks(_worker, 2, backend=backend, env={"DS_ACCELERATOR": "cuda"}, timeout=600)):
+        assert res.pop("all_reduce_runs")
         for (stage, dtype), entry in res.items():
             assert entry["raw_equal"] and entry["unscaled"], (stage, dtype, entry)
             assert entry["device"] == {f"cuda:{rank % count}"}

@@ -73,3 +73,10 @@ def test_repeated_layers_go_in_row_blocks_that_fit():
 def test_a_large_tensor_is_cut_into_spans():
     blocks, sizes, owners = _blocks(_fragments([(10_000, 0)]), 4096)
     assert blocks == [((0, 4096),), ((4096, 4096),), ((8192, 1808),)] and owners == [0, 0, 0]
+
+
+def test_empty_fragments_are_skipped():
+    frags = (Fragment(0, 0, 0, 0), Fragment(1, 0, 0, 0), Fragment(2, 0, 0, 5), Fragment(3, 0, 5, 0))
+    for block in (0, 4):
+        blocks, sizes, owners = _blocks(frags, block)
+        assert set(owners) == {2} and sum(sizes) == len(owners)
