@@ -106,6 +106,17 @@ class Pieces:
         span = first.new_empty(0).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
         return span, tuple(o - lo for o in offsets)
 
+    def span_offset(self, offset: int, numel: int) -> int | None:
+        """Where elements ``[offset, offset + numel)`` start in ``placement()``'s span, if they lie within
+        one piece; None if they straddle two pieces or the pieces share no storage."""
+        placed = self.placement()
+        if placed is None:
+            return None
+        j = bisect.bisect_right(self.starts, offset) - 1
+        if offset + numel > self.starts[j] + self.pieces[j].numel():
+            return None
+        return placed[1][j] + offset - self.starts[j]
+
     def tiling(self) -> tuple[torch.Tensor, tuple[int, ...]] | None:
         """``placement()`` when the pieces cover their span exactly (no gap, no overlap): the span then
         holds every element once, in storage order, and can be sent as it lies instead of concatenated."""

@@ -14,7 +14,6 @@ One small function per plan kind; none decides anything (the plan did), each onl
 
 from __future__ import annotations
 
-import bisect
 from typing import Any, Iterator, NamedTuple
 
 import torch
@@ -92,18 +91,18 @@ class _CopyRows(NamedTuple):
     reverse: torch.Tensor | None
 
 
-def _copy_plan(mine: list[tuple[Fragment, int]], buffer: Pieces, placement: tuple[int, ...]):
-    """How this rank's fragments go into an all-reduce bucket, for ``placement`` of its pieces: runs of
+def _copy_plan(mine: list[tuple[Fragment, int]], buffer: Pieces):
+    """How this rank's fragments go into an all-reduce bucket, for where its pieces lie now: runs of
     equal fragments equally spaced both where they lie and where they go, one copy each; the others
     (a lone fragment, one that straddles two pieces) one by one: (runs, [(fragment, bucket offset)])."""
     placed, dsts, single = [], [], []
     for f, at in mine:
-        j = bisect.bisect_right(buffer.starts, f.local_offset) - 1
-        if f.local_offset + f.numel <= buffer.starts[j] + buffer.pieces[j].numel():
-            placed.append(Fragment(len(dsts), 0, placement[j] + f.local_offset - buffer.starts[j], f.numel))
-            dsts.append((f, at))
-        else:
+        src = buffer.span_offset(f.local_offset, f.numel)
+        if src is None:
             single.append((f, at))
+        else:
+            placed.append(Fragment(len(dsts), 0, src, f.numel))
+            dsts.append((f, at))
     runs = []
     for run in strided_runs(tuple(placed)):
         to = [dsts[placed[i].param][1] for i in run.frags]
@@ -422,20 +421,19 @@ class Executor:
             part = buffer.range(lo, max(f.local_offset + f.numel for f, _ in mine) - lo)
             mine = [(Fragment(f.param, f.param_offset, f.local_offset - lo, f.numel), at) for f, at in mine]
             buffer = Pieces([part.to(device)])
+        runs, single = [], mine
         placed = buffer.placement() if mine else None
-        if placed is None:
-            for frag, at in mine:  # straight from where each fragment lies into the bucket
-                result[at : at + frag.numel].copy_(buffer.range(frag.local_offset, frag.numel))
-        else:  # a run of equal fragments (a model's repeated layers) in one copy
+        if placed is not None:  # a run of equal fragments (a model's repeated layers) in one copy
             span, placement = placed
             copies = c.source.plans.get(("all_reduce copies", key, moved))
             if copies is None or copies[0] != (placement, buffer.starts):  # where the pieces lie, their sizes
-                copies = ((placement, buffer.starts), *_copy_plan(mine, buffer, placement))
+                copies = ((placement, buffer.starts), *_copy_plan(mine, buffer))
                 c.source.plans[("all_reduce copies", key, moved)] = copies
-            for run in copies[1]:
+            _, runs, single = copies
+            for run in runs:
                 _copy_rows(result, span, run)
-            for frag, at in copies[2]:
-                result[at : at + frag.numel].copy_(buffer.range(frag.local_offset, frag.numel))
+        for frag, at in single:  # straight from where each fragment lies into the bucket
+            result[at : at + frag.numel].copy_(buffer.range(frag.local_offset, frag.numel))
         views = list(result.split([group.params[k].numel for k in batch]))  # back to back, in batch order
         # The bucket as one tensor (one collective, no per-tensor bookkeeping), unless the registry
         # sends one collective per tensor for this group (then it needs the per-parameter views).

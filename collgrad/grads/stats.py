@@ -244,21 +244,14 @@ def _arranged(call: OpenCall, group: GradGroup, buffer: Pieces, placement: tuple
     found = call.source.plans.get(key)
     if found is not None and found.placement == placement:
         return found
-    if group.kind is Kind.REPLICATED:  # every gradient whole, one piece each
-        frags = tuple(
-            Fragment(k, 0, start, p.numel()) for k, (start, p) in enumerate(zip(buffer.starts, buffer.pieces))
-        )
-    else:
-        frags = owned_fragments(group, rank)
     placed, loose = [], []  # fragments within one piece, at their offset in the span; the others
-    for f in frags:
-        j = bisect.bisect_right(buffer.starts, f.local_offset) - 1
-        if f.local_offset + f.numel <= buffer.starts[j] + buffer.pieces[j].numel():
-            placed.append(Fragment(f.param, f.param_offset, placement[j] + f.local_offset - buffer.starts[j], f.numel))
-        else:
+    for f in _fragments(group, buffer):
+        at = buffer.span_offset(f.local_offset, f.numel)
+        if at is None:
             loose.append(f)
-    block = CPU_BLOCK_BYTES // buffer.pieces[0].element_size() if buffer.device.type == "cpu" else 0
-    blocks, sizes, owners = _blocks(tuple(placed), block)
+        else:
+            placed.append(Fragment(f.param, f.param_offset, at, f.numel))
+    blocks, sizes, owners = _blocks(tuple(placed), _block_elements(buffer))
     found = call.source.plans[key] = _Arranged(
         placement,
         tuple(blocks),
@@ -267,6 +260,19 @@ def _arranged(call: OpenCall, group: GradGroup, buffer: Pieces, placement: tuple
         torch.tensor(owners + [f.param for f in loose], dtype=torch.int64),
     )
     return found
+
+
+def _fragments(group: GradGroup, buffer: Pieces) -> tuple[Fragment, ...]:
+    """This rank's fragments of ``group`` in ``buffer``: its owned ones, or every gradient whole (one
+    piece each) where the group is replicated."""
+    if group.kind is Kind.REPLICATED:
+        return tuple(Fragment(k, 0, start, p.numel()) for k, (start, p) in enumerate(zip(buffer.starts, buffer.pieces)))
+    return owned_fragments(group, rank_in(group))
+
+
+def _block_elements(buffer: Pieces) -> int:
+    """``CPU_BLOCK_BYTES`` in elements of ``buffer`` on a CPU; 0 (unlimited) elsewhere."""
+    return CPU_BLOCK_BYTES // buffer.pieces[0].element_size() if buffer.device.type == "cpu" else 0
 
 
 def _blocks(placed: tuple[Fragment, ...], block: int) -> tuple[list, list[int], list[int]]:
@@ -326,10 +332,9 @@ def _reduce(call: OpenCall, group: GradGroup, buffer: Any) -> _Reduced:
             return (torch.arange(len(views)), *_one_by_one(views), views.__getitem__)
     placed = buffer.placement()
     if placed is None:  # pieces in different storages: views of each fragment where it lies, in blocks
-        rank = rank_in(group)
-        block = CPU_BLOCK_BYTES // buffer.pieces[0].element_size() if buffer.device.type == "cpu" else 0
+        block = _block_elements(buffer)
         views, owners = [], []
-        for f in owned_fragments(group, rank):
+        for f in _fragments(group, buffer):
             view = buffer.range(f.local_offset, f.numel)
             parts = view.split(block) if block and f.numel > block else (view,)
             views += parts

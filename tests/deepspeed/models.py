@@ -49,9 +49,10 @@ def batch(rank: int, micro: int, dtype=torch.float32):
     return torch.randn(4, IN, generator=g).to(dtype), torch.randn(4, OUT, generator=g).to(dtype)
 
 
-def reference_grads(world: int, gas: int = 1) -> dict[str, torch.Tensor]:
-    """Mean over ranks and micro-steps of the local fp32 gradients of a plain copy of Net."""
-    model = Net()
+def reference_grads(world: int, gas: int = 1, make=None, batch=batch) -> dict[str, torch.Tensor]:
+    """Mean over ranks and micro-steps of the local fp32 gradients of a plain copy of the model
+    (``make()``, default Net) on ``batch(rank, micro)``."""
+    model = make() if make is not None else Net()
     total = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
     for rank in range(world):
         for micro in range(gas):
@@ -95,9 +96,10 @@ def engine(cfg: dict, model: nn.Module | None = None):
     return eng
 
 
-def run_backward(eng, rank: int, gas: int = 1, micro_steps: int | None = None) -> None:
-    """``micro_steps`` forward/backward passes (default: up to the accumulation boundary), calling
-    ``step()`` after each but the last, as DeepSpeed requires for accumulation."""
+def run_backward(eng, rank: int, gas: int = 1, micro_steps: int | None = None, batch=batch) -> None:
+    """``micro_steps`` forward/backward passes on ``batch(rank, micro, dtype)`` (default: up to the
+    accumulation boundary), calling ``step()`` after each but the last, as DeepSpeed requires for
+    accumulation."""
     dtype = next(eng.module.parameters()).dtype
     n = gas if micro_steps is None else micro_steps
     for micro in range(n):

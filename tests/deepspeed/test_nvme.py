@@ -20,7 +20,7 @@ import os
 import torch
 from torch import nn
 
-from tests.deepspeed.test_write import CLIP, STEPS, _params, _rel, edit
+from tests.deepspeed.test_write import CLIP, STEPS, _params, _reference, _rel, edit
 from tests.edits import write_edit
 from tests.harness import run_ranks
 
@@ -43,35 +43,9 @@ class Wide(nn.Module):
         return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
 
 
-def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(4, 7, generator=gen), torch.randn(4, OUT, generator=gen)
-
-
-def _backward(eng, rank: int) -> None:
-    x, y = _batch(rank)
-    eng.backward(nn.functional.mse_loss(eng(x), y))
-
-
-def _reference(world: int, edited: bool, steps: int) -> tuple[dict, dict]:
-    """Plain PyTorch: the first step's mean gradient over ranks, and the parameters after ``steps``
-    steps of mean gradient, edited, clipped, Adam."""
-    model = Wide()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    first = {}
-    for step in range(steps):
-        model.zero_grad()
-        for rank in range(world):
-            x, y = _batch(rank)
-            (nn.functional.mse_loss(model(x), y) / world).backward()
-        if step == 0:
-            first = {n: p.grad.clone() for n, p in model.named_parameters()}
-        if edited:
-            for n, p in model.named_parameters():
-                p.grad = edit(n, p.grad)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-    return first, {n: p.detach().clone() for n, p in model.named_parameters()}
+def _batch(rank: int, micro: int = 0, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank + 1000 * micro)
+    return torch.randn(4, 7, generator=gen).to(dtype), torch.randn(4, OUT, generator=gen).to(dtype)
 
 
 def _nvme_config(path: str) -> dict:
@@ -93,7 +67,7 @@ def _worker(rank, world, path):
     out = {}
     cfg = _nvme_config(os.path.join(path, f"read{world}"))
     eng = models.engine(cfg, Wide())
-    _backward(eng, rank)
+    models.run_backward(eng, rank, batch=_batch)
     opt = eng.optimizer
     swappable = sum(opt._swappable_optimizer_subgroup(g) for g in range(len(opt.fp16_groups)))
     swap_ins = []  # DeepSpeed swaps a whole sub-group in per call: once per sub-group, not per parameter
@@ -103,7 +77,7 @@ def _worker(rank, world, path):
     read_swap_ins = len(swap_ins)
     again = collgrad.safe_get_full_model_grads(eng)  # the swapped-in buffers were released in between
     ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
-    reference, _ = _reference(world, False, 1)
+    reference = models.reference_grads(world, make=Wide, batch=_batch)
     stats = collgrad.model_grad_stats(eng)
     out["read"] = {
         "swaps": swappable > 0,
@@ -122,11 +96,11 @@ def _worker(rank, world, path):
     back = collgrad.safe_get_full_model_grads(eng)
     ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
     out["written"] = all(torch.equal(back[n], new[n]) and torch.equal(ds[n], new[n]) for n in new)
-    edited, plain = _reference(world, True, STEPS)[1], _reference(world, False, STEPS)[1]
+    edited, plain = (_reference(world, 1, e, make=Wide, batch=_batch) for e in (True, False))
     for how in ("set", "update"):
         eng = models.engine(_nvme_config(os.path.join(path, f"{how}{world}")), Wide())
         for _ in range(STEPS):
-            _backward(eng, rank)
+            models.run_backward(eng, rank, batch=_batch)
             write_edit(eng, how, edit)
             eng.step()
         trained = _params(eng)

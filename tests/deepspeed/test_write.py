@@ -45,18 +45,20 @@ def edit(name: str, g: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _reference(world: int, gas: int, edited: bool) -> dict[str, torch.Tensor]:
-    """Plain PyTorch: the mean gradient over ranks and micro-steps, edited, clipped, Adam."""
+def _reference(world: int, gas: int, edited: bool, make=None, batch=None) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: the mean gradient over ranks and micro-steps, edited, clipped, Adam (the model
+    ``make()`` on ``batch(rank, micro)``, default the tests' Net and batches)."""
     from tests.deepspeed import models
 
-    model = models.Net()
+    model = make() if make is not None else models.Net()
+    batch = batch if batch is not None else models.batch
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=1e-3)
     for _ in range(STEPS):
         model.zero_grad()
         for rank in range(world):
             for micro in range(gas):
-                x, y = models.batch(rank, micro)
+                x, y = batch(rank, micro)
                 (torch.nn.functional.mse_loss(model(x), y) / (world * gas)).backward()
         if edited:
             for n, p in model.named_parameters():

@@ -78,3 +78,11 @@ def test_pieces_cache_reuses_where_the_same_fragments_lie_and_holds_them_weakly(
     del other
     gc.collect()
     assert ref() is None
+
+
+def test_span_offset_is_where_a_range_lies_in_the_storage_span():
+    flat = torch.arange(10.0)
+    pieces = Pieces([flat[6:10], flat[2:6], flat[0:2]])  # back to front, as DeepSpeed's ZeRO-1/2 list
+    assert pieces.span_offset(0, 4) == 6 and pieces.span_offset(5, 2) == 3 and pieces.span_offset(8, 2) == 0
+    assert pieces.span_offset(3, 2) is None  # straddles two pieces
+    assert Pieces([flat[0:2], torch.arange(3.0)]).span_offset(0, 1) is None  # two storages: no span
