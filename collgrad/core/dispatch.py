@@ -206,13 +206,21 @@ class Dispatcher:
         *,
         atomic: bool = True,
         done: Callable[[int], None] | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> CallRecord:
         """Run a prepared plan on ``inputs`` (and ``outputs`` for an all-gather), tensors of the specs it
         was prepared for. Collective: every rank runs the same plan (no argument check here).
 
         ``done(i)``: called as soon as output ``i`` is complete (its last bucket finished), while the
         next bucket is still in flight, so a caller can work on it meanwhile. Only for non-atomic runs
-        whose outputs are contiguous (nothing is written back at the end)."""
+        whose outputs are contiguous (nothing is written back at the end).
+
+        ``meanwhile()``: host work run once, as soon as the first bucket is in flight and before any
+        wait, so it overlaps the transfer (views of the outputs, result bookkeeping: measured, 1.5 ms of
+        Python between issue and wait adds nothing to a 20 ms Gloo all-gather here, while the same work
+        after the wait adds all of it). It must not communicate nor read the outputs' data. If it
+        raises, every bucket is still waited for (this rank leaves no collective behind), then its
+        error is raised."""
         plan, op = prepared.plan, prepared.plan.op
         assert prepared.fits(inputs), "a prepared plan run on tensors it was not prepared for"
         left: dict[int, int] = {}
@@ -237,15 +245,24 @@ class Dispatcher:
             dst = src if outputs is None else [_Work(t, private=atomic, fill=False) for t in outputs]
             records = []
             in_flight: deque[_InFlight] = deque()
+            failed: BaseException | None = None
             for bucket in plan.buckets:
                 channel = prepared.channels[bucket.rule]
                 flight = self._start(op, bucket, channel, src, dst, reduce_op, plan, group, failures)
                 in_flight.append(flight)
                 records.append(_record(bucket, len(flight.handles), flight.fallback))
+                if meanwhile is not None:
+                    try:
+                        meanwhile()
+                    except BaseException as exc:  # noqa: BLE001 - raised below, once nothing is in flight
+                        failed = exc
+                    meanwhile = None
                 if len(in_flight) == 2:
                     finish(in_flight.popleft())
             while in_flight:
                 finish(in_flight.popleft())
+            if failed is not None:
+                raise failed
             for work in dst:
                 work.write_back()
         return CallRecord(op, tuple(_compat.group_ranks(group)), tuple(records), prepared.decisions)

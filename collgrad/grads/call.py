@@ -176,14 +176,16 @@ class OpenCall:
         *,
         bucket_bytes: int | None = None,
         done: Callable[[int], None] | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> CallRecord:
         """One dispatcher call for ``step`` of this call, through its cached bucket plan (buckets of
         ``bucket_bytes``, default the call's). Not atomic and not re-checked: the tensors are collgrad's
-        own buffers, and the ranks agreed when the call opened. ``done``: see ``Dispatcher.run``."""
+        own buffers, and the ranks agreed when the call opened. ``done``, ``meanwhile``: see
+        ``Dispatcher.run``."""
         group = _compat.default_group() if group is None else group
         cap = self.call.bucket_bytes if bucket_bytes is None else bucket_bytes
         prepared = self._prepared(step, op, inputs, group, cap)
-        return self.dispatcher.run(prepared, inputs, outputs, group, atomic=False, done=done)
+        return self.dispatcher.run(prepared, inputs, outputs, group, atomic=False, done=done, meanwhile=meanwhile)
 
     def _prepared(
         self, step: Hashable, op: Op, tensors: Sequence[torch.Tensor], group: ProcessGroup, cap: int

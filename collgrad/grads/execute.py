@@ -166,6 +166,13 @@ def _equal_runs(slots: list[ParamSlot]) -> list[list[ParamSlot]]:
     return runs
 
 
+def _shaped(grad: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """``grad`` (1-D) viewed in its parameter's shape; reads no data."""
+    if len(slot.shape) != 1 or grad.dim() != 1:  # a view costs ~2 us: 1 ms a call at 400 tensors
+        grad = grad.view(slot.shape)
+    return grad
+
+
 def placed_pieces(buffer: Pieces) -> tuple[tuple[int, int, int], ...]:
     """This rank's pieces as a gather of its partition sends them: (offset in the partition, offset in
     what is sent, numel) each; sent as they lie when they tile one storage span, else concatenated."""
@@ -237,13 +244,24 @@ class Executor:
 
     # -- shared ---------------------------------------------------------------------------------------
     def _finish(self, grad: torch.Tensor, slot: ParamSlot, out_dtype: torch.dtype) -> torch.Tensor:
-        if len(slot.shape) != 1 or grad.dim() != 1:  # a view costs ~2 us: 1 ms a call at 400 tensors
-            grad = grad.view(slot.shape)
+        return self._converted(_shaped(grad, slot), out_dtype)
+
+    def _converts(self, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+        """Whether a gradient gathered in ``dtype`` needs ``_converted`` (which reads its data)."""
+        return dtype is not out_dtype or self.call.unscale
+
+    def _converted(self, grad: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if grad.dtype is not out_dtype:
             grad = grad.to(out_dtype)
         if self.call.unscale:
             grad = grad.div_(self.call.local.loss_scale)
         return grad
+
+    def _all_converted(self, out: Result, dtype: torch.dtype, out_dtype: torch.dtype) -> Result:
+        """``out`` (views made while the data was in flight) converted, now that it has arrived."""
+        if not self._converts(dtype, out_dtype):
+            return out
+        return [(name, self._converted(grad, out_dtype)) for name, grad in out]
 
     def _run(
         self,
@@ -292,24 +310,32 @@ class Executor:
     def _gather_flat(self, gplan, group: GradGroup, buffer: Pieces, b: int, batch, calls) -> Result:
         """ZeRO-1/2: every rank's partition gathered as it lies in memory (DeepSpeed fills its buffer in
         backward order: no concatenation first), then each parameter is a view of the gathered buffer
-        (the buffer *is* the result) or, where it straddles ranks or pieces, one concatenation."""
+        (the buffer *is* the result: the views are made while it is in flight) or, where it straddles
+        ranks or pieces, one concatenation."""
         device, world = self.call.source.device, group.world
         tiling = buffer.tiling()
         local = tiling[0] if tiling is not None else buffer.whole()
         full = torch.empty(world * group.partition_numel, dtype=group.wire_dtype, device=device)
-        self._run(gplan, group, b, Op.ALL_GATHER, [local.to(device)], [full], calls)
-        where, cuts = self._where(group, buffer, tiling)
+        where, cuts = self._where(group, buffer, tiling)  # may exchange placements: before the gather
         cut = cuts.get(batch)
         if cut is None:  # kept with the placements it was made from
             cut = cuts[batch] = _cut(where, batch, full.numel())
         sizes, take = cut
-        parts = full.split(sizes)  # every run of every parameter as a view, in one call
-        out = []
-        for k, runs in zip(batch, take):
-            slot = group.params[k]
-            grad = parts[runs[0]] if len(runs) == 1 else torch.cat([parts[i] for i in runs])
-            out.append((slot.name, self._finish(grad, slot, group.out_dtype)))
-        return out
+        out: list[Any] = []  # (name, view), or (name, None) for a parameter that straddles
+        parts: list[tuple[torch.Tensor, ...]] = []
+
+        def views() -> None:
+            parts.append(full.split(sizes))  # every run of every parameter as a view, in one call
+            for k, runs in zip(batch, take):
+                slot = group.params[k]
+                out.append((slot.name, _shaped(parts[0][runs[0]], slot) if len(runs) == 1 else None))
+
+        self._run(gplan, group, b, Op.ALL_GATHER, [local.to(device)], [full], calls, meanwhile=views)
+        for i, (k, runs) in enumerate(zip(batch, take)):
+            if len(runs) > 1:  # straddles: its runs end to end, now that they have arrived
+                slot = group.params[k]
+                out[i] = (slot.name, _shaped(torch.cat([parts[0][r] for r in runs]), slot))
+        return self._all_converted(out, full.dtype, group.out_dtype)
 
     def _where(self, group: GradGroup, buffer: Pieces, tiling) -> tuple[list[list[tuple[int, int]]], dict]:
         """Per parameter, the (offset, numel) runs of the gathered buffer that make it up, in order:
@@ -349,13 +375,20 @@ class Executor:
         span = slots[-1].offset + slots[-1].slice_numel - lo
         local = buffer.range(lo, span).to(device)  # a view of DeepSpeed's flat buffer, or one move
         result = torch.empty(world * span, dtype=group.wire_dtype, device=device)
+        out: Result = []
+
+        def shape() -> None:  # each parameter's view of the result, made while its data is in flight
+            for s in slots:
+                at = world * (s.offset - lo)
+                out.append((s.name, _shaped(result[at : at + s.numel], s)))
+
         if self._coalesced(group):
             # NCCL/XCCL (or a policy forcing it): per-parameter gathers in one coalesced call, each
             # straight into its parameter-major output: no staging, no reorder copy.
             ins = [local[s.offset - lo : s.offset - lo + s.slice_numel] for s in slots]
             outs = [result[world * (s.offset - lo) : world * (s.offset - lo + s.slice_numel)] for s in slots]
-            self._run(gplan, group, b, Op.ALL_GATHER, ins, outs, calls)
-            return [(s.name, self._finish(o[: s.numel], s, group.out_dtype)) for s, o in zip(slots, outs)]
+            self._run(gplan, group, b, Op.ALL_GATHER, ins, outs, calls, meanwhile=shape)
+            return self._all_converted(out, result.dtype, group.out_dtype)
         # Parameter-major: each parameter's world slices end to end, by one strided copy per run of
         # equally sized neighbours (a model's repeated layers). The step goes as a few chunks, one
         # bucket each, and each chunk is reordered as soon as it has arrived, while the next one is
@@ -366,7 +399,6 @@ class Executor:
         for c_lo, c_span, _ in chunks:
             ins.append(local[c_lo : c_lo + c_span])
             outs.append(staging[world * c_lo : world * (c_lo + c_span)])
-        out: list[tuple[str, torch.Tensor] | None] = [None] * len(slots)
 
         def reorder(i: int) -> None:
             c_lo, c_span, members = chunks[i]
@@ -376,15 +408,10 @@ class Executor:
                 start = run[0].offset - lo
                 src = rows[:, start - c_lo : start - c_lo + count * n].view(world, count, n).transpose(0, 1)
                 result[world * start : world * (start + count * n)].view(count, world, n).copy_(src)
-            for j in members:
-                s = slots[j]
-                at = world * (s.offset - lo)
-                out[j] = (s.name, self._finish(result[at : at + s.numel], s, group.out_dtype))
 
         cap = world * max(c_span for _, c_span, _ in chunks) * local.element_size()  # gathered bytes
-        self._run(gplan, group, b, Op.ALL_GATHER, ins, outs, calls, bucket_bytes=cap, done=reorder)
-        assert all(o is not None for o in out)
-        return out  # type: ignore[return-value]
+        self._run(gplan, group, b, Op.ALL_GATHER, ins, outs, calls, bucket_bytes=cap, done=reorder, meanwhile=shape)
+        return self._all_converted(out, result.dtype, group.out_dtype)
 
     def _coalesced(self, group: GradGroup) -> bool:
         """Whether this group's gathers go through the coalesced primitive (NCCL and XCCL run it as
@@ -438,8 +465,10 @@ class Executor:
         # The bucket as one tensor (one collective, no per-tensor bookkeeping), unless the registry
         # sends one collective per tensor for this group (then it needs the per-parameter views).
         per_tensor = self.call.primitive(group, Op.ALL_REDUCE, group.out_dtype) is Primitive.PER_TENSOR
-        self._run(gplan, group, b, Op.ALL_REDUCE, views if per_tensor else [result], None, calls)
-        return [
-            (group.params[k].name, self._finish(view, group.params[k], group.out_dtype))
-            for k, view in zip(batch, views)
-        ]
+        out: Result = []
+
+        def shape() -> None:  # made while the sum is in flight
+            out.extend((group.params[k].name, _shaped(view, group.params[k])) for k, view in zip(batch, views))
+
+        self._run(gplan, group, b, Op.ALL_REDUCE, views if per_tensor else [result], None, calls, meanwhile=shape)
+        return self._all_converted(out, result.dtype, group.out_dtype)
