@@ -106,6 +106,22 @@ class Pieces:
         span = first.new_empty(0).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
         return span, tuple(o - lo for o in offsets)
 
+    def _in_order(self, first: int, last: int) -> int | None:
+        """Where piece ``first`` starts in ``placement()``'s span if pieces ``first..last`` lie there back
+        to back in their own order, else None. Worked out once per pair (kept in ``memo``, which
+        outlives this object while the pieces stay where they are: see PiecesCache)."""
+        key = ("in order", first, last)
+        if key not in self.memo:
+            placed = self.placement()
+            found = None
+            if placed is not None and 0 <= first <= last < len(self.pieces):
+                offsets = placed[1]
+                shift = offsets[first] - self.starts[first]
+                if all(offsets[k] - self.starts[k] == shift for k in range(first + 1, last + 1)):
+                    found = offsets[first]
+            self.memo[key] = found
+        return self.memo[key]
+
     def span_offset(self, offset: int, numel: int) -> int | None:
         """Where elements ``[offset, offset + numel)`` start in ``placement()``'s span, if they lie within
         one piece; None if they straddle two pieces or the pieces share no storage."""
@@ -166,15 +182,14 @@ class Pieces:
     def range(self, offset: int, numel: int) -> torch.Tensor:
         """Elements ``[offset, offset + numel)``: a view when they lie in one piece (or in adjacent
         ones), else a copy of just that range."""
-        if offset == 0 and numel == self._numel:
-            parts = self.pieces
-            if len(parts) == 1:
-                return parts[0]
-            view = adjacent_view(parts)
-            return view if view is not None else torch.cat(parts)
+        if offset == 0 and numel == self._numel and len(self.pieces) == 1:
+            return self.pieces[0]
         j = bisect.bisect_right(self.starts, offset) - 1
         if j >= 0 and self.starts[j] == offset and self.pieces[j].numel() == numel:
             return self.pieces[j]  # exactly one piece (DeepSpeed's ZeRO-1/2 list: one per fragment)
+        at = self._in_order(max(j, 0), bisect.bisect_left(self.starts, offset + numel) - 1)
+        if at is not None:  # pieces back to back in their storage (ZeRO-3's slices): the span's view
+            return self.placement()[0][at + offset - self.starts[max(j, 0)] :][:numel]  # type: ignore[index]
         parts = [part for part, _ in self._spans(offset, numel)]
         if len(parts) == 1:
             return parts[0]

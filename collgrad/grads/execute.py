@@ -139,6 +139,45 @@ PIPELINE_CHUNKS = 4
 MIN_CHUNK_BYTES = 1 << 20
 
 
+class _SlicesStep(NamedTuple):
+    """Pure: how a step of a PER_PARAM group (ZeRO-3, FSDP2) is gathered and laid out, from the layout
+    alone (cached with the source). The batch's slices lie back to back from ``lo`` (``span``
+    elements) in each rank's buffer; the result holds each parameter's ``world`` slices end to end
+    (``gathered`` elements each), of which its first ``numel`` are the gradient."""
+
+    lo: int
+    span: int
+    names: tuple[str, ...]
+    gathered: tuple[int, ...]
+    #: positions in the batch whose result needs cutting (padding) or a view in the parameter's shape
+    trimmed: tuple[int, ...]
+    #: (start relative to ``lo``, elements, runs) per chunk; a run: (start, slice size, count) of
+    #: equally sized neighbours, reordered by one strided copy
+    chunks: tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]
+
+
+def _slices_step(group: GradGroup, batch: tuple[int, ...], element_size: int) -> _SlicesStep:
+    world = group.world
+    slots = [group.params[k] for k in batch]
+    lo = slots[0].offset
+    span = slots[-1].offset + slots[-1].slice_numel - lo
+    count = max(1, min(PIPELINE_CHUNKS, span * element_size // MIN_CHUNK_BYTES))
+    chunks = []
+    for c_lo, c_span, members in _chunks(slots, lo, count):
+        runs = _equal_runs([slots[j] for j in members])
+        chunks.append((c_lo, c_span, tuple((r[0].offset - lo, r[0].slice_numel, len(r)) for r in runs)))
+    ends = [s.offset for s in slots[1:]] + [lo + span]
+    gathered = tuple(world * (end - s.offset) for s, end in zip(slots, ends))  # to the next one's start
+    return _SlicesStep(
+        lo,
+        span,
+        tuple(s.name for s in slots),
+        gathered,
+        tuple(k for k, (s, g) in enumerate(zip(slots, gathered)) if g != s.numel or len(s.shape) != 1),
+        tuple(chunks),
+    )
+
+
 def _chunks(slots: list[ParamSlot], lo: int, count: int) -> list[tuple[int, int, list[int]]]:
     """``slots`` (back to back from ``lo``) cut at parameter edges into about ``count`` chunks of
     similar size: (start relative to ``lo``, elements, member positions) each."""
@@ -370,21 +409,26 @@ class Executor:
         calls, and lay each parameter's slices end to end (the copy a rank-major gather always needs),
         chunk by chunk as the chunks arrive."""
         device, world = self.call.source.device, group.world
-        slots = [group.params[k] for k in batch]
-        lo = slots[0].offset
-        span = slots[-1].offset + slots[-1].slice_numel - lo
+        key = ("slices step", group.index, batch, buffer.dtype)
+        step = self.call.source.plans.get(key)
+        if step is None:  # pure layout: cached with the source
+            step = self.call.source.plans[key] = _slices_step(group, batch, buffer.pieces[0].element_size())
+        lo, span = step.lo, step.span
         local = buffer.range(lo, span).to(device)  # a view of DeepSpeed's flat buffer, or one move
         result = torch.empty(world * span, dtype=group.wire_dtype, device=device)
         out: Result = []
 
         def shape() -> None:  # each parameter's view of the result, made while its data is in flight
-            for s in slots:
-                at = world * (s.offset - lo)
-                out.append((s.name, _shaped(result[at : at + s.numel], s)))
+            parts = result.split(step.gathered)
+            out.extend(zip(step.names, parts))
+            for k in step.trimmed:  # padded (ZeRO-3's last slices), or not 1-D
+                slot = group.params[batch[k]]
+                out[k] = (slot.name, _shaped(parts[k][: slot.numel], slot))
 
         if self._coalesced(group):
             # NCCL/XCCL (or a policy forcing it): per-parameter gathers in one coalesced call, each
             # straight into its parameter-major output: no staging, no reorder copy.
+            slots = [group.params[k] for k in batch]
             ins = [local[s.offset - lo : s.offset - lo + s.slice_numel] for s in slots]
             outs = [result[world * (s.offset - lo) : world * (s.offset - lo + s.slice_numel)] for s in slots]
             self._run(gplan, group, b, Op.ALL_GATHER, ins, outs, calls, meanwhile=shape)
@@ -393,23 +437,20 @@ class Executor:
         # equally sized neighbours (a model's repeated layers). The step goes as a few chunks, one
         # bucket each, and each chunk is reordered as soon as it has arrived, while the next one is
         # still being gathered: the copy overlaps the transfer.
-        chunks = _chunks(slots, lo, max(1, min(PIPELINE_CHUNKS, span * local.element_size() // MIN_CHUNK_BYTES)))
         staging = self._staging(group.wire_dtype, device, world * span)
         ins, outs = [], []
-        for c_lo, c_span, _ in chunks:
+        for c_lo, c_span, _ in step.chunks:
             ins.append(local[c_lo : c_lo + c_span])
             outs.append(staging[world * c_lo : world * (c_lo + c_span)])
 
         def reorder(i: int) -> None:
-            c_lo, c_span, members = chunks[i]
+            c_lo, c_span, runs = step.chunks[i]
             rows = outs[i].view(world, c_span)
-            for run in _equal_runs([slots[j] for j in members]):
-                n, count = run[0].slice_numel, len(run)
-                start = run[0].offset - lo
+            for start, n, count in runs:
                 src = rows[:, start - c_lo : start - c_lo + count * n].view(world, count, n).transpose(0, 1)
                 result[world * start : world * (start + count * n)].view(count, world, n).copy_(src)
 
-        cap = world * max(c_span for _, c_span, _ in chunks) * local.element_size()  # gathered bytes
+        cap = world * max(c_span for _, c_span, _ in step.chunks) * local.element_size()  # gathered bytes
         self._run(gplan, group, b, Op.ALL_GATHER, ins, outs, calls, bucket_bytes=cap, done=reorder, meanwhile=shape)
         return self._all_converted(out, result.dtype, group.out_dtype)
 

@@ -34,6 +34,28 @@ def test_pieces_read_ranges_across_pieces():
     assert adjacent.whole().data_ptr() == flat.data_ptr()  # back to back already: no copy
 
 
+def test_ranges_over_pieces_in_storage_order_are_views_of_the_span():
+    flat = torch.arange(20.0)
+    in_order = Pieces([flat[2:5], flat[5:9], flat[9:10], flat[10:16]])  # ZeRO-3's slices of one buffer
+    for offset, numel in [(0, 14), (1, 7), (3, 11), (4, 3), (7, 7), (13, 1)]:
+        got = in_order.range(offset, numel)
+        assert torch.equal(got, torch.arange(2.0 + offset, 2.0 + offset + numel))
+        assert got.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # no copy
+    # reversed (ZeRO-1/2's fragments), a gap, or another storage between: a copy of the same values
+    reversed_ = Pieces([flat[10:13], flat[5:10], flat[0:5]])
+    gap = Pieces([flat[0:3], flat[4:8]])
+    mixed = Pieces([flat[0:3], torch.arange(3.0, 6.0), flat[6:9]])
+    for pieces, values in [
+        (reversed_, torch.cat([flat[10:13], flat[5:10], flat[0:5]])),
+        (gap, torch.cat([flat[0:3], flat[4:8]])),
+        (mixed, torch.arange(9.0)),
+    ]:
+        got = pieces.range(1, pieces.numel() - 2)
+        assert torch.equal(got, values[1:-1])
+        assert got.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+        assert torch.equal(pieces.range(1, pieces.numel() - 2), values[1:-1])  # again, from the memo
+
+
 def test_write_lands_in_place_across_pieces():
     a, b, c = torch.zeros(3), torch.zeros(2), torch.zeros(4)
     pieces = Pieces([a, b, c])
