@@ -8,7 +8,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["adjacent_view", "Pieces", "PiecesCache"]
+__all__ = ["adjacent_view", "flat_alias", "Pieces", "PiecesCache"]
 
 
 def adjacent_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -32,6 +32,14 @@ def adjacent_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
         end = p.data_ptr() + p.numel() * p.element_size()
     total = sum(p.numel() for p in parts)
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
+
+
+def flat_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D alias of contiguous ``tensor``'s elements that holds its storage but not ``tensor`` itself
+    (``view(-1)`` would keep ``tensor`` alive as its base), so a weak reference to ``tensor`` still
+    tells when its owner lets go of it."""
+    assert tensor.is_contiguous()
+    return tensor.new_empty(0).set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),), (1,))
 
 
 class Pieces:

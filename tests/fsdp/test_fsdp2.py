@@ -92,10 +92,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _worker(rank: int, world: int, hsdp: bool):
+    import weakref
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import collgrad
+    from collgrad.core.dispatch import default_dispatcher
     from tests.counting import count_collectives
 
     mesh = (
@@ -120,12 +123,17 @@ def _worker(rank: int, world: int, hsdp: bool):
         grads = collgrad.safe_get_full_model_grads(model)
         with count_collectives() as seen:
             again = collgrad.safe_get_full_model_grads(model)
+        # this step's shards are read once: later calls reuse them while FSDP2 holds the same ones
+        source = default_dispatcher().model_cache[model][None]
+        held = source._held
+        shard = weakref.ref(next(p for p in model.parameters() if p.requires_grad).grad._local_tensor)
         stream = collgrad.iter_full_model_grads(model, bucket_bytes=256)
         streamed = dict(stream)
         subset = [n for n in full][1::2]
         part = collgrad.safe_get_full_model_grads(model, params=subset)
         stats = collgrad.model_grad_stats(model)
         entry.update(
+            held=held is not None and source._held is held,
             names=list(grads),
             expected_names=list(full),
             bitwise=all(torch.equal(grads[n], full[n]) for n in full),
@@ -160,6 +168,8 @@ def _worker(rank: int, world: int, hsdp: bool):
         model.set_requires_gradient_sync(True)
         nn.functional.mse_loss(model(x).float(), y).backward()
         model.zero_grad()
+        # what collgrad kept of the step goes with the gradients: nothing keeps them alive
+        entry["released"] = source._held is None and shard() is None
         entry["after_zero_grad"] = attempt(lambda model=model: collgrad.safe_set_full_model_grads(model, {}))
         out[name] = entry
     # Training: an edit written before every step, by set and by update.
@@ -202,6 +212,7 @@ def test_read_is_bitwise_full_tensor_and_close_to_plain_pytorch(results):
         assert e["names"] == e["expected_names"] and "head.weight" not in e["names"]  # tied: once
         assert "frozen.weight" not in e["names"]
         assert e["bitwise"] and e["again"] and e["streamed"] and e["subset"], variant
+        assert e["held"] and e["released"], variant  # shards read once a step, let go with the gradients
         assert set(e["dtypes"].values()) == {"torch.float32"}  # mixed precision: reduce_dtype, as FSDP2 keeps it
         assert e["plain"] < (2e-2 if variant == "mixed_precision" else 1e-5), (variant, e["plain"])
 
