@@ -344,6 +344,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     methods["collgrad_per_tensor"] = lambda: collgrad.safe_get_full_model_grads(
         engine, policy=per_tensor, bucket_bytes=bucket
     )
+    # Where ranks hold gradients whole (BF16_Optimizer, stage 0): the optimizer's tensors, no copy.
+    methods["collgrad_no_copy"] = lambda: collgrad.safe_get_full_model_grads(engine, bucket_bytes=bucket, copy=False)
     # deque(maxlen=0) consumes without keeping a reference: what is measured is what collgrad holds.
     methods["collgrad_iter"] = lambda: deque(collgrad.iter_full_model_grads(engine, bucket_bytes=bucket), maxlen=0)
     # Writing and statistics, against DeepSpeed's own per-parameter loops. The values written are the

@@ -226,8 +226,10 @@ def placed_pieces(buffer: Pieces) -> tuple[tuple[int, int, int], ...]:
 class Executor:
     """Runs ``call.plan``; ``steps()`` yields each step's results, ``record()`` tells what was done."""
 
-    def __init__(self, call: OpenCall) -> None:
+    def __init__(self, call: OpenCall, *, copy: bool = True) -> None:
         self.call = call
+        #: False: where this rank holds a gradient whole (no collective), hand out the tensor itself
+        self.copy = copy
         self.group_records: list[GroupRecord] = []
         self.per_param_collectives = 0
 
@@ -282,18 +284,23 @@ class Executor:
         return self._all_reduce(gplan, group, buffer, b, batch, calls)
 
     # -- shared ---------------------------------------------------------------------------------------
-    def _finish(self, grad: torch.Tensor, slot: ParamSlot, out_dtype: torch.dtype) -> torch.Tensor:
-        return self._converted(_shaped(grad, slot), out_dtype)
+    def _finish(
+        self, grad: torch.Tensor, slot: ParamSlot, out_dtype: torch.dtype, *, owned: bool = True
+    ) -> torch.Tensor:
+        return self._converted(_shaped(grad, slot), out_dtype, owned=owned)
 
     def _converts(self, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
         """Whether a gradient gathered in ``dtype`` needs ``_converted`` (which reads its data)."""
         return dtype is not out_dtype or self.call.unscale
 
-    def _converted(self, grad: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def _converted(self, grad: torch.Tensor, out_dtype: torch.dtype, *, owned: bool = True) -> torch.Tensor:
+        """``grad`` in ``out_dtype``, unscaled; in place only if ``owned`` (collgrad's own buffer) or
+        converted (a copy already), never in a tensor of the optimizer's."""
         if grad.dtype is not out_dtype:
-            grad = grad.to(out_dtype)
+            grad, owned = grad.to(out_dtype), True
         if self.call.unscale:
-            grad = grad.div_(self.call.local.loss_scale)
+            scale = self.call.local.loss_scale
+            grad = grad.div_(scale) if owned else grad / scale
         return grad
 
     def _all_converted(self, out: Result, dtype: torch.dtype, out_dtype: torch.dtype) -> Result:
@@ -332,9 +339,16 @@ class Executor:
         return out
 
     def _local(self, group: GradGroup, buffer, batch: tuple[int, ...]) -> Result:
+        copy = self.copy
         if group.kind is Kind.REPLICATED:
+            out_dtype, params = group.out_dtype, group.params
             return [
-                (group.params[k].name, self._finish(buffer[k].detach().clone(), group.params[k], group.out_dtype))
+                (
+                    params[k].name,
+                    self._finish(
+                        buffer[k].detach().clone() if copy else buffer[k].detach(), params[k], out_dtype, owned=copy
+                    ),
+                )
                 for k in batch
             ]
         out = []
@@ -342,8 +356,10 @@ class Executor:
         for frag in owned_fragments(group, 0):  # a group of one rank owns everything
             if frag.param in wanted:
                 slot = group.params[frag.param]
-                piece = buffer.range(frag.local_offset, frag.numel).to(self.call.source.device, copy=True)
-                out.append((slot.name, self._finish(piece, slot, group.out_dtype)))
+                piece = buffer.range(frag.local_offset, frag.numel)
+                moved = piece.to(self.call.source.device, copy=copy)
+                owned = copy or moved.data_ptr() != piece.data_ptr()  # moved, or a concatenation of pieces
+                out.append((slot.name, self._finish(moved, slot, group.out_dtype, owned=owned)))
         return out
 
     def _gather_flat(self, gplan, group: GradGroup, buffer: Pieces, b: int, batch, calls) -> Result:

@@ -37,6 +37,7 @@ def safe_get_full_model_grads(
     unscale: bool = True,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    copy: bool = True,
 ) -> FullGrads:
     """The full, reduced gradient of every trainable parameter of ``model``, in one collective per
     bucket.
@@ -53,6 +54,11 @@ def safe_get_full_model_grads(
     every rank. Otherwise every rank raises the same error (NotReadyError, ArgumentMismatchError, or
     InvalidArgumentError on the rank whose arguments were invalid) before any gradient moves. The
     engine is not modified.
+
+    ``copy=False``: where a rank already holds a gradient whole (stage 0, ``BF16_Optimizer``, a
+    data-parallel group of one rank) the value is the optimizer's own tensor, viewed in the
+    parameter's shape, instead of a copy (no memory, ~no time; everything else is fresh either way,
+    as are values that needed a conversion). Read it, do not write it: it is what ``step()`` uses.
     """
     call = OpenCall(
         model,
@@ -65,7 +71,7 @@ def safe_get_full_model_grads(
         streaming=False,
         name="safe_get_full_model_grads",
     )
-    executor = Executor(call)
+    executor = Executor(call, copy=copy)
     found: dict[str, torch.Tensor] = {}
     for results in executor.steps():
         found.update(results)
@@ -82,8 +88,8 @@ class FullGradStream:
     """``(name, gradient)`` pairs, one bucket of whole parameters at a time; ``record()`` tells what was
     done so far. Every rank must consume it to the end (each bucket is a collective)."""
 
-    def __init__(self, call: OpenCall) -> None:
-        self._executor = Executor(call)
+    def __init__(self, call: OpenCall, copy: bool = True) -> None:
+        self._executor = Executor(call, copy=copy)
         self._iter = self._generate()
         self.model_parallel = call.source.model_parallel
 
@@ -112,6 +118,7 @@ def iter_full_model_grads(
     unscale: bool = True,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    copy: bool = True,
 ) -> FullGradStream:
     """The same gradients as ``safe_get_full_model_grads``, as ``(name, tensor)`` pairs streamed one
     bucket of whole parameters at a time (in bucket order), so that collgrad holds about two buckets
@@ -119,10 +126,12 @@ def iter_full_model_grads(
 
     Same calling rules, plus: every rank must consume the whole iteration (each bucket is a
     collective); a rank that stops early leaves the others waiting. The arguments and readiness are
-    checked, on every rank together, when this is called (not at the first ``next``).
+    checked, on every rank together, when this is called (not at the first ``next``). ``copy``: as
+    for ``safe_get_full_model_grads``.
     """
     return FullGradStream(
         OpenCall(
             model, params, bucket_bytes, plan, unscale, policy, dispatcher, streaming=True, name="iter_full_model_grads"
-        )
+        ),
+        copy,
     )

@@ -49,6 +49,7 @@ def test_bench_runs_and_reports_every_method(tmp_path):
         "collgrad_all_gather",
         "collgrad_all_reduce",
         "collgrad_per_tensor",
+        "collgrad_no_copy",
         "collgrad_iter",
         "raw_all_reduce",
         "raw_all_gather",

@@ -75,6 +75,11 @@ def _worker(rank, world):
         calls["subset"] = collgrad.safe_get_full_model_grads(eng, params=subset)
         ds_after = None if ds is None else {n: safe_get_full_grad(p) for n, p in trainable}
         auto = calls["auto"]
+        # copy=False: the optimizer's own tensors where a rank holds gradients whole, fresh ones elsewhere
+        views = collgrad.safe_get_full_model_grads(eng, copy=False)
+        streamed_views = dict(collgrad.iter_full_model_grads(eng, bucket_bytes=256, copy=False))
+        held = {p.grad.untyped_storage().data_ptr() for _, p in trainable if p.grad is not None}
+        held |= {t.untyped_storage().data_ptr() for t in getattr(eng.optimizer, "fp32_groups_gradients_flat", [])}
         # The same call again, observed from outside: what torch receives, and whether anything is planned.
         with count_collectives() as seen, count_planning() as planned:
             again = collgrad.safe_get_full_model_grads(eng)
@@ -110,6 +115,11 @@ def _worker(rank, world):
                 {str(bk.primitive) for g in calls["coalesced"].record.groups for c in g.calls for bk in c.buckets}
             ),
             "subset_equal": all(torch.equal(calls["subset"][n], auto[n]) for n in subset),
+            "views_equal": all(
+                torch.equal(views[n], auto[n]) and torch.equal(streamed_views[n], auto[n]) for n in auto
+            ),
+            "views_alias": sorted({views[n].untyped_storage().data_ptr() in held for n in views}),
+            "copies_alias": sorted({auto[n].untyped_storage().data_ptr() in held for n in auto}),
             "dtype_device": {n: (str(t.dtype), str(t.device), tuple(t.shape)) for n, t in auto.items()},
             "records": {
                 k: (
@@ -247,3 +257,12 @@ def test_round_robin_matches_the_layout_without_it(results):
     for res in per_rank:
         assert res["zero2_round_robin"]["ref_rel"] < 1e-5
         assert res["zero1_round_robin"]["ref_rel"] < 1e-5
+
+
+def test_copy_false_hands_out_the_optimizers_own_tensors_only_where_a_rank_holds_them_whole(results):
+    for entry in results[1]:
+        for config, e in entry.items():
+            assert e["views_equal"], config
+            assert e["copies_alias"] == [False], config  # the default: never the optimizer's memory
+            whole = config in ("zero0_fp32", "zero1_bf16_acc32")  # stage 0, BF16_Optimizer
+            assert e["views_alias"] == [whole], config
