@@ -205,6 +205,10 @@ def _equal_runs(slots: list[ParamSlot]) -> list[list[ParamSlot]]:
     return runs
 
 
+def _no_history(grad: torch.Tensor) -> torch.Tensor:
+    return grad.detach() if grad.requires_grad or grad.grad_fn is not None else grad
+
+
 def _shaped(grad: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     """``grad`` (1-D) viewed in its parameter's shape; reads no data."""
     if len(slot.shape) != 1 or grad.dim() != 1:  # a view costs ~2 us: 1 ms a call at 400 tensors
@@ -341,15 +345,15 @@ class Executor:
     def _local(self, group: GradGroup, buffer, batch: tuple[int, ...]) -> Result:
         copy = self.copy
         if group.kind is Kind.REPLICATED:
-            out_dtype, params = group.out_dtype, group.params
+            params, out_dtype = group.params, group.out_dtype
+            # copy=False: the optimizer's tensor itself (no autograd history to cut: a .grad, a _hp_grad);
+            # a new tensor object per gradient would cost ~1 us each
+            grads = [buffer[k].detach().clone() for k in batch] if copy else [_no_history(buffer[k]) for k in batch]
+            if self.call.unscale or any(g.dtype is not out_dtype for g in grads):
+                grads = [self._converted(g, out_dtype, owned=copy) for g in grads]
             return [
-                (
-                    params[k].name,
-                    self._finish(
-                        buffer[k].detach().clone() if copy else buffer[k].detach(), params[k], out_dtype, owned=copy
-                    ),
-                )
-                for k in batch
+                (params[k].name, g if g.shape == params[k].shape else g.view(params[k].shape))
+                for k, g in zip(batch, grads)
             ]
         out = []
         wanted = set(batch)

@@ -56,9 +56,10 @@ def safe_get_full_model_grads(
     engine is not modified.
 
     ``copy=False``: where a rank already holds a gradient whole (stage 0, ``BF16_Optimizer``, a
-    data-parallel group of one rank) the value is the optimizer's own tensor, viewed in the
-    parameter's shape, instead of a copy (no memory, ~no time; everything else is fresh either way,
-    as are values that needed a conversion). Read it, do not write it: it is what ``step()`` uses.
+    data-parallel group of one rank) the value is the optimizer's own tensor (that very tensor, or a
+    view of it in the parameter's shape) instead of a copy: no memory, ~no time. Everything else is
+    fresh either way, as are values that needed a conversion. Read it, do not write it: it is what
+    ``step()`` uses.
     """
     call = OpenCall(
         model,
