@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
+from collgrad.core.buffers import Pieces
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
 
@@ -119,12 +120,40 @@ class Source:
                     if slot.name in values:
                         self._write_full(k, slot, buffer, _scaled(values[slot.name], scale))
                 continue
-            for frag in owned_fragments(group, rank_in(group)):
-                new = values.get(group.params[frag.param].name)
+            placed = buffer.placement()
+            span = placed[0] if placed is not None else None
+            for name, lo, numel, local_offset, at in self._write_plan(group, buffer):
+                new = values.get(name)
                 if new is not None:
-                    part = new.reshape(-1)[frag.param_offset : frag.param_offset + frag.numel]
-                    buffer.write(frag.local_offset, _scaled(part, scale))
+                    part = _scaled(new.reshape(-1)[lo : lo + numel], scale)
+                    if at is None:
+                        buffer.write(local_offset, part)
+                    else:  # straight into the storage span where it lies (the usual case)
+                        span[at : at + numel].copy_(part)  # type: ignore[index]
         self.after_write(values)
+
+    def _write_plan(self, group: GradGroup, buffer: Pieces) -> list[tuple[str, int, int, int, int | None]]:
+        """This rank's owned fragments of ``group`` as (name, offset in the parameter, elements, offset
+        in the local buffer, offset in the buffer's storage span or None): worked out once while the
+        pieces lie where they did (DeepSpeed keeps its buffers), not per fragment per call."""
+        placed = buffer.placement()
+        where = placed[1] if placed is not None else None
+        key = ("write plan", group.index)
+        found = self.plans.get(key)
+        if found is None or found[0] != where or found[1] != buffer.starts:
+            plan = [
+                (
+                    group.params[f.param].name,
+                    f.param_offset,
+                    f.numel,
+                    f.local_offset,
+                    buffer.span_offset(f.local_offset, f.numel),
+                )
+                for f in owned_fragments(group, rank_in(group))
+                if f.numel
+            ]
+            found = self.plans[key] = (where, list(buffer.starts), plan)
+        return found[2]
 
     def _write_full(self, k: int, slot: ParamSlot, buffer: list, value: torch.Tensor) -> None:
         buffer[k].copy_(value.reshape(buffer[k].shape))
