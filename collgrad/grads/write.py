@@ -40,25 +40,38 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
     One reduction per tensor and one transfer for all: ~3 ms at 400 tensors / 25 MB here, where a
     per-tensor int64 accumulation of 32-bit patterns and a read back each took 18 ms."""
     sums = []
-    for t in tensors:
-        flat = t.detach().reshape(-1)
-        cut = flat.numel() - flat.numel() * flat.element_size() % 8 // flat.element_size()
-        try:
-            words = flat[:cut].view(torch.int64)
-        except RuntimeError:  # not 8-byte aligned in its storage: a copy is (same values, same number)
-            flat = flat.clone()
-            words = flat[:cut].view(torch.int64)
-        total = words.sum()
-        if cut < flat.numel():  # what does not fill a word: each element's bits, widened
-            bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-            total = total + flat[cut:].contiguous().view(bits).sum(dtype=torch.int64) * 1_000_003
-        sums.append(total)
+    with torch.no_grad():
+        for t in tensors:
+            if t.numel() * t.element_size() % 8 == 0 and t.is_contiguous():
+                try:  # the usual case, in three calls
+                    sums.append(t.view(-1).view(torch.int64).sum())
+                    continue
+                except RuntimeError:
+                    pass  # not 8-byte aligned in its storage
+            sums.append(_word_sum(t))
     out = [0] * len(sums)
     for device in {x.device for x in sums}:  # one read back per device
         at = [i for i, x in enumerate(sums) if x.device == device]
         for i, value in zip(at, torch.stack([sums[i] for i in at]).tolist()):
             out[i] = value & ((1 << 62) - 1)  # fits in the int64 the exchange carries
     return out
+
+
+def _word_sum(t: torch.Tensor) -> torch.Tensor:
+    """``checksums``' number for any tensor: a copy where it is not 8-byte aligned (same values, same
+    number), the elements that do not fill a word widened one by one."""
+    flat = t.reshape(-1)
+    cut = flat.numel() - flat.numel() * flat.element_size() % 8 // flat.element_size()
+    try:
+        words = flat[:cut].view(torch.int64)
+    except RuntimeError:
+        flat = flat.clone()
+        words = flat[:cut].view(torch.int64)
+    total = words.sum()
+    if cut < flat.numel():
+        bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        total = total + flat[cut:].contiguous().view(bits).sum(dtype=torch.int64) * 1_000_003
+    return total
 
 
 def _checked(source: Source, grads: Any) -> dict[str, torch.Tensor]:
