@@ -21,6 +21,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
+from collgrad.backends.decide import Capabilities
 from collgrad.backends.policy import Policy
 from collgrad.core.agreement import Field, agree_on_call, stable_hash, tell_invalid
 from collgrad.core.buffers import Pieces
@@ -160,11 +161,15 @@ class OpenCall:
         key = ("primitive", group.index, op, dtype, self.policy)
         found = self.source.plans.get(key, False)
         if found is False:
-            caps = self.dispatcher.registry.capabilities(
-                self.source.device.type, self.source.groups.get(group.index), self.policy
-            )
-            found = self.source.plans[key] = caps.choice(op, dtype).primitive
+            found = self.source.plans[key] = self.capabilities(group).choice(op, dtype).primitive
         return found
+
+    def capabilities(self, group: GradGroup) -> Capabilities:
+        """What the registry agreed ``group`` can run, under this call's policy (the same on every
+        rank; collective the first time, cached by the registry)."""
+        return self.dispatcher.registry.capabilities(
+            self.source.device.type, self.source.groups.get(group.index), self.policy
+        )
 
     def run(
         self,

@@ -14,14 +14,18 @@ One small function per plan kind; none decides anything (the plan did), each onl
 
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
+from collgrad import _compat
+from collgrad.backends import gloo
+from collgrad.backends.decide import Choice
 from collgrad.core.agreement import exchange
 from collgrad.core.buffers import Pieces
 from collgrad.core.ops import Op, Primitive
-from collgrad.core.record import CallRecord
+from collgrad.core.record import BucketRecord, CallRecord, Decision
+from collgrad.core.waits import wait_work
 from collgrad.grads.call import OpenCall
 from collgrad.grads.plan import GroupPlan, PlanKind
 from collgrad.grads.record import FullGradRecord, GroupRecord
@@ -154,6 +158,10 @@ class _SlicesStep(NamedTuple):
     #: (start relative to ``lo``, elements, runs) per chunk; a run: (start, slice size, count) of
     #: equally sized neighbours, reordered by one strided copy
     chunks: tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]
+    #: the whole step as runs of equally sized slices at a constant distance (a model's repeated
+    #: layers), (start relative to ``lo``, distance, slice size, count) each: one strided view per run
+    #: on each side of a gather whose backend lays the data out itself
+    strided: tuple[tuple[int, int, int, int], ...]
 
 
 def _slices_step(group: GradGroup, batch: tuple[int, ...], element_size: int) -> _SlicesStep:
@@ -168,6 +176,7 @@ def _slices_step(group: GradGroup, batch: tuple[int, ...], element_size: int) ->
         chunks.append((c_lo, c_span, tuple((r[0].offset - lo, r[0].slice_numel, len(r)) for r in runs)))
     ends = [s.offset for s in slots[1:]] + [lo + span]
     gathered = tuple(world * (end - s.offset) for s, end in zip(slots, ends))  # to the next one's start
+    slices = tuple(Fragment(k, 0, s.offset - lo, s.slice_numel) for k, s in enumerate(slots) if s.slice_numel)
     return _SlicesStep(
         lo,
         span,
@@ -175,6 +184,7 @@ def _slices_step(group: GradGroup, batch: tuple[int, ...], element_size: int) ->
         gathered,
         tuple(k for k, (s, g) in enumerate(zip(slots, gathered)) if g != s.numel or len(s.shape) != 1),
         tuple(chunks),
+        tuple((r.local_offset, r.stride, r.numel, len(r.frags)) for r in strided_runs(slices)),
     )
 
 
@@ -453,6 +463,10 @@ class Executor:
             outs = [result[world * (s.offset - lo) : world * (s.offset - lo + s.slice_numel)] for s in slots]
             self._run(gplan, group, b, Op.ALL_GATHER, ins, outs, calls, meanwhile=shape)
             return self._all_converted(out, result.dtype, group.out_dtype)
+        choice = self._laid_out_by_backend(group)
+        if choice is not None:
+            calls.append(self._gather_strided(group, step, local, result, choice, shape))
+            return self._all_converted(out, result.dtype, group.out_dtype)
         # Parameter-major: each parameter's world slices end to end, by one strided copy per run of
         # equally sized neighbours (a model's repeated layers). The step goes as a few chunks, one
         # bucket each, and each chunk is reordered as soon as it has arrived, while the next one is
@@ -473,6 +487,71 @@ class Executor:
         cap = world * max(c_span for _, c_span, _ in step.chunks) * local.element_size()  # gathered bytes
         self._run(gplan, group, b, Op.ALL_GATHER, ins, outs, calls, bucket_bytes=cap, done=reorder, meanwhile=shape)
         return self._all_converted(out, result.dtype, group.out_dtype)
+
+    def _laid_out_by_backend(self, group: GradGroup) -> Choice | None:
+        """The agreed choice for this group's gathers, if its backend lays a gather out into strided
+        views itself: a flat gather agreed on Gloo over CPU tensors, with the coalesced primitive
+        allowed as well (a policy forcing ``flat`` or forbidding ``coalesced`` keeps the flat gather and
+        its reorder copy). See ``backends.gloo.copies_gathers_out_strided``."""
+        caps = self.call.capabilities(group)
+        choice = caps.choice(Op.ALL_GATHER, group.wire_dtype)
+        if (
+            choice.primitive is Primitive.FLAT
+            and choice.backend == gloo.NAME
+            and gloo.copies_gathers_out_strided(self.call.source.device.type)
+            and caps.status(Op.ALL_GATHER, Primitive.COALESCED, group.wire_dtype).ok
+        ):
+            return choice
+        return None
+
+    def _gather_strided(
+        self,
+        group: GradGroup,
+        step: _SlicesStep,
+        local: torch.Tensor,
+        result: torch.Tensor,
+        choice: Choice,
+        meanwhile: Callable[[], None],
+    ) -> CallRecord:
+        """One coalesced gather whose outputs are strided views of ``result``: per run of equally sized
+        slices, rank r's rows land where each parameter's r-th slice goes, so the backend's own copy
+        out of its staging is the reorder. No staging of collgrad's, no reorder copy."""
+        world, pg = group.world, self.call.source.groups.get(group.index)
+        local = local.to(result.dtype)  # the wire dtype (a copy only where the buffer's differs)
+        inputs, outputs = [], []
+        for start, stride, numel, count in step.strided:
+            inputs.append(
+                local.as_strided((1, count, numel), (count * stride, stride, 1), local.storage_offset() + start)
+            )
+            outputs.append(
+                result.as_strided(
+                    (world, count, numel), (numel, world * stride, 1), result.storage_offset() + world * start
+                )
+            )
+        what = (
+            f"the gather of {step.span} x {result.dtype} per rank ({len(inputs)} run(s), coalesced over gloo, "
+            f"group {group.group_ranks})"
+        )
+        work = _compat.all_gather_coalesced(pg, outputs, inputs)
+        try:
+            meanwhile()
+        finally:  # this rank never leaves a collective of its own behind
+            wait_work(work, self.call.dispatcher.timeout, what)
+        bucket = BucketRecord(
+            index=0,
+            device=str(result.device),
+            dtype=local.dtype,
+            wire_dtype=result.dtype,
+            primitive=Primitive.COALESCED,
+            backend=choice.backend,
+            numel=step.span,
+            bytes=step.span * result.element_size(),
+            tensors=len(step.names),
+            collectives=1,
+        )
+        why = "gloo lays a coalesced gather out into strided views: parameter-major, no reorder copy"
+        decision = Decision(result.device.type, local.dtype, Primitive.COALESCED, choice.backend, result.dtype, why)
+        return CallRecord(Op.ALL_GATHER, group.group_ranks, (bucket,), (decision,))
 
     def _coalesced(self, group: GradGroup) -> bool:
         """Whether this group's gathers go through the coalesced primitive (NCCL and XCCL run it as

@@ -66,6 +66,8 @@ def _worker(rank, world):
             "per_tensor": collgrad.safe_get_full_model_grads(eng, policy=Policy(force="per_tensor")),
             # what NCCL/XCCL choose: ZeRO-3 gathers per parameter straight into parameter-major outputs
             "coalesced": collgrad.safe_get_full_model_grads(eng, plan="all_gather", policy=Policy(force="coalesced")),
+            # a flat gather and collgrad's reorder copy, where Gloo would otherwise lay ZeRO-3's out itself
+            "flat": collgrad.safe_get_full_model_grads(eng, plan="all_gather", policy=Policy(force="flat")),
         }
         stream = collgrad.iter_full_model_grads(eng, bucket_bytes=256)
         calls["iter"] = dict(stream)
@@ -107,10 +109,15 @@ def _worker(rank, world):
                     "per_tensor",
                     "iter",
                     "coalesced",
+                    "flat",
                     "iter_512",
                 )
                 for n in auto
             ),
+            "gather_primitives": {
+                k: sorted({str(bk.primitive) for g in calls[k].record.groups for c in g.calls for bk in c.buckets})
+                for k in ("all_gather", "flat")
+            },
             "coalesced_primitives": sorted(
                 {str(bk.primitive) for g in calls["coalesced"].record.groups for c in g.calls for bk in c.buckets}
             ),
@@ -266,3 +273,14 @@ def test_copy_false_hands_out_the_optimizers_own_tensors_only_where_a_rank_holds
             assert e["copies_alias"] == [False], config  # the default: never the optimizer's memory
             whole = config in ("zero0_fp32", "zero1_bf16_acc32")  # stage 0, BF16_Optimizer
             assert e["views_alias"] == [whole], config
+
+
+@pytest.mark.parametrize("config", [c for c, v in CONFIGS.items() if v[0] == 3])
+def test_zero3_gathers_are_laid_out_by_gloo_unless_a_policy_says_flat(results, config):
+    # Gloo copies a coalesced gather out into strided views: each rank's slices land parameter-major
+    # (no reorder copy); forcing flat keeps the flat gather and collgrad's reorder. Same values either way.
+    for entry in results[1]:
+        e = entry[config]
+        assert e["plans_agree"]
+        assert e["gather_primitives"]["all_gather"] == ["coalesced"], e["gather_primitives"]
+        assert e["gather_primitives"]["flat"] == ["flat"], e["gather_primitives"]

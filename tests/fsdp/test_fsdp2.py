@@ -143,6 +143,7 @@ def _worker(rank: int, world: int, hsdp: bool):
             data_calls=seen.data,
             agreements=seen.agreements,
             buckets=again.record.buckets,
+            primitives=sorted({str(bk.primitive) for g in again.record.groups for c in g.calls for bk in c.buckets}),
             groups=[(str(g.plan), g.ranks) for g in again.record.groups],
             streamed=sorted(streamed) == sorted(full) and all(torch.equal(streamed[n], full[n]) for n in full),
             stream_buckets=stream.record().buckets,
@@ -221,6 +222,7 @@ def test_one_collective_per_bucket_over_the_shard_dimension_only(results):
     world, hsdp, per_rank = results
     for _world, _hsdp, rank, _variant, e in _entries(results):
         assert e["data_calls"] == e["buckets"] == 1 and e["agreements"] == 1, e
+        assert e["primitives"] == ["coalesced"]  # laid out parameter-major by Gloo itself: no reorder copy
         assert e["stream_buckets"] > 1
         shard_ranks = tuple(range(rank - rank % 2, rank - rank % 2 + 2)) if hsdp else tuple(range(world))
         assert e["groups"] == [("all_gather", shard_ranks)], e["groups"]
