@@ -24,7 +24,8 @@ def _worker(rank, world):
     dispatcher = collgrad.Dispatcher()
     first = collgrad.safe_get_full_model_grads(eng, dispatcher=dispatcher)
     (source,) = dispatcher.model_cache[eng].values()
-    held = source._pieces is not None and bool(source.scratch)  # views of DeepSpeed's buffer, staging
+    # views of DeepSpeed's buffer (no staging: over Gloo on CPU the gather is laid out by Gloo itself)
+    held = source._pieces is not None
     eng.step()  # states are offloaded between steps, as in RLHF loops that free the device for generation
     old = eng.optimizer.grad_partitions_flat_buffer.data_ptr()
     # The gradient buffers only: DeepSpeed offloads optimizer states only for its CUDA FusedAdam.
