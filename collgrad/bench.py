@@ -210,13 +210,26 @@ def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) 
     device = _device()
     for _ in range(cfg.warmup):
         fn()
-    times, faults = [], []
+    times, faults, inside = [], [], []
+
+    def measured() -> Any:  # the call alone, without the barriers around it
+        start = time.perf_counter()
+        result = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        inside.append(time.perf_counter() - start)
+        return result
+
     for rep in range(cfg.reps):
         before = _minor_faults()
-        times.append(_once(fn, device))
+        times.append(_once(measured, device))
         faults.append(_minor_faults() - before)
         if progress:
             _progress(label, rep, cfg.reps)
+    # Per call, the slowest rank's time inside it: what a caller waits for, less the harness's
+    # barriers and the skew they leave between ranks (most of a sub-millisecond call's wall time here).
+    slowest = torch.tensor(inside, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     peak_host = peak_dev = 0
     for _ in range(_MEMORY_REPS):
         if device.type == "cuda":
@@ -238,6 +251,7 @@ def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) 
         "median_ms": statistics.median(ms),
         "min_ms": min(ms),
         "max_ms": max(ms),
+        "call_ms": statistics.median(slowest.tolist()) * 1e3,
         "page_faults": statistics.median(faults),
         "peak_host_mb": peak_host / 2**20,
         "peak_device_mb": peak_dev / 2**20,
@@ -515,15 +529,15 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['params']} tensors / {report['numel']:,} elements, {report['world']} ranks over "
         f"{report['backend']}, {report['optimizer']}, torch {report['torch']}, deepspeed {report['deepspeed']}, "
         f"bucket {cfg['bucket_mb']} MiB, median of {cfg['reps']}",
-        f"{'method':<22}{'median ms':>11}{'min':>9}{'max':>9}{'MB sent':>10}{'colls':>7}{'peak MB':>9}"
-        f"{'faults':>8}  plan",
+        f"{'method':<22}{'median ms':>11}{'min':>9}{'max':>9}{'in call':>9}{'MB sent':>10}{'colls':>7}"
+        f"{'peak MB':>9}{'faults':>8}  plan",
     ]
     for name, row in report["methods"].items():
         plan = ",".join(row.get("plans", []) or [])
         if row.get("plan_cached") is not None:
             plan += " (plan from cache)" if row["plan_cached"] else " (plan built)"
         lines.append(
-            f"{name:<22}{row['median_ms']:>11.1f}{row['min_ms']:>9.1f}{row['max_ms']:>9.1f}"
+            f"{name:<22}{row['median_ms']:>11.1f}{row['min_ms']:>9.1f}{row['max_ms']:>9.1f}{row['call_ms']:>9.1f}"
             f"{row.get('bytes', 0) / 2**20:>10.1f}{row.get('collectives', 0):>7}"
             f"{max(row['peak_host_mb'], row['peak_device_mb']):>9.1f}{row.get('page_faults', 0):>8.0f}  {plan}"
         )

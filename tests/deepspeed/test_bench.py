@@ -62,6 +62,7 @@ def test_bench_runs_and_reports_every_method(tmp_path):
     }
     assert report["params"] == 24 and report["world"] == 2
     assert all(row["page_faults"] >= 0 for row in report["methods"].values()) and "faults" in stdout
+    assert all(row["call_ms"] > 0 for row in report["methods"].values()) and "in call" in stdout
     assert report["methods"]["collgrad_all_gather"]["collectives"] == 1
     assert report["methods"]["collgrad_per_tensor"]["collectives"] == 24
     assert report["methods"]["collgrad_all_gather"]["plan_cached"] is True
