@@ -216,6 +216,7 @@ def _equal_runs(slots: list[ParamSlot]) -> list[list[ParamSlot]]:
 
 
 def _no_history(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` itself unless it carries autograd history (then detached from it)."""
     return grad.detach() if grad.requires_grad or grad.grad_fn is not None else grad
 
 
@@ -532,6 +533,9 @@ class Executor:
             f"the gather of {step.span} x {result.dtype} per rank ({len(inputs)} run(s), coalesced over gloo, "
             f"group {group.group_ranks})"
         )
+        if not inputs:  # every slice empty (the same layout, so the same on every rank): nothing to send
+            meanwhile()
+            return CallRecord(Op.ALL_GATHER, group.group_ranks, (), ())
         work = _compat.all_gather_coalesced(pg, outputs, inputs)
         try:
             meanwhile()
