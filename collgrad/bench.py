@@ -170,9 +170,10 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _once(fn: Callable[[], Any], device: torch.device) -> float:
+def _once(fn: Callable[[], Any], device: torch.device, inside: list[float] | None = None) -> float:
     """Seconds of one call on every rank (between barriers; the device synchronized). The output is
-    freed before the next call: it counts in that call only."""
+    freed before the next call: it counts in that call only. ``inside``: gets this rank's seconds in
+    the call itself, without the barriers."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
@@ -180,6 +181,8 @@ def _once(fn: Callable[[], Any], device: torch.device) -> float:
     result = fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
+    if inside is not None:
+        inside.append(time.perf_counter() - start)
     dist.barrier()
     elapsed = time.perf_counter() - start
     del result
@@ -211,18 +214,9 @@ def _timed(fn: Callable[[], Any], cfg: BenchConfig, label: str, progress: bool) 
     for _ in range(cfg.warmup):
         fn()
     times, faults, inside = [], [], []
-
-    def measured() -> Any:  # the call alone, without the barriers around it
-        start = time.perf_counter()
-        result = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        inside.append(time.perf_counter() - start)
-        return result
-
     for rep in range(cfg.reps):
         before = _minor_faults()
-        times.append(_once(measured, device))
+        times.append(_once(fn, device, inside))
         faults.append(_minor_faults() - before)
         if progress:
             _progress(label, rep, cfg.reps)
@@ -539,7 +533,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"{name:<22}{row['median_ms']:>11.1f}{row['min_ms']:>9.1f}{row['max_ms']:>9.1f}{row['call_ms']:>9.1f}"
             f"{row.get('bytes', 0) / 2**20:>10.1f}{row.get('collectives', 0):>7}"
-            f"{max(row['peak_host_mb'], row['peak_device_mb']):>9.1f}{row.get('page_faults', 0):>8.0f}  {plan}"
+            f"{max(row['peak_host_mb'], row['peak_device_mb']):>9.1f}{row['page_faults']:>8.0f}  {plan}"
         )
     r = report.get("ratios", {})
     if r.get("floors"):

@@ -116,9 +116,10 @@ class Source:
         for position, group in enumerate(self.layout.groups):
             buffer = local.buffers[position]
             if group.kind is Kind.REPLICATED:
+                targets = self._full_targets(buffer)
                 for k, slot in enumerate(group.params):
                     if slot.name in values:
-                        self._write_full(k, slot, buffer, _scaled(values[slot.name], scale))
+                        self._write_full(k, slot, targets, _scaled(values[slot.name], scale))
                 continue
             placed = buffer.placement()
             span = placed[0] if placed is not None else None
@@ -155,8 +156,13 @@ class Source:
             found = self.plans[key] = (where, list(buffer.starts), plan)
         return found[2]
 
-    def _write_full(self, k: int, slot: ParamSlot, buffer: list, value: torch.Tensor) -> None:
-        buffer[k].copy_(value.reshape(buffer[k].shape))
+    def _full_targets(self, buffer: list) -> list:
+        """Where a replicated group's full gradients are written: ``read()``'s tensors, asked for once
+        per call (once per parameter, it made writing quadratic)."""
+        return buffer
+
+    def _write_full(self, k: int, slot: ParamSlot, targets: list, value: torch.Tensor) -> None:
+        targets[k].copy_(value.reshape(targets[k].shape))
 
     def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
         """Bring state the optimizer derived from the gradients up to date with what was written."""
@@ -285,7 +291,6 @@ class ReplicatedSource(Source):
         set_grad=None,
     ) -> None:
         self._grads = grads
-        self._current: list = []  # during write(): the gradients as they are now
         self._set_grad = set_grad  # (parameter, tensor): where a parameter without a gradient gets one
         self._reselect = reselect  # a plain module: trainable parameters can change between calls
         self._selection = [(n, id(p)) for n, p in named]
@@ -326,17 +331,13 @@ class ReplicatedSource(Source):
         ]
         return LocalGrads(problem, [full], self._loss_scale())
 
-    def write(self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float) -> None:
-        # The gradients as they are now (read() put zeros where there was none), asked once per call:
-        # ~1 ms at 400 parameters, which once per parameter made writing quadratic.
-        self._current = self._grads()
-        try:
-            super().write(local, values, scale)
-        finally:
-            self._current = []
+    def _full_targets(self, buffer: list) -> list:
+        # The gradients as they are now, None where there is none (read() put zeros there, which a
+        # write would not reach): ~1 ms at 400 parameters.
+        return self._grads()
 
-    def _write_full(self, k: int, slot: ParamSlot, buffer: list, value: torch.Tensor) -> None:
-        current = self._current[k]
+    def _write_full(self, k: int, slot: ParamSlot, targets: list, value: torch.Tensor) -> None:
+        current = targets[k]
         if current is not None:
             current.copy_(value.reshape(current.shape))
         elif self._set_grad is not None:  # e.g. stage 0: a parameter that got no gradient in backward

@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from collgrad import _compat
-from collgrad.core.buffers import Pieces, flat_alias
+from collgrad.core.buffers import Pieces, SameTensors, flat_alias
 from collgrad.errors import InvalidArgumentError
 from collgrad.grads.sources import LocalGrads, Problem, Source, rank_in
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
@@ -68,8 +68,17 @@ class FSDP2Source(Source):
         for n, p in named:
             path, _, attr = n.rpartition(".")
             self._registered.append((model.get_submodule(path), attr, p))
-        #: This step's local shards as Pieces, while FSDP2 holds the same ones (see read()).
-        self._held: tuple[list[weakref.ref], list[tuple[int, int]], list[Pieces]] | None = None
+        #: This step's local shards as Pieces, while FSDP2 holds the same shards (see read()): let go
+        #: as soon as FSDP2 frees any of them.
+        self._held: list[Pieces] | None = None
+        me = weakref.ref(self)  # the callback must not keep the source alive
+
+        def forget() -> None:
+            owner = me()
+            if owner is not None:
+                owner._held = None
+
+        self._shards = SameTensors(gone=forget)
         self.scratch, self.plans, self.groups = {}, {}, {}
         self.control_group = _compat.default_group()
         self.device = named[0][1].device if named else torch.device("cpu")
@@ -140,27 +149,16 @@ class FSDP2Source(Source):
         if all(g is None for g in grads.values()):
             return LocalGrads(Problem.NO_BACKWARD, [])
         shards = [g._local_tensor if isinstance(g, DTensor) else g for g in grads.values()]
-        held = self._held
-        if (
-            held is not None
-            and all(r() is t for r, t in zip(held[0], shards))
-            and [(t.data_ptr(), t.numel()) for t in shards if t is not None] == held[1]
-        ):
-            return LocalGrads(Problem.OK, held[2])  # the same shards, where they lay: the same Pieces
+        complete = all(t is not None for t in shards)
+        if self._held is not None and complete and self._shards.matches(shards):
+            return LocalGrads(Problem.OK, self._held)  # the same shards, where they lay: the same Pieces
         found = self._read(grads)
-        if found.problem is Problem.OK and all(t is not None for t in shards):
+        if found.problem is Problem.OK and complete:
             # Kept for the calls of this step, weakly: the Pieces alias the shards' memory (not the
             # shards), and go as soon as FSDP2 lets go of any shard (zero_grad, the next reduction), so
             # they never keep a step's gradients alive. Their placement is then worked out once a step.
-            me = weakref.ref(self)
-
-            def forget(_ref: weakref.ref) -> None:
-                owner = me()
-                if owner is not None:
-                    owner._held = None
-
-            refs = [weakref.ref(t, forget) for t in shards]
-            self._held = (refs, [(t.data_ptr(), t.numel()) for t in shards], found.buffers)
+            self._shards.remember(shards)
+            self._held = found.buffers
         return found
 
     def _read(self, grads: dict[str, Any]) -> LocalGrads:
