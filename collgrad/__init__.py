@@ -15,7 +15,7 @@ from collgrad.backends.decide import Capabilities
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import Registry
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 from collgrad.core.record import BucketRecord, CallRecord, Decision
 from collgrad.errors import (
     AgreementError,

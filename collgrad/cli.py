@@ -23,7 +23,7 @@ from collgrad import _compat
 from collgrad.backends.base import DTYPES, UNLIMITED
 from collgrad.backends.decide import Capabilities
 from collgrad.backends.registry import Registry, installed
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 from collgrad.launch import init_from_environment, run_local
 
 _SHORT = {

@@ -14,7 +14,7 @@ ranks waiting in a collective while others have already failed::
       NoBackendError            the process group has no backend for the tensors' device
       AgreementError            the ranks disagree on something they must share (backend, device)
       NoPrimitiveError          no primitive can carry a bucket on every rank
-      CollgradTimeout (also TimeoutError)   a bounded wait ran out (see collgrad/core/waits.py)
+      CollgradTimeout (also TimeoutError)   a bounded wait ran out (see collgrad/backends/waits.py)
       PreStepHookError          a pre-step hook raised on another rank: the step was not taken
 """
 
@@ -88,7 +88,7 @@ class NoPrimitiveError(CollgradError):
 
 
 class CollgradTimeout(CollgradError, TimeoutError):
-    """A collective did not complete within collgrad's bounded wait (see collgrad/core/waits.py)."""
+    """A collective did not complete within collgrad's bounded wait (see collgrad/backends/waits.py)."""
 
 
 class PreStepHookError(CollgradError):

@@ -82,7 +82,7 @@ def _first_tensor(args) -> torch.Tensor | None:
 @contextmanager
 def count_collectives() -> Iterator[Calls]:
     from collgrad.backends import registry
-    from collgrad.core import agreement
+    from collgrad.backends import agreement
 
     calls = Calls()
     cls = dist.ProcessGroup

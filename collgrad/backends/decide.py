@@ -15,10 +15,10 @@ from typing import Mapping, Sequence
 import torch
 
 from collgrad.backends.base import DTYPES, UNLIMITED, LocalFinding, Reason
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 from collgrad.errors import AgreementError, PolicyError
 
-__all__ = ["FORMAT", "Capabilities", "Choice", "PrimitiveStatus", "decide", "encode", "preference"]
+__all__ = ["FORMAT", "HEADER", "KEYS", "Capabilities", "Choice", "PrimitiveStatus", "code", "decide", "encode", "preference"]
 
 FORMAT = 1  # bump when the agreement vector changes: ranks on different collgrad versions then fail together
 
@@ -37,12 +37,13 @@ def preference(device_type: str) -> tuple[Primitive, ...]:
 _UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
-def _code(text: str | None) -> int:
+def code(text: str | None) -> int:
+    """A name (device type, backend) as the number that travels in the agreement row (0 for none)."""
     return zlib.crc32((text or "").encode()) if text else 0
 
 
 # --- the agreement vector ---------------------------------------------------------------------------
-_HEADER = (
+HEADER = (
     "format",
     "device",
     "backend",
@@ -54,12 +55,12 @@ _HEADER = (
     "mpi_size",
     "mpi_token",
 )
-_KEYS = tuple((op, prim, dtype) for op in Op for prim in Primitive for dtype in DTYPES)
+KEYS = tuple((op, prim, dtype) for op in Op for prim in Primitive for dtype in DTYPES)
 
 
 def encode(header: Mapping[str, int], findings: Mapping[tuple[Op, Primitive, torch.dtype], LocalFinding]) -> list[int]:
-    row = [int(header[name]) for name in _HEADER]
-    for key in _KEYS:
+    row = [int(header[name]) for name in HEADER]
+    for key in KEYS:
         found = findings[key]
         row += [int(found.reason), int(found.max_elements)]
     return row
@@ -145,7 +146,7 @@ def decide(
     Raises AgreementError or PolicyError; since every rank calls it with the same rows, every rank
     raises the same error.
     """
-    header = [dict(zip(_HEADER, row[: len(_HEADER)])) for row in rows]
+    header = [dict(zip(HEADER, row[: len(HEADER)])) for row in rows]
     for field in ("format", "device", "backend", "size"):
         values = [h[field] for h in header]
         if len(set(values)) != 1:
@@ -161,9 +162,9 @@ def decide(
             "fix COLLGRAD_FORCE/COLLGRAD_FORBID there (that rank's own error names the bad value)"
         )
     mapped = mpi_verified and _mpi_mapping_ok(header)
-    base = len(_HEADER)
+    base = len(HEADER)
     statuses = []
-    for k, (op, prim, dtype) in enumerate(_KEYS):
+    for k, (op, prim, dtype) in enumerate(KEYS):
         reasons = [Reason(row[base + 2 * k]) for row in rows]
         limits = [row[base + 2 * k + 1] for row in rows]
         missing = tuple((group_ranks[r], why) for r, why in enumerate(reasons) if why is not Reason.OK)

@@ -16,7 +16,7 @@ import torch
 
 from collgrad import _compat
 from collgrad.backends.base import LocalFinding, Reason
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 
 NAME = "gloo"
 DEVICES = frozenset({"cpu", "cuda"})

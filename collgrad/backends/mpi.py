@@ -33,8 +33,8 @@ import torch
 from torch.distributed import ReduceOp
 
 from collgrad.backends.base import INT32_MAX, UNLIMITED, LocalFinding, Reason
-from collgrad.core.ops import Op, Primitive
-from collgrad.core.waits import poll_until
+from collgrad.backends.ops import Op, Primitive
+from collgrad.backends.waits import poll_until
 
 NAME = "mpi"
 ENV_CUDA_AWARE = "COLLGRAD_MPI_CUDA_AWARE"

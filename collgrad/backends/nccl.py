@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from collgrad.backends.base import LocalFinding, Reason
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 
 NAME = "nccl"
 DEVICES = frozenset({"cuda"})

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from collgrad.backends.base import Reason
-from collgrad.core.ops import Primitive
+from collgrad.backends.ops import Primitive
 from collgrad.errors import PolicyError
 
 __all__ = ["Policy", "BACKEND_NAMES", "PRIMITIVE_NAMES", "ENV_FORCE", "ENV_FORBID"]

@@ -23,11 +23,11 @@ from torch.distributed import ProcessGroup
 from collgrad import _compat
 from collgrad.backends import ccl, gloo, mpi, nccl
 from collgrad.backends.base import LocalFinding, Reason
-from collgrad.backends.decide import _HEADER, _KEYS, FORMAT, Capabilities, _code, decide, encode
+from collgrad.backends.decide import HEADER, KEYS, FORMAT, Capabilities, code, decide, encode
 from collgrad.backends.policy import Policy
-from collgrad.core.agreement import exchange
-from collgrad.core.ops import Op, Primitive
-from collgrad.core.waits import timeout_from_env
+from collgrad.backends.agreement import exchange
+from collgrad.backends.ops import Op, Primitive
+from collgrad.backends.waits import timeout_from_env
 from collgrad.errors import NoBackendError, PolicyError
 
 __all__ = ["Registry", "GroupLinks", "installed"]
@@ -139,7 +139,7 @@ class Registry:
         caps = decide(rows, device_type, backend, ranks)
         comm = None
         if any(c.primitive is Primitive.MPI4PY for c in caps.choices):
-            mpi_ranks = [r[_HEADER.index("mpi_rank")] for r in rows]
+            mpi_ranks = [r[HEADER.index("mpi_rank")] for r in rows]
             comm = self.mpi.communicator(mpi_ranks, ranks)
             if comm is None:  # every member saw the same allgather, so every member gets here
                 caps = decide(rows, device_type, backend, ranks, mpi_verified=False)
@@ -155,7 +155,7 @@ class Registry:
         state = self.mpi.state(group_is_world=is_world, group_size=size)
         finder = _TORCH_BACKENDS.get(backend, _generic_finding)
         findings = {}
-        for op, prim, dtype in _KEYS:
+        for op, prim, dtype in KEYS:
             if policy_error is not None:
                 found = LocalFinding(Reason.POLICY_INVALID)
             elif prim is Primitive.MPI4PY:
@@ -169,8 +169,8 @@ class Registry:
             findings[(op, prim, dtype)] = found
         header = {
             "format": FORMAT,
-            "device": _code(device_type),
-            "backend": _code(backend),
+            "device": code(device_type),
+            "backend": code(backend),
             "size": size,
             "rank": dist.get_rank(),
             "policy_ok": int(policy_error is None),

@@ -21,15 +21,15 @@ from collgrad import _compat
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import Registry
 from collgrad.core import planner
-from collgrad.core.agreement import Field, agree_on_call, stable_hash, tell_invalid
+from collgrad.backends.agreement import Field, agree_on_call, stable_hash, tell_invalid
 from collgrad.core.buffers import adjacent_view
 from collgrad.core.failures import BucketFailures, FaultPoint, next_call
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 from collgrad.core.plan import Bucket, BucketRule, Plan, TensorSpec
 from collgrad.core.planner import DEFAULT_BUCKET_BYTES
 from collgrad.core.primitives import Channel, Handle, make_channel
 from collgrad.core.record import BucketRecord, CallRecord, Decision
-from collgrad.core.waits import timeout_from_env
+from collgrad.backends.waits import timeout_from_env
 from collgrad.errors import CollgradError, InvalidArgumentError, NoPrimitiveError
 
 __all__ = ["Dispatcher", "Prepared", "default_dispatcher", "checked_bucket_bytes", "policy_print"]

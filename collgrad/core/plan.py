@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 from collgrad.errors import CollgradError
 
 __all__ = ["TensorSpec", "Segment", "Bucket", "BucketRule", "Plan"]

@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from collgrad.core.ops import Op
+from collgrad.backends.ops import Op
 from collgrad.core.plan import Bucket, BucketRule, Plan, Segment, TensorSpec
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "bucket_capacity", "plan_buckets"]

@@ -18,8 +18,8 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from collgrad import _compat
 from collgrad.backends.mpi import Mpi4pyChannel, MpiLink
-from collgrad.core.ops import Primitive
-from collgrad.core.waits import wait_work
+from collgrad.backends.ops import Primitive
+from collgrad.backends.waits import wait_work
 from collgrad.errors import CollgradError
 
 __all__ = ["Handle", "TorchHandle", "Channel", "FlatChannel", "CoalescedChannel", "PerTensorChannel", "make_channel"]

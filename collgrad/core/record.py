@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 
 __all__ = ["BucketRecord", "Decision", "CallRecord"]
 

@@ -23,10 +23,10 @@ from torch.distributed import ProcessGroup
 from collgrad import _compat
 from collgrad.backends.decide import Capabilities
 from collgrad.backends.policy import Policy
-from collgrad.core.agreement import Field, agree_on_call, stable_hash, tell_invalid
+from collgrad.backends.agreement import Field, agree_on_call, stable_hash, tell_invalid
 from collgrad.core.buffers import Pieces
 from collgrad.core.dispatch import Dispatcher, Prepared, checked_bucket_bytes, default_dispatcher, policy_print
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, LayoutChangedError, NotReadyError
 from collgrad.grads import sources

@@ -21,11 +21,11 @@ import torch
 from collgrad import _compat
 from collgrad.backends import gloo
 from collgrad.backends.decide import Choice
-from collgrad.core.agreement import exchange
+from collgrad.backends.agreement import exchange
 from collgrad.core.buffers import Pieces
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 from collgrad.core.record import BucketRecord, CallRecord, Decision
-from collgrad.core.waits import wait_work
+from collgrad.backends.waits import wait_work
 from collgrad.grads.call import OpenCall
 from collgrad.grads.plan import GroupPlan, PlanKind
 from collgrad.grads.record import FullGradRecord, GroupRecord

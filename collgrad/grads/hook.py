@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from collgrad import _compat
-from collgrad.core import agreement
+from collgrad.backends import agreement
 from collgrad.core.dispatch import default_dispatcher
 from collgrad.errors import InvalidArgumentError, PreStepHookError
 from collgrad.grads import sources

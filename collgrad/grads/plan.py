@@ -28,7 +28,7 @@ from typing import Mapping
 
 import torch
 
-from collgrad.core.ops import ValueEnum
+from collgrad.backends.ops import ValueEnum
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind
 
 __all__ = [

@@ -29,7 +29,7 @@ from collgrad import _compat
 from collgrad.backends.policy import Policy
 from collgrad.core.buffers import Pieces
 from collgrad.core.dispatch import Dispatcher
-from collgrad.core.ops import Op
+from collgrad.backends.ops import Op
 from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, RankFailedError
 from collgrad.grads.call import OpenCall

@@ -22,7 +22,7 @@ import torch
 
 from collgrad import _compat
 from collgrad.backends.policy import Policy
-from collgrad.core.agreement import Field, exchange, ranks_by_value, stable_hash
+from collgrad.backends.agreement import Field, exchange, ranks_by_value, stable_hash
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import ArgumentMismatchError, InvalidArgumentError, UnknownParameterError
 from collgrad.grads.call import OpenCall

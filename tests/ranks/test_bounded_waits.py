@@ -51,7 +51,7 @@ def test_other_ranks_raise_within_the_bound(world, stage):
 
 
 def test_timeout_comes_from_the_environment(monkeypatch):
-    from collgrad.core.waits import DEFAULT_TIMEOUT_S, timeout_from_env
+    from collgrad.backends.waits import DEFAULT_TIMEOUT_S, timeout_from_env
 
     assert timeout_from_env(None, {}) == DEFAULT_TIMEOUT_S
     assert timeout_from_env(None, {"COLLGRAD_TIMEOUT": "7.5"}) == 7.5

@@ -15,7 +15,7 @@ def _worker(rank, world):
     import torch.distributed as dist
 
     from collgrad.core.dispatch import Dispatcher
-    from collgrad.core.ops import Op
+    from collgrad.backends.ops import Op
 
     group = dist.group.WORLD
     sizes = [1000, 10, 3000, 700, 5000]  # buckets of 4 KiB gathered: several per tensor, some shared
@@ -53,7 +53,7 @@ def _meanwhile_worker(rank, world):
     import torch.distributed as dist
 
     from collgrad.core.dispatch import Dispatcher
-    from collgrad.core.ops import Op
+    from collgrad.backends.ops import Op
 
     group = dist.group.WORLD
     sizes = [1000, 3000, 5000]

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from collgrad.core.agreement import INVALID, Field, call_verdict, stable_hash
+from collgrad.backends.agreement import INVALID, Field, call_verdict, stable_hash
 from collgrad.errors import ArgumentMismatchError
 
 FIELDS = [Field("bucket_bytes", 0), Field("shapes", 0, shown=False)]
@@ -39,7 +39,7 @@ def test_the_verdict_does_not_depend_on_the_rank_that_reaches_it():
 
 def test_stable_hash_is_the_same_in_every_process():
     # hash() of a str is salted per process; the check's hashes must not be.
-    code = "from collgrad.core.agreement import stable_hash; print(stable_hash([('float32', 'cpu'), (3, 4)]))"
+    code = "from collgrad.backends.agreement import stable_hash; print(stable_hash([('float32', 'cpu'), (3, 4)]))"
     seen = {
         subprocess.run(
             [sys.executable, "-c", code],

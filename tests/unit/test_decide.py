@@ -7,10 +7,10 @@ import torch
 
 from collgrad.backends import gloo
 from collgrad.backends.base import DTYPES, INT32_MAX, UNLIMITED, LocalFinding, Reason
-from collgrad.backends.decide import _HEADER, _KEYS, FORMAT, _code, decide, encode
+from collgrad.backends.decide import HEADER, KEYS, FORMAT, code, decide, encode
 from collgrad.backends.mpi import torch_mpi_finding
 from collgrad.backends.policy import Policy
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 from collgrad.errors import AgreementError, PolicyError
 
 
@@ -18,7 +18,7 @@ def row(rank, backend="gloo", device="cpu", policy=Policy(), mpi=None, finder=gl
     """One rank's agreement row, built the way Registry._local builds it."""
     mpi_reason, mpi_rank, mpi_size, token = mpi or (Reason.NOT_LAUNCHED, -1, -1, 0)
     findings = {}
-    for op, prim, dtype in _KEYS:
+    for op, prim, dtype in KEYS:
         if prim is Primitive.MPI4PY:
             found = LocalFinding(Reason(mpi_reason)) if mpi_reason else LocalFinding(Reason.OK)
         else:
@@ -28,8 +28,8 @@ def row(rank, backend="gloo", device="cpu", policy=Policy(), mpi=None, finder=gl
         findings[(op, prim, dtype)] = found
     header = dict(
         format=FORMAT,
-        device=_code(device),
-        backend=_code(backend),
+        device=code(device),
+        backend=code(backend),
         size=size,
         rank=rank,
         policy_ok=policy_ok,
@@ -59,10 +59,10 @@ def test_one_rank_forbidding_flat_moves_the_whole_group_and_says_why():
 def test_mpi4py_preferred_on_cpu_when_mapped_but_not_for_bf16():
     mpi_rows = [row(r, mpi=(Reason.OK, r, 2, 77)) for r in range(2)]
     # bf16: MPICH 5 has no MPI bf16 type; the MPI link reports it as DTYPE_UNSUPPORTED
-    for k, (_op, prim, dtype) in enumerate(_KEYS):
+    for k, (_op, prim, dtype) in enumerate(KEYS):
         if prim is Primitive.MPI4PY and dtype == torch.bfloat16:
             for r in mpi_rows:
-                r[len(_HEADER) + 2 * k] = int(Reason.DTYPE_UNSUPPORTED)
+                r[len(HEADER) + 2 * k] = int(Reason.DTYPE_UNSUPPORTED)
     caps = decide(mpi_rows, "cpu", "gloo", [0, 1])
     assert caps.choice(Op.ALL_REDUCE, torch.float32).primitive is Primitive.MPI4PY
     bf16 = caps.choice(Op.ALL_REDUCE, torch.bfloat16)

@@ -58,3 +58,114 @@ def test_the_rule_sees_imports_inside_functions_and_from_imports(tmp_path):
     sample.write_text("def f():\n    from deepspeed.utils import x\n    import mpi4py.MPI\nfrom torch import _C\n")
     names = _imports(sample)
     assert "deepspeed.utils" in names and "mpi4py.MPI" in names and "torch._C" in names
+
+
+# --- the package's own imports: layers and cycles ---------------------------------------------------
+#: Lower layers first; a module may import its own layer and the ones below it, never one above.
+#: ``errors`` and ``_compat`` sit below all three; the top level (``collgrad/__init__``, cli, launch,
+#: bench, integrations) may import any of them.
+LAYERS = ("backends", "core", "grads")
+BASE = {"collgrad.errors", "collgrad._compat"}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ["collgrad", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _edges(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The collgrad modules ``path`` imports, anywhere in it (inside functions too): ``from a import b``
+    is an edge to ``a.b`` where that is a module, else to ``a``."""
+    here = _module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                out.add(full if full in modules else base)
+    return {m for m in out if m in modules and m != here}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _edges(path, modules) for name, path in modules.items()}
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in LAYERS:
+        return LAYERS.index(parts[1])
+    return -1 if module in BASE else None
+
+
+def test_layers_import_downwards_only():
+    wrong = []
+    for module, targets in _graph().items():
+        mine = _layer(module)
+        if mine is None:
+            continue  # the top level
+        for target in targets:
+            theirs = _layer(target)
+            if theirs is None or theirs > mine:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports against the layering (backends <- core <- grads):\n" + "\n".join(sorted(wrong))
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_in_the_package():
+    assert _cycles(_graph()) == []
+
+
+def test_the_layer_and_cycle_checks_see_what_they_should(tmp_path):
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    assert _layer("collgrad.core.dispatch") == 1 and _layer("collgrad.backends.registry") == 0
+    assert _layer("collgrad.errors") == -1 and _layer("collgrad.cli") is None
+    modules = _modules()
+    edges = _edges(PACKAGE / "grads" / "read.py", modules)
+    assert "collgrad.core.dispatch" in edges and "collgrad" not in edges

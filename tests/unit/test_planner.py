@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collgrad.backends.base import INT32_MAX, UNLIMITED
-from collgrad.core.ops import Op, Primitive
+from collgrad.backends.ops import Op, Primitive
 from collgrad.core.plan import BucketRule, Segment, TensorSpec
 from collgrad.core.planner import bucket_capacity, plan_buckets, split_stream
 

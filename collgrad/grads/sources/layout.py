@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collgrad.core.ops import ValueEnum
+from collgrad.backends.ops import ValueEnum
 
 __all__ = [
     "Kind",

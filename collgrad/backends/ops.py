@@ -1,6 +1,6 @@
-"""The vocabulary of the collective core: which operation a bucket takes part in, and how it travels.
+"""The vocabulary of collective communication: which operation a bucket takes part in, and how it travels.
 
-Plain enums, shared by the planner, the dispatcher and the backend registry.
+Plain enums: the registry decides in them, the planner and the dispatcher (collgrad.core) plan with them.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
-from collgrad.core.waits import wait_work
+from collgrad.backends.waits import wait_work
 from collgrad.errors import ArgumentMismatchError, CollgradError, NoBackendError, PreStepHookError
 
 __all__ = [
