@@ -16,6 +16,8 @@ ranks waiting in a collective while others have already failed::
       NoPrimitiveError          no primitive can carry a bucket on every rank
       CollgradTimeout (also TimeoutError)   a bounded wait ran out (see collgrad/backends/waits.py)
       PreStepHookError          a pre-step hook raised on another rank: the step was not taken
+      RankFailedError           another rank failed inside the call after the ranks had agreed to go on
+      NotInitializedError       no process group yet (init_process_group not called, no launcher found)
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ __all__ = [
     "NoPrimitiveError",
     "CollgradTimeout",
     "PreStepHookError",
+    "RankFailedError",
+    "NotInitializedError",
 ]
 
 
@@ -100,3 +104,8 @@ class PreStepHookError(CollgradError):
 class RankFailedError(CollgradError):
     """Another rank of the group failed inside a collgrad call after the ranks had agreed to go on (its
     own error says why); this rank raises this instead of waiting for it, and returns nothing."""
+
+
+class NotInitializedError(CollgradError):
+    """A collective call before ``torch.distributed.init_process_group()`` (or, for
+    ``collgrad.launch.init_from_environment``, outside any launcher's environment)."""

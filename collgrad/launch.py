@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from collgrad import _compat
+from collgrad.errors import NotInitializedError
 from collgrad.backends import mpi as mpi_launcher  # launcher facts only: mpi4py is imported lazily there
 
 __all__ = ["init_from_environment", "run_local", "RankError", "default_backend"]
@@ -49,7 +50,7 @@ def init_from_environment(backend: str | None = None) -> bool:
             env["RANK"], env["WORLD_SIZE"] = found
             env.setdefault("LOCAL_RANK", mpi_launcher.local_rank(env))
     if "RANK" not in env:
-        raise RuntimeError(
+        raise NotInitializedError(
             "no launcher environment found (RANK/WORLD_SIZE from torchrun or the deepspeed launcher, or "
             "an MPI launcher's rank variables): start under a launcher, or use --local N on one host"
         )

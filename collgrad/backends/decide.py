@@ -20,7 +20,7 @@ from collgrad.errors import AgreementError, PolicyError
 
 __all__ = ["FORMAT", "HEADER", "KEYS", "Capabilities", "Choice", "PrimitiveStatus", "code", "decide", "encode", "preference"]
 
-FORMAT = 1  # bump when the agreement vector changes: ranks on different collgrad versions then fail together
+FORMAT = 2  # bump when the agreement vector changes: ranks on different collgrad versions then fail together
 
 
 def preference(device_type: str) -> tuple[Primitive, ...]:
@@ -54,6 +54,7 @@ HEADER = (
     "mpi_rank",
     "mpi_size",
     "mpi_token",
+    "strided_gather",
 )
 KEYS = tuple((op, prim, dtype) for op in Op for prim in Primitive for dtype in DTYPES)
 
@@ -118,6 +119,9 @@ class Capabilities:
     backend: str
     statuses: tuple[PrimitiveStatus, ...]
     choices: tuple[Choice, ...]
+    #: Every rank's backend lays a coalesced all-gather out into strided outputs itself (see
+    #: ``backends.gloo.copies_gathers_out_strided``): agreed, so every rank gathers the same way.
+    lays_out_strided: bool = False
 
     def choice(self, op: Op, dtype: torch.dtype) -> Choice:
         for choice in self.choices:
@@ -125,6 +129,12 @@ class Capabilities:
                 return choice
         # dtypes outside the table (complex, bool, ...): the group's backend, one call per tensor.
         return Choice(op, dtype, Primitive.PER_TENSOR, self.backend, dtype, UNLIMITED, ())
+
+    def strided_gather(self, dtype: torch.dtype) -> bool:
+        """Whether an all-gather of ``dtype`` may hand the group's coalesced primitive strided views as
+        outputs, which the backend then fills in place (a rank-major gather laid out in the copy the
+        backend makes anyway): every rank's backend does so and the coalesced primitive is allowed."""
+        return self.lays_out_strided and self.status(Op.ALL_GATHER, Primitive.COALESCED, dtype).ok
 
     def status(self, op: Op, primitive: Primitive, dtype: torch.dtype) -> PrimitiveStatus:
         for s in self.statuses:
@@ -178,7 +188,8 @@ def decide(
     for op in Op:
         for dtype in DTYPES:
             choices.append(_choose(table, order, op, dtype, backend))
-    return Capabilities(tuple(group_ranks), device_type, backend, tuple(statuses), tuple(choices))
+    strided = all(h["strided_gather"] for h in header)
+    return Capabilities(tuple(group_ranks), device_type, backend, tuple(statuses), tuple(choices), strided)
 
 
 def _choose(

@@ -50,7 +50,14 @@ _TORCH_BACKENDS: Mapping[str, Finder] = {
     "ccl": ccl.ccl_finding,
     "xccl": ccl.xccl_finding,
 }
-_TORCH_PRIMITIVES = (Primitive.FLAT, Primitive.COALESCED, Primitive.PER_TENSOR)
+
+
+def _never(device_type: str) -> bool:
+    return False
+
+
+#: Backends whose coalesced all-gather may be handed strided outputs (it copies out with ``copy_``).
+_LAYS_OUT_STRIDED: Mapping[str, Callable[[str], bool]] = {gloo.NAME: gloo.copies_gathers_out_strided}
 
 
 def installed() -> dict[str, bool]:
@@ -178,5 +185,6 @@ class Registry:
             "mpi_rank": state.rank,
             "mpi_size": state.size,
             "mpi_token": state.token,
+            "strided_gather": int(_LAYS_OUT_STRIDED.get(backend, _never)(device_type)),
         }
         return header, findings, policy_error

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from collgrad import _compat
-from collgrad.errors import CollgradTimeout
+from collgrad.errors import CollgradTimeout, InvalidArgumentError
 
 __all__ = ["ENV_TIMEOUT", "DEFAULT_TIMEOUT_S", "timeout_from_env", "wait_work", "poll_until"]
 
@@ -26,13 +26,16 @@ DEFAULT_TIMEOUT_S = 120.0
 
 
 def timeout_from_env(value: float | None = None, environ: Mapping[str, str] | None = None) -> float:
-    if value is not None:
-        seconds = float(value)
-    else:
-        text = (os.environ if environ is None else environ).get(ENV_TIMEOUT)
-        seconds = float(text) if text else DEFAULT_TIMEOUT_S
-    if not seconds > 0:
-        raise ValueError(f"collgrad timeout must be a positive number of seconds, got {seconds}")
+    """Seconds a collective may wait: ``value``, else ``COLLGRAD_TIMEOUT``, else the default (120).
+    InvalidArgumentError (also a ValueError) for anything but a positive number."""
+    where = "timeout=" if value is not None else ENV_TIMEOUT
+    raw = value if value is not None else (os.environ if environ is None else environ).get(ENV_TIMEOUT)
+    try:
+        seconds = float(raw) if raw not in (None, "") else DEFAULT_TIMEOUT_S
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(raw, bool) or not seconds > 0:
+        raise InvalidArgumentError(f"rank {_compat.rank()}: {where} must be a positive number of seconds, got {raw!r}")
     return seconds
 
 

@@ -13,7 +13,7 @@ import torch
 from collgrad.backends.ops import Op
 from collgrad.core.plan import Bucket, BucketRule, Plan, Segment, TensorSpec
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "bucket_capacity", "plan_buckets"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "bucket_capacity", "plan_buckets", "split_stream", "split_whole"]
 
 #: 25 MiB, DDP's default bucket (torch/nn/parallel/distributed.py ``_DEFAULT_BUCKET_CAP_MB``): big
 #: enough that per-collective latency is amortized, small enough that the pack copy is cheap and two
@@ -43,10 +43,12 @@ def plan_buckets(
     tensors: Sequence[TensorSpec],
     rules: Mapping[tuple[str, torch.dtype], BucketRule],
     world_size: int,
+    *,
+    whole: bool = False,
 ) -> Plan:
     """Group tensors by (device, dtype) in order of first appearance and cut each group's element
-    stream into buckets of ``rule.capacity`` elements (``split_stream``). Empty tensors take no
-    place in any bucket."""
+    stream into buckets of ``rule.capacity`` elements (``split_stream``), or, ``whole``, into buckets
+    of whole tensors (``split_whole``). Empty tensors take no place in any bucket."""
     groups: dict[tuple[str, torch.dtype], list[int]] = {}
     for index, spec in enumerate(tensors):
         if spec.numel:
@@ -54,7 +56,8 @@ def plan_buckets(
     buckets: list[Bucket] = []
     for (device, dtype), members in groups.items():
         rule = rules[(device, dtype)]
-        for numel, segments in split_stream([(i, tensors[i].numel) for i in members], rule.capacity):
+        split = split_whole if whole else split_stream
+        for numel, segments in split([(i, tensors[i].numel) for i in members], rule.capacity):
             buckets.append(Bucket(len(buckets), device, dtype, rule, numel, segments))
     return Plan(op, world_size, tuple(tensors), tuple(buckets))
 
@@ -79,6 +82,24 @@ def split_stream(sizes: Sequence[tuple[int, int]], capacity: int) -> list[tuple[
             if used == capacity:
                 out.append((used, tuple(current)))
                 current, used = [], 0
+    if current:
+        out.append((used, tuple(current)))
+    return out
+
+
+def split_whole(sizes: Sequence[tuple[int, int]], capacity: int) -> list[tuple[int, tuple[Segment, ...]]]:
+    """Lay ``(tensor index, numel)`` end to end in buckets of whole tensors: a bucket closes before the
+    tensor that would take it past ``capacity``; a tensor larger than ``capacity`` has a bucket of its
+    own. For tensors that cannot be cut (strided views handed to the backend as they are)."""
+    out: list[tuple[int, tuple[Segment, ...]]] = []
+    current: list[Segment] = []
+    used = 0
+    for index, numel in sizes:
+        if current and used + numel > capacity:
+            out.append((used, tuple(current)))
+            current, used = [], 0
+        current.append(Segment(index, 0, used, numel))
+        used += numel
     if current:
         out.append((used, tuple(current)))
     return out

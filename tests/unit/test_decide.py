@@ -7,14 +7,16 @@ import torch
 
 from collgrad.backends import gloo
 from collgrad.backends.base import DTYPES, INT32_MAX, UNLIMITED, LocalFinding, Reason
-from collgrad.backends.decide import HEADER, KEYS, FORMAT, code, decide, encode
+from collgrad.backends.decide import FORMAT, HEADER, KEYS, code, decide, encode
 from collgrad.backends.mpi import torch_mpi_finding
-from collgrad.backends.policy import Policy
 from collgrad.backends.ops import Op, Primitive
+from collgrad.backends.policy import Policy
 from collgrad.errors import AgreementError, PolicyError
 
 
-def row(rank, backend="gloo", device="cpu", policy=Policy(), mpi=None, finder=gloo.finding, size=2, policy_ok=1):  # noqa: B008 - Policy is frozen
+def row(
+    rank, backend="gloo", device="cpu", policy=Policy(), mpi=None, finder=gloo.finding, size=2, policy_ok=1, strided=1  # noqa: B008 - Policy is frozen
+):
     """One rank's agreement row, built the way Registry._local builds it."""
     mpi_reason, mpi_rank, mpi_size, token = mpi or (Reason.NOT_LAUNCHED, -1, -1, 0)
     findings = {}
@@ -37,6 +39,7 @@ def row(rank, backend="gloo", device="cpu", policy=Policy(), mpi=None, finder=gl
         mpi_rank=mpi_rank,
         mpi_size=mpi_size,
         mpi_token=token,
+        strided_gather=strided,
     )
     return encode(header, findings)
 
@@ -131,3 +134,14 @@ def test_gloo_table():
     assert gloo.finding("cuda", Op.ALL_REDUCE, Primitive.COALESCED, torch.float32).reason is Reason.BACKEND_LACKS
     assert gloo.finding("xpu", Op.ALL_REDUCE, Primitive.FLAT, torch.float32).reason is Reason.DEVICE_UNSUPPORTED
     assert gloo.finding("cpu", Op.ALL_GATHER, Primitive.COALESCED, torch.bfloat16).ok
+
+
+def test_strided_gathers_only_where_every_rank_lays_them_out_and_coalesced_is_allowed():
+    ranks = [0, 1]
+    both = decide([row(0), row(1)], "cpu", "gloo", ranks)
+    assert both.strided_gather(torch.float32)
+    one = decide([row(0), row(1, strided=0)], "cpu", "gloo", ranks)
+    assert not one.strided_gather(torch.float32)
+    no_coalesced = Policy(forbid=frozenset({"coalesced"}))
+    forbidden = decide([row(0, policy=no_coalesced), row(1, policy=no_coalesced)], "cpu", "gloo", ranks)
+    assert forbidden.lays_out_strided and not forbidden.strided_gather(torch.float32)

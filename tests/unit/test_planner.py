@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from collgrad.backends.base import INT32_MAX, UNLIMITED
 from collgrad.backends.ops import Op, Primitive
 from collgrad.core.plan import BucketRule, Segment, TensorSpec
-from collgrad.core.planner import bucket_capacity, plan_buckets, split_stream
+from collgrad.core.planner import bucket_capacity, plan_buckets, split_stream, split_whole
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 DEVICES = ["cpu", "cuda:0"]
@@ -89,3 +89,19 @@ def test_bucket_capacity():
     assert bucket_capacity(Op.ALL_REDUCE, 1, torch.float64, 2, UNLIMITED) == 1  # always progresses
     with pytest.raises(ValueError, match="bucket_bytes"):
         bucket_capacity(Op.ALL_REDUCE, 0, torch.float32, 2, UNLIMITED)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), max_size=25), st.integers(1, 200))
+def test_split_whole_never_cuts_a_tensor_and_fills_buckets_in_order(sizes, capacity):
+    buckets = split_whole(list(enumerate(sizes)), capacity)
+    segments = [seg for _, segs in buckets for seg in segs]
+    assert [(s.tensor, s.numel) for s in segments] == list(enumerate(sizes))  # each whole, in order
+    assert all(s.tensor_offset == 0 for s in segments)
+    for numel, segs in buckets:
+        assert numel == sum(s.numel for s in segs) and [s.bucket_offset for s in segs] == [
+            sum(x.numel for x in segs[:i]) for i in range(len(segs))
+        ]
+        assert numel <= capacity or len(segs) == 1  # over capacity only alone
+    for (n1, _), (_, nxt) in zip(buckets, buckets[1:]):
+        assert n1 + nxt[0].numel > capacity  # a bucket closes only where the next tensor would not fit
