@@ -12,10 +12,10 @@ import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
 from collgrad.backends.decide import Capabilities
+from collgrad.backends.ops import Op, Primitive
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import Registry
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
-from collgrad.backends.ops import Op, Primitive
 from collgrad.core.record import BucketRecord, CallRecord, Decision
 from collgrad.errors import (
     AgreementError,
@@ -26,9 +26,9 @@ from collgrad.errors import (
     LayoutChangedError,
     NoBackendError,
     NoPrimitiveError,
+    NotInitializedError,
     NotReadyError,
     PolicyError,
-    NotInitializedError,
     PreStepHookError,
     RankFailedError,
     UnknownParameterError,

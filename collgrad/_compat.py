@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
+from torch._C._distributed_c10d import AllgatherOptions
+from torch._C._distributed_c10d import Store as Store  # re-exported: the type of default_store()
 from torch.distributed import ProcessGroup, ReduceOp
 
 from collgrad.errors import NotInitializedError
@@ -124,7 +125,8 @@ def agreement_device(device_type: str) -> torch.device:
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType, group: ProcessGroup) -> dist.Work:
-    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    work: dist.Work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return work
 
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the old name still works but emits a
@@ -134,12 +136,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def all_gather_flat(output: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> dist.Work:
     """One all-gather of ``inp`` into ``output`` (world_size * inp.numel() elements, rank-major)."""
-    return _all_gather_single(output, inp, group=group, async_op=True)
+    work: dist.Work = _all_gather_single(output, inp, group=group, async_op=True)
+    return work
 
 
 def all_gather_list(outputs: list[torch.Tensor], inp: torch.Tensor, group: ProcessGroup) -> dist.Work:
     """The list form of all-gather: every backend implements it, torch's MPI backend included."""
-    return dist.all_gather(outputs, inp, group=group, async_op=True)
+    work: dist.Work = dist.all_gather(outputs, inp, group=group, async_op=True)
+    return work
 
 
 def allreduce_coalesced(group: ProcessGroup, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> dist.Work:
@@ -150,7 +154,7 @@ def allreduce_coalesced(group: ProcessGroup, tensors: Sequence[torch.Tensor], op
     the c10d maintainers state it will not be deprecated (pytorch PR #151243).
     """
     opts = dist.AllreduceCoalescedOptions()
-    opts.reduceOp = op
+    opts.reduceOp = op  # type: ignore[assignment]  # the stubs call the field ReduceOp; it takes a RedOpType
     if hasattr(opts, "asyncOp"):  # 2.9+: without it some backends block inside the call.
         opts.asyncOp = True
     return group.allreduce_coalesced(list(tensors), opts)
@@ -176,10 +180,11 @@ def gloo_has_all_gather_coalesced() -> bool:
     return torch_version_at_least(2, 3)
 
 
-def default_store() -> dist.Store:
+def default_store() -> Store:
     """The key-value store the default group was created with: an out-of-band channel between ranks
     that needs no collective. Private in torch (``_get_default_store``) since 1.x, still there in 2.13."""
-    return dist.distributed_c10d._get_default_store()
+    store: Store = dist.distributed_c10d._get_default_store()
+    return store
 
 
 def group_key(group: ProcessGroup) -> str:

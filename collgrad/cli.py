@@ -22,8 +22,8 @@ import torch.distributed as dist
 from collgrad import _compat
 from collgrad.backends.base import DTYPES, UNLIMITED
 from collgrad.backends.decide import Capabilities
-from collgrad.backends.registry import Registry, installed
 from collgrad.backends.ops import Op, Primitive
+from collgrad.backends.registry import Registry, installed
 from collgrad.launch import init_from_environment, run_local
 
 _SHORT = {

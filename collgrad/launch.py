@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from collgrad import _compat
-from collgrad.errors import NotInitializedError
 from collgrad.backends import mpi as mpi_launcher  # launcher facts only: mpi4py is imported lazily there
+from collgrad.errors import NotInitializedError
 
 __all__ = ["init_from_environment", "run_local", "RankError", "default_backend"]
 

@@ -81,8 +81,7 @@ def _first_tensor(args) -> torch.Tensor | None:
 
 @contextmanager
 def count_collectives() -> Iterator[Calls]:
-    from collgrad.backends import registry
-    from collgrad.backends import agreement
+    from collgrad.backends import agreement, registry
 
     calls = Calls()
     cls = dist.ProcessGroup

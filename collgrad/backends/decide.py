@@ -18,7 +18,18 @@ from collgrad.backends.base import DTYPES, UNLIMITED, LocalFinding, Reason
 from collgrad.backends.ops import Op, Primitive
 from collgrad.errors import AgreementError, PolicyError
 
-__all__ = ["FORMAT", "HEADER", "KEYS", "Capabilities", "Choice", "PrimitiveStatus", "code", "decide", "encode", "preference"]
+__all__ = [
+    "FORMAT",
+    "HEADER",
+    "KEYS",
+    "Capabilities",
+    "Choice",
+    "PrimitiveStatus",
+    "code",
+    "decide",
+    "encode",
+    "preference",
+]
 
 FORMAT = 2  # bump when the agreement vector changes: ranks on different collgrad versions then fail together
 

@@ -22,11 +22,11 @@ from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.backends import ccl, gloo, mpi, nccl
-from collgrad.backends.base import LocalFinding, Reason
-from collgrad.backends.decide import HEADER, KEYS, FORMAT, Capabilities, code, decide, encode
-from collgrad.backends.policy import Policy
 from collgrad.backends.agreement import exchange
+from collgrad.backends.base import LocalFinding, Reason
+from collgrad.backends.decide import FORMAT, HEADER, KEYS, Capabilities, code, decide, encode
 from collgrad.backends.ops import Op, Primitive
+from collgrad.backends.policy import Policy
 from collgrad.backends.waits import timeout_from_env
 from collgrad.errors import NoBackendError, PolicyError
 
@@ -98,7 +98,9 @@ class Registry:
         self.timeout = timeout_from_env(timeout, environ)
         self._env_policy = policy if policy is not None else Policy.from_env(environ)
         self.mpi = mpi.MpiLink(environ)
-        self._cache: "weakref.WeakKeyDictionary[ProcessGroup, dict]" = weakref.WeakKeyDictionary()
+        self._cache: weakref.WeakKeyDictionary[ProcessGroup, dict[tuple[str, Policy | None], GroupLinks]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def policy(self, override: Policy | None = None) -> Policy:
         return self._env_policy.merged(override)
@@ -152,7 +154,9 @@ class Registry:
                 caps = decide(rows, device_type, backend, ranks, mpi_verified=False)
         return GroupLinks(caps, comm)
 
-    def _local(self, group, device_type, backend, policy, size):
+    def _local(
+        self, group: ProcessGroup, device_type: str, backend: str, policy: Policy, size: int
+    ) -> tuple[dict[str, int], dict[tuple[Op, Primitive, torch.dtype], LocalFinding], PolicyError | None]:
         policy_error = None
         try:
             policy.validate()
@@ -161,7 +165,7 @@ class Registry:
         is_world = size == dist.get_world_size()
         state = self.mpi.state(group_is_world=is_world, group_size=size)
         finder = _TORCH_BACKENDS.get(backend, _generic_finding)
-        findings = {}
+        findings: dict[tuple[Op, Primitive, torch.dtype], LocalFinding] = {}
         for op, prim, dtype in KEYS:
             if policy_error is not None:
                 found = LocalFinding(Reason.POLICY_INVALID)

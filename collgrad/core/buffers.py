@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence, Tuple
 
 import torch
 
 __all__ = ["adjacent_view", "flat_alias", "Pieces", "PiecesCache", "SameTensors"]
+
+#: A 1-D view of the storage span some pieces cover, and each piece's offset in it.
+Placed = Tuple[torch.Tensor, Tuple[int, ...]]
+#: Where pieces lie as plain data, without a tensor (see ``Pieces._known``).
+Known = Tuple[Any, ...]
 
 
 def adjacent_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -31,7 +36,7 @@ def adjacent_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
             return None
         end = p.data_ptr() + p.numel() * p.element_size()
     total = sum(p.numel() for p in parts)
-    return _storage_view(first, first.storage_offset(), total)
+    return _storage_view(first, int(first.storage_offset()), total)
 
 
 def flat_alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -39,7 +44,7 @@ def flat_alias(tensor: torch.Tensor) -> torch.Tensor:
     (``view(-1)`` would keep ``tensor`` alive as its base), so a weak reference to ``tensor`` still
     tells when its owner lets go of it."""
     assert tensor.is_contiguous()
-    return _storage_view(tensor, tensor.storage_offset(), tensor.numel())
+    return _storage_view(tensor, int(tensor.storage_offset()), tensor.numel())
 
 
 def _storage_view(tensor: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
@@ -61,8 +66,8 @@ class Pieces:
             total += p.numel()
         self._numel = total
         # Computed on first use (or known from a PiecesCache: the same fragment tensors lie where they lay)
-        self._placement: tuple[torch.Tensor, tuple[int, ...]] | None | bool = False
-        self._tiling: tuple[torch.Tensor, tuple[int, ...]] | None | bool = False
+        self._placement: Placed | None | Literal[False] = False  # False: not worked out yet
+        self._tiling: Placed | None | Literal[False] = False
         #: Values derived from where the pieces lie (plain data, no tensors), shared by the Pieces a
         #: PiecesCache builds for the same fragments: computed once while they stay.
         self.memo: dict[Any, Any] = {}
@@ -97,7 +102,7 @@ class Pieces:
         for part, at in self._spans(offset, values.numel()):
             part.copy_(values[at : at + part.numel()])
 
-    def placement(self) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    def placement(self) -> Placed | None:
         """Where the pieces lie when they share one storage (in any order, gaps allowed; DeepSpeed's
         ZeRO-1/2 fragments lie in reverse order, as backward fills its buffer): a 1-D view of the span
         of that storage they cover, and each piece's offset in it. None if they are not all contiguous
@@ -107,14 +112,14 @@ class Pieces:
         self._placement = self._place()
         return self._placement
 
-    def _place(self) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    def _place(self) -> Placed | None:
         first = self.pieces[0]
         storage = first.untyped_storage().data_ptr()
         offsets = []
         for p in self.pieces:
             if not p.is_contiguous() or p.dtype != first.dtype or p.untyped_storage().data_ptr() != storage:
                 return None
-            offsets.append(p.storage_offset())
+            offsets.append(int(p.storage_offset()))
         lo = min(offsets)
         hi = max(o + p.numel() for o, p in zip(offsets, self.pieces))
         span = _storage_view(first, lo, hi - lo)
@@ -134,7 +139,8 @@ class Pieces:
                 if all(offsets[k] - self.starts[k] == shift for k in range(first + 1, last + 1)):
                     found = offsets[first]
             self.memo[key] = found
-        return self.memo[key]
+        at: int | None = self.memo[key]
+        return at
 
     def span_offset(self, offset: int, numel: int) -> int | None:
         """Where elements ``[offset, offset + numel)`` start in ``placement()``'s span, if they lie within
@@ -147,7 +153,7 @@ class Pieces:
             return None
         return placed[1][j] + offset - self.starts[j]
 
-    def tiling(self) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    def tiling(self) -> Placed | None:
         """``placement()`` when the pieces cover their span exactly (no gap, no overlap): the span then
         holds every element once, in storage order, and can be sent as it lies instead of concatenated."""
         if self._tiling is not False:
@@ -155,7 +161,7 @@ class Pieces:
         self._tiling = self._tile()
         return self._tiling
 
-    def _tile(self) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    def _tile(self) -> Placed | None:
         placed = self.placement()
         if placed is None:
             return None
@@ -167,7 +173,7 @@ class Pieces:
             end += piece.numel()
         return (span, offsets) if end == span.numel() else None
 
-    def _known(self) -> tuple:
+    def _known(self) -> Known:
         """Where the pieces lie as plain data (no tensor): what a PiecesCache keeps between calls."""
         placed, tiled = self.placement(), self.tiling() is not None
         if placed is None:
@@ -176,7 +182,7 @@ class Pieces:
         return (self.starts, self._numel, offsets, span.numel(), tiled, self.memo)
 
     @classmethod
-    def _from_known(cls, pieces: Sequence[torch.Tensor], known: tuple) -> Pieces:
+    def _from_known(cls, pieces: Sequence[torch.Tensor], known: Known) -> Pieces:
         self = cls.__new__(cls)
         self.pieces = list(pieces)
         self.starts, self._numel, offsets, span_numel, tiled, self.memo = known
@@ -184,7 +190,7 @@ class Pieces:
             self._placement = self._tiling = None
             return self
         first = self.pieces[0]
-        lo = first.storage_offset() - offsets[0]
+        lo = int(first.storage_offset()) - offsets[0]
         self._placement = (_storage_view(first, lo, span_numel), offsets)
         self._tiling = self._placement if tiled else None
         return self
@@ -218,7 +224,7 @@ class SameTensors:
     no bounds): ~40 us at 200 tensors. ``gone``: called when a remembered tensor is freed."""
 
     def __init__(self, gone: Callable[[], None] | None = None) -> None:
-        self._refs: tuple[weakref.ref, ...] = ()
+        self._refs: tuple[weakref.ref[torch.Tensor], ...] = ()
         self._ptrs: list[tuple[int, int]] = []
         self._on_free = None if gone is None else (lambda _ref: gone())
 
@@ -244,7 +250,7 @@ class PiecesCache:
 
     def __init__(self) -> None:
         self._same = SameTensors()
-        self._known: tuple | None = None
+        self._known: Known | None = None
 
     def pieces(self, fragments: Sequence[torch.Tensor]) -> Pieces:
         if self._known is not None and self._same.matches(fragments):

@@ -80,7 +80,7 @@ class Dispatcher:
         #: Seconds any collective of this dispatcher may wait (COLLGRAD_TIMEOUT, default 120).
         self.timeout = timeout_from_env(timeout) if timeout is not None or registry is None else registry.timeout
         #: Per model (weakly): gradient sources, layouts and plans, reused while valid (collgrad.grads).
-        self.model_cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+        self.model_cache: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
     # -- public operations --------------------------------------------------------------------------
     def all_reduce(
@@ -250,7 +250,11 @@ class Dispatcher:
             # Atomic: every bucket works on private copies; the caller's tensors are written at the end.
             strided = prepared.strided
             src = [flight.Work(t, private=atomic and op is Op.ALL_REDUCE, strided=strided) for t in inputs]
-            dst = src if outputs is None else [flight.Work(t, private=atomic, fill=False, strided=strided) for t in outputs]
+            dst = (
+                src
+                if outputs is None
+                else [flight.Work(t, private=atomic, fill=False, strided=strided) for t in outputs]
+            )
             records = []
             in_flight: deque[flight.InFlight] = deque()
             failed: BaseException | None = None
@@ -335,5 +339,3 @@ def default_dispatcher() -> Dispatcher:
     if _default is None:
         _default = Dispatcher()
     return _default
-
-

@@ -56,10 +56,10 @@ class BucketFailures:
         self.group = group
         self.ranks = _compat.group_ranks(group)
         self.prefix = f"collgrad/{_compat.group_key(group)}/call{call}"
-        self._store = None
+        self._store: _compat.Store | None = None
 
     @property
-    def store(self):
+    def store(self) -> _compat.Store:
         if self._store is None:
             self._store = _compat.default_store()
         return self._store
@@ -69,7 +69,7 @@ class BucketFailures:
 
     def failed_elsewhere(self, bucket: int) -> bool:
         """Called by a rank waiting on ``bucket``: has any rank reported that it could not send it?"""
-        return self.store.add(self._key(bucket, "failed"), 0) > 0
+        return int(self.store.add(self._key(bucket, "failed"), 0)) > 0
 
     def acknowledge(self, bucket: int) -> str:
         """This rank did not fail but learned that others did: answer them, and describe who failed."""

@@ -9,7 +9,7 @@ out into strided outputs itself (``Capabilities.strided_gather``), so those tens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ __all__ = ["InFlight", "Work", "start", "finish", "record"]
 @dataclass
 class InFlight:
     bucket: Bucket
-    handles: list[Handle]
+    handles: Sequence[Handle]
     buffers: tuple[Any, ...]
     in_place: bool = False  # the packed buffer *is* the working memory: nothing to unpack
     fallback: str = ""  # why this bucket went per tensor after its primitive raised on every rank
@@ -133,7 +133,12 @@ def _start_gather(bucket: Bucket, channel: Channel, src: list[Work], dst: list[W
         buf, _ = _pack(bucket, src)
         (first,) = bucket.segments[:1]
         full = dst[first.tensor].flat
-        if len(bucket.segments) == 1 and full is not None and first.numel == src[first.tensor].tensor.numel() and wire == bucket.dtype:
+        if (
+            len(bucket.segments) == 1
+            and full is not None
+            and first.numel == src[first.tensor].tensor.numel()
+            and wire == bucket.dtype
+        ):
             out = full  # the whole tensor in one bucket: gather straight into its output
         else:
             out = torch.empty(world * bucket.numel, dtype=wire, device=bucket.device)

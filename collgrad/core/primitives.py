@@ -47,9 +47,9 @@ class TorchHandle:
 class Channel(Protocol):
     primitive: Primitive
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> list[Handle]: ...
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> Sequence[Handle]: ...
 
-    def all_gather(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[Handle]: ...
+    def all_gather(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Sequence[Handle]: ...
 
 
 class _TorchChannel:
@@ -66,11 +66,11 @@ class FlatChannel(_TorchChannel):
 
     primitive = Primitive.FLAT
 
-    def all_reduce(self, tensors, op):
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> list[TorchHandle]:
         (flat,) = tensors
         return [self._handle(_compat.all_reduce(flat, op, self.group))]
 
-    def all_gather(self, outputs, inputs):
+    def all_gather(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[TorchHandle]:
         (out,), (inp,) = outputs, inputs
         return [self._handle(_compat.all_gather_flat(out, inp, self.group))]
 
@@ -80,10 +80,10 @@ class CoalescedChannel(_TorchChannel):
 
     primitive = Primitive.COALESCED
 
-    def all_reduce(self, tensors, op):
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> list[TorchHandle]:
         return [self._handle(_compat.allreduce_coalesced(self.group, tensors, op))]
 
-    def all_gather(self, outputs, inputs):
+    def all_gather(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[TorchHandle]:
         return [self._handle(_compat.all_gather_coalesced(self.group, outputs, inputs))]
 
 
@@ -92,10 +92,10 @@ class PerTensorChannel(_TorchChannel):
 
     primitive = Primitive.PER_TENSOR
 
-    def all_reduce(self, tensors, op):
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> list[TorchHandle]:
         return [self._handle(_compat.all_reduce(t, op, self.group)) for t in tensors]
 
-    def all_gather(self, outputs, inputs):
+    def all_gather(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[TorchHandle]:
         world = self.group.size()
         return [
             self._handle(_compat.all_gather_list(list(out.view(world, -1).unbind(0)), inp, self.group))
@@ -103,7 +103,7 @@ class PerTensorChannel(_TorchChannel):
         ]
 
 
-_TORCH_CHANNELS = {
+_TORCH_CHANNELS: dict[Primitive, Callable[[ProcessGroup, str], Channel]] = {
     Primitive.FLAT: FlatChannel,
     Primitive.COALESCED: CoalescedChannel,
     Primitive.PER_TENSOR: PerTensorChannel,

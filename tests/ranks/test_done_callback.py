@@ -14,8 +14,8 @@ from tests.harness import run_ranks
 def _worker(rank, world):
     import torch.distributed as dist
 
-    from collgrad.core.dispatch import Dispatcher
     from collgrad.backends.ops import Op
+    from collgrad.core.dispatch import Dispatcher
 
     group = dist.group.WORLD
     sizes = [1000, 10, 3000, 700, 5000]  # buckets of 4 KiB gathered: several per tensor, some shared
@@ -52,8 +52,8 @@ def test_each_output_is_handed_over_once_complete(world):
 def _meanwhile_worker(rank, world):
     import torch.distributed as dist
 
-    from collgrad.core.dispatch import Dispatcher
     from collgrad.backends.ops import Op
+    from collgrad.core.dispatch import Dispatcher
 
     group = dist.group.WORLD
     sizes = [1000, 3000, 5000]

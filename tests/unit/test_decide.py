@@ -15,7 +15,15 @@ from collgrad.errors import AgreementError, PolicyError
 
 
 def row(
-    rank, backend="gloo", device="cpu", policy=Policy(), mpi=None, finder=gloo.finding, size=2, policy_ok=1, strided=1  # noqa: B008 - Policy is frozen
+    rank,
+    backend="gloo",
+    device="cpu",
+    policy=Policy(),  # noqa: B008 - Policy is frozen
+    mpi=None,
+    finder=gloo.finding,
+    size=2,
+    policy_ok=1,
+    strided=1,
 ):
     """One rank's agreement row, built the way Registry._local builds it."""
     mpi_reason, mpi_rank, mpi_size, token = mpi or (Reason.NOT_LAUNCHED, -1, -1, 0)
