@@ -197,7 +197,7 @@ def vector_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The L2 norm of each tensor, accumulated in fp32 at least (as torch's norm of an fp32 gradient
     is), in one call where the tensors share a dtype. ``torch._foreach_norm`` is private
     (``clip_grad_norm_`` calls it); public torch has only the per-tensor ``vector_norm``, a dispatch
-    per tensor (about 2.5 us on CPU: 1 ms at 400 tensors). Its ``dtype`` argument came in 2.3."""
+    per tensor (docs/notes/timings.md). Its ``dtype`` argument came in 2.3."""
     dtypes = {t.dtype for t in tensors}
     foreach = getattr(torch, "_foreach_norm", None)
     if len(dtypes) == 1 and foreach is not None and torch_version_at_least(2, 3):

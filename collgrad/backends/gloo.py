@@ -38,8 +38,7 @@ def copies_gathers_out_strided(device_type: str) -> bool:
     one flat buffer (as every Gloo all-gather does, the plain one included) and copies each output out
     of it with ``copy_``, which honours the output's strides (ProcessGroupGloo.cpp,
     ``AsyncAllgatherCoalescedWork``, torch 2.3-2.13): given strided views, it lays a rank-major gather
-    out parameter-major in the copy it makes anyway. Measured here (2 ranks, 400 x 8192 fp32 per rank):
-    0.98x a raw all-gather of the same bytes, against 1.27x for a flat gather and a separate reorder
-    copy. CPU only (its coalesced calls reject CUDA tensors); its inputs are flattened first (a copy
+    out parameter-major in the copy it makes anyway, at about the cost of a raw all-gather of the same
+    bytes, where a flat gather needs a separate reorder copy (docs/notes/timings.md). CPU only (its coalesced calls reject CUDA tensors); its inputs are flattened first (a copy
     where there are several, or a strided one)."""
     return device_type == "cpu" and _compat.gloo_has_all_gather_coalesced()

@@ -11,8 +11,8 @@ torch's ``mpi`` backend (ProcessGroupMPI; pip wheels of torch are built without 
   issue #139178, PR #170074), so they are offered to mpi4py or upcast instead.
 
 mpi4py (docs/notes/backend-capabilities.md, measured here with MPICH 5):
-- one ``Allreduce`` of a flat host buffer is the fastest CPU primitive measured (19-24 ms for 6.6M
-  fp32 on two ranks, against 20-42 ms over Gloo);
+- one ``Allreduce`` of a flat host buffer is the fastest CPU primitive measured (faster than Gloo's
+  ring on two ranks; figures in docs/notes/timings.md);
 - MPICH 5 defines ``MPI.FLOAT16_T`` but ``MPI.BFLOAT16_T`` is MPI_DATATYPE_NULL: a bf16 buffer then
   fails with "Invalid MPI_Op", so bf16 is only offered where the library defines the type;
 - MPI-4 libraries take large counts (``MPI_Allreduce_c``); older ones raise rather than truncate,

@@ -221,7 +221,7 @@ class SameTensors:
     """Whether a list of tensors is the one remembered: the same objects, held weakly (nothing is kept
     alive, and a tensor freed and replaced is never taken for the old one), each with its data where it
     was and of the same size (``.data =`` and ``set_`` re-point a tensor in place, and ``set_`` checks
-    no bounds): ~40 us at 200 tensors. ``gone``: called when a remembered tensor is freed."""
+    no bounds). ``gone``: called when a remembered tensor is freed."""
 
     def __init__(self, gone: Callable[[], None] | None = None) -> None:
         self._refs: tuple[weakref.ref[torch.Tensor], ...] = ()
@@ -243,7 +243,7 @@ class SameTensors:
 class PiecesCache:
     """The Pieces of a fragment list that stays the same between calls (DeepSpeed's ZeRO-1/2 list lives
     from a step's reduction to its ``zero_grad()``; accumulation adds in place): where the fragments lie
-    is worked out once per list, not once per call (~0.4 ms at 200 fragments). The fragments are held
+    is worked out once per list, not once per call. The fragments are held
     weakly (SameTensors), so the cache never keeps freed gradient memory alive (DeepSpeed allocates
     them anew every step), and a fragment re-pointed or resized in place (as ``offload_states`` does)
     is worked out again."""
