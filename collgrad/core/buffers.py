@@ -173,28 +173,6 @@ class Pieces:
             end += piece.numel()
         return (span, offsets) if end == span.numel() else None
 
-    def _known(self) -> Known:
-        """Where the pieces lie as plain data (no tensor): what a PiecesCache keeps between calls."""
-        placed, tiled = self.placement(), self.tiling() is not None
-        if placed is None:
-            return (self.starts, self._numel, None, 0, False, self.memo)
-        span, offsets = placed
-        return (self.starts, self._numel, offsets, span.numel(), tiled, self.memo)
-
-    @classmethod
-    def _from_known(cls, pieces: Sequence[torch.Tensor], known: Known) -> Pieces:
-        self = cls.__new__(cls)
-        self.pieces = list(pieces)
-        self.starts, self._numel, offsets, span_numel, tiled, self.memo = known
-        if offsets is None:
-            self._placement = self._tiling = None
-            return self
-        first = self.pieces[0]
-        lo = int(first.storage_offset()) - offsets[0]
-        self._placement = (_storage_view(first, lo, span_numel), offsets)
-        self._tiling = self._placement if tiled else None
-        return self
-
     def whole(self) -> torch.Tensor:
         """Everything as one contiguous tensor: a view when the pieces already are back to back."""
         return self.range(0, self._numel)
@@ -254,8 +232,32 @@ class PiecesCache:
 
     def pieces(self, fragments: Sequence[torch.Tensor]) -> Pieces:
         if self._known is not None and self._same.matches(fragments):
-            return Pieces._from_known(fragments, self._known)
+            return _from_known(fragments, self._known)
         built = Pieces(fragments)
-        self._known = built._known() if all(p.dim() == 1 for p in fragments) else None
+        self._known = _known(built) if all(p.dim() == 1 for p in fragments) else None
         self._same.remember(fragments)
         return built
+
+
+def _known(pieces: Pieces) -> Known:
+    """Where ``pieces`` lie as plain data (no tensor): what a PiecesCache keeps between calls."""
+    placed, tiled = pieces.placement(), pieces.tiling() is not None
+    if placed is None:
+        return (pieces.starts, pieces._numel, None, 0, False, pieces.memo)
+    span, offsets = placed
+    return (pieces.starts, pieces._numel, offsets, span.numel(), tiled, pieces.memo)
+
+
+def _from_known(fragments: Sequence[torch.Tensor], known: Known) -> Pieces:
+    """Pieces of ``fragments``, which lie where ``known`` says: nothing is worked out again."""
+    self = Pieces.__new__(Pieces)
+    self.pieces = list(fragments)
+    self.starts, self._numel, offsets, span_numel, tiled, self.memo = known
+    if offsets is None:
+        self._placement = self._tiling = None
+        return self
+    first = self.pieces[0]
+    lo = int(first.storage_offset()) - offsets[0]
+    self._placement = (_storage_view(first, lo, span_numel), offsets)
+    self._tiling = self._placement if tiled else None
+    return self

@@ -37,7 +37,7 @@ from collgrad.core.calls import (
 from collgrad.core.failures import BucketFailures, FaultPoint, next_call
 from collgrad.core.plan import Bucket, BucketRule, Plan, TensorSpec
 from collgrad.core.primitives import Channel, make_channel
-from collgrad.core.record import CallRecord, Decision
+from collgrad.core.record import BucketRecord, CallRecord, Decision
 from collgrad.errors import CollgradError, NoPrimitiveError
 
 __all__ = ["Dispatcher", "Prepared", "default_dispatcher", "checked_bucket_bytes", "policy_print"]
@@ -169,48 +169,12 @@ class Dispatcher:
             if key not in rules:
                 # strided: a bucket holds whole tensors, so one may need to hold the largest of them
                 whole = max(t.numel for t in specs if (t.device, t.dtype) == key) if strided else 0
-                rule, channel, decision = self._rule(op, spec, group, cap_bytes, policy, whole)
+                rule, channel, decision = _rule(self.registry, op, spec, group, cap_bytes, policy, whole)
                 rules[key], channels[rule] = rule, channel
                 decisions.append(decision)
         plan = planner.plan_buckets(op, specs, rules, world, whole=strided)
         plan.validate()
         return Prepared(plan, channels, tuple(decisions), strided)
-
-    def _rule(
-        self, op: Op, spec: TensorSpec, group: ProcessGroup, cap_bytes: int, policy: Policy | None, whole: int
-    ) -> tuple[BucketRule, Channel, Decision]:
-        """How tensors of ``spec``'s device and dtype travel: the agreed choice, or, for strided tensors
-        (``whole``: the largest of them, never cut), the coalesced primitive the group agreed lays
-        strided outputs out; its channel and the record."""
-        strided = whole > 0
-        device_type = torch.device(spec.device).type
-        links = self.registry.links(device_type, group, policy)
-        caps = links.capabilities
-        choice = caps.choice(op, spec.dtype)
-        if strided:
-            if op is not Op.ALL_GATHER or not caps.strided_gather(spec.dtype):
-                raise NoPrimitiveError(
-                    f"rank {dist.get_rank()}: group {list(caps.group_ranks)} cannot {op.value} {spec.dtype} "
-                    f"tensors on {device_type} into strided outputs (its {caps.backend} backend does not lay "
-                    "a coalesced gather out itself, or the coalesced primitive is not allowed); pass contiguous "
-                    "tensors instead"
-                )
-            status = caps.status(op, Primitive.COALESCED, spec.dtype)
-            why = f"{caps.backend} lays a coalesced gather out into strided outputs itself"
-            primitive, backend, wire, limit = Primitive.COALESCED, status.backend, spec.dtype, status.max_elements
-        elif choice.primitive is None:
-            raise NoPrimitiveError(
-                f"rank {dist.get_rank()}: no primitive can {op.value} {spec.dtype} tensors on {device_type} "
-                f"in group {list(caps.group_ranks)} ({choice.why()}); allow one "
-                "(COLLGRAD_FORCE/COLLGRAD_FORBID, policy=) or cast the tensors"
-            )
-        else:
-            primitive, backend, wire, limit = choice.primitive, choice.backend, choice.wire_dtype, choice.max_elements
-            why = choice.why()
-        capacity = max(planner.bucket_capacity(op, cap_bytes, wire, group.size(), limit), whole)
-        rule = BucketRule(primitive, backend, wire, capacity)
-        channel = make_channel(primitive, group, backend, self.registry.mpi, links.mpi_comm)
-        return rule, channel, Decision(device_type, spec.dtype, primitive, backend, wire, why)
 
     # -- execution ----------------------------------------------------------------------------------------
     def run(
@@ -236,98 +200,136 @@ class Dispatcher:
         wait, so it overlaps the transfer (views of the outputs, result bookkeeping). It must not
         communicate nor read the outputs' data. If it raises, every bucket is still waited for (this
         rank leaves no collective behind), then its error is raised."""
-        plan, op = prepared.plan, prepared.plan.op
         assert prepared.fits(inputs), "a prepared plan run on tensors it was not prepared for"
         assert not (prepared.strided and atomic), "strided outputs are written in place"
-        pending = _Pending(plan, done, atomic, outputs if outputs is not None else inputs)
-        failures = BucketFailures(group, next_call(group))
-
-        def finish(started: flight.InFlight) -> None:
-            flight.finish(started, op, reduce_op, src, dst, plan, self.timeout, group, failures)
-            pending.finished(started)
-
         with torch.no_grad():
-            # Atomic: every bucket works on private copies; the caller's tensors are written at the end.
-            strided = prepared.strided
-            src = [flight.Work(t, private=atomic and op is Op.ALL_REDUCE, strided=strided) for t in inputs]
-            dst = (
-                src
-                if outputs is None
-                else [flight.Work(t, private=atomic, fill=False, strided=strided) for t in outputs]
+            run = _Run(self, prepared, inputs, outputs, group, reduce_op, atomic, done)
+            records = run.buckets(meanwhile)
+        return CallRecord(prepared.plan.op, tuple(_compat.group_ranks(group)), records, prepared.decisions)
+
+
+def _rule(
+    registry: Registry, op: Op, spec: TensorSpec, group: ProcessGroup, cap_bytes: int, policy: Policy | None, whole: int
+) -> tuple[BucketRule, Channel, Decision]:
+    """How tensors of ``spec``'s device and dtype travel: the agreed choice, or, for strided tensors
+    (``whole``: the largest of them, never cut), the coalesced primitive the group agreed lays
+    strided outputs out; its channel and the record."""
+    strided = whole > 0
+    device_type = torch.device(spec.device).type
+    links = registry.links(device_type, group, policy)
+    caps = links.capabilities
+    choice = caps.choice(op, spec.dtype)
+    if strided:
+        if op is not Op.ALL_GATHER or not caps.strided_gather(spec.dtype):
+            raise NoPrimitiveError(
+                f"rank {dist.get_rank()}: group {list(caps.group_ranks)} cannot {op.value} {spec.dtype} "
+                f"tensors on {device_type} into strided outputs (its {caps.backend} backend does not lay "
+                "a coalesced gather out itself, or the coalesced primitive is not allowed); pass contiguous "
+                "tensors instead"
             )
-            records = []
-            in_flight: deque[flight.InFlight] = deque()
-            failed: BaseException | None = None
-            for bucket in plan.buckets:
-                started = self._start(op, bucket, prepared.channels[bucket.rule], src, dst, reduce_op, group, failures)
-                in_flight.append(started)
-                records.append(flight.record(bucket, len(started.handles), started.fallback))
-                if meanwhile is not None:
-                    try:
-                        meanwhile()
-                    except BaseException as exc:  # noqa: BLE001 - raised below, once nothing is in flight
-                        failed = exc
-                    meanwhile = None
-                if len(in_flight) == 2:
-                    finish(in_flight.popleft())
-            while in_flight:
-                finish(in_flight.popleft())
-            if failed is not None:
-                raise failed
-            for work in dst:
-                work.write_back()
-        return CallRecord(op, tuple(_compat.group_ranks(group)), tuple(records), prepared.decisions)
-
-    def _start(
-        self,
-        op: Op,
-        bucket: Bucket,
-        channel: Channel,
-        src: list[flight.Work],
-        dst: list[flight.Work],
-        reduce_op: ReduceOp.RedOpType | None,
-        group: ProcessGroup,
-        failures: BucketFailures,
-    ) -> flight.InFlight:
-        """Issue one bucket. If this rank cannot (the primitive raised before any data moved), the
-        ranks settle it through ``failures``: all fall back to one collective per tensor, or all raise."""
-        world = group.size()
-        try:
-            if self.fault_hook is not None:
-                self.fault_hook(FaultPoint(op.value, bucket.index, bucket.primitive.value, dist.get_rank()))
-            return flight.start(op, bucket, channel, src, dst, reduce_op, world)
-        except CollgradError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure to issue is settled with the other ranks
-            failures.report(bucket.index, f"{bucket.primitive.value} raised {type(exc).__name__}: {exc}", self.timeout)
-            fallback = make_channel(Primitive.PER_TENSOR, group, bucket.rule.backend)
-            rule = replace(bucket.rule, primitive=Primitive.PER_TENSOR, wire_dtype=bucket.dtype)
-            started = flight.start(op, replace(bucket, rule=rule), fallback, src, dst, reduce_op, world)
-            started.fallback = f"{bucket.primitive.value} raised on every rank ({type(exc).__name__}: {exc})"
-            return started
+        status = caps.status(op, Primitive.COALESCED, spec.dtype)
+        why = f"{caps.backend} lays a coalesced gather out into strided outputs itself"
+        primitive, backend, wire, limit = Primitive.COALESCED, status.backend, spec.dtype, status.max_elements
+    elif choice.primitive is None:
+        raise NoPrimitiveError(
+            f"rank {dist.get_rank()}: no primitive can {op.value} {spec.dtype} tensors on {device_type} "
+            f"in group {list(caps.group_ranks)} ({choice.why()}); allow one "
+            "(COLLGRAD_FORCE/COLLGRAD_FORBID, policy=) or cast the tensors"
+        )
+    else:
+        primitive, backend, wire, limit = choice.primitive, choice.backend, choice.wire_dtype, choice.max_elements
+        why = choice.why()
+    capacity = max(planner.bucket_capacity(op, cap_bytes, wire, group.size(), limit), whole)
+    rule = BucketRule(primitive, backend, wire, capacity)
+    channel = make_channel(primitive, group, backend, registry.mpi, links.mpi_comm)
+    return rule, channel, Decision(device_type, spec.dtype, primitive, backend, wire, why)
 
 
-class _Pending:
-    """Which outputs are complete, for ``run``'s ``done``: a count of unfinished buckets per tensor."""
+class _Run:
+    """One run of a prepared plan: its buckets issued in order, two in flight at most, each finished
+    (waited for, unpacked) while the next travels; ``done(i)`` told as output ``i`` completes."""
 
     def __init__(
-        self, plan: Plan, done: Callable[[int], None] | None, atomic: bool, outputs: Sequence[torch.Tensor]
+        self,
+        dispatcher: Dispatcher,
+        prepared: Prepared,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor] | None,
+        group: ProcessGroup,
+        reduce_op: ReduceOp.RedOpType | None,
+        atomic: bool,
+        done: Callable[[int], None] | None,
     ) -> None:
-        self.done = done
-        self.left: dict[int, int] = {}
+        self.prepared, self.plan, self.op = prepared, prepared.plan, prepared.plan.op
+        self.group, self.reduce_op, self.done = group, reduce_op, done
+        self.timeout, self.fault_hook = dispatcher.timeout, dispatcher.fault_hook
+        self.failures = BucketFailures(group, next_call(group))
+        # Atomic: every bucket works on private copies; the caller's tensors are written at the end.
+        strided = prepared.strided
+        self.src = [flight.Work(t, private=atomic and self.op is Op.ALL_REDUCE, strided=strided) for t in inputs]
+        self.dst = self.src
+        if outputs is not None:
+            self.dst = [flight.Work(t, private=atomic, fill=False, strided=strided) for t in outputs]
+        self.left: dict[int, int] = {}  # per output: buckets not yet finished (for ``done``)
         if done is not None:
-            assert not atomic and all(t.is_contiguous() for t in outputs), "done needs in-place outputs"
-            for bucket in plan.buckets:
+            assert not atomic and all(w.tensor.is_contiguous() for w in self.dst), "done needs in-place outputs"
+            for bucket in self.plan.buckets:
                 for seg in bucket.segments:
                     self.left[seg.tensor] = self.left.get(seg.tensor, 0) + 1
 
-    def finished(self, started: flight.InFlight) -> None:
-        if self.done is None:
-            return
-        for seg in started.bucket.segments:
-            self.left[seg.tensor] -= 1
-            if not self.left[seg.tensor]:
-                self.done(seg.tensor)
+    def buckets(self, meanwhile: Callable[[], None] | None) -> tuple[BucketRecord, ...]:
+        records = []
+        in_flight: deque[flight.InFlight] = deque()
+        failed: BaseException | None = None
+        for bucket in self.plan.buckets:
+            started = self.start(bucket)
+            in_flight.append(started)
+            records.append(flight.record(bucket, len(started.handles), started.fallback))
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except BaseException as exc:  # noqa: BLE001 - raised below, once nothing is in flight
+                    failed = exc
+                meanwhile = None
+            if len(in_flight) == 2:
+                self.finish(in_flight.popleft())
+        while in_flight:
+            self.finish(in_flight.popleft())
+        if failed is not None:
+            raise failed
+        for work in self.dst:
+            work.write_back()
+        return tuple(records)
+
+    def start(self, bucket: Bucket) -> flight.InFlight:
+        """Issue one bucket. If this rank cannot (the primitive raised before any data moved), the
+        ranks settle it through ``failures``: all fall back to one collective per tensor, or all raise."""
+        op, world = self.op, self.group.size()
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(FaultPoint(op.value, bucket.index, bucket.primitive.value, dist.get_rank()))
+            channel = self.prepared.channels[bucket.rule]
+            return flight.start(op, bucket, channel, self.src, self.dst, self.reduce_op, world)
+        except CollgradError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure to issue is settled with the other ranks
+            why = f"{bucket.primitive.value} raised {type(exc).__name__}: {exc}"
+            self.failures.report(bucket.index, why, self.timeout)
+            fallback = make_channel(Primitive.PER_TENSOR, self.group, bucket.rule.backend)
+            rule = replace(bucket.rule, primitive=Primitive.PER_TENSOR, wire_dtype=bucket.dtype)
+            started = flight.start(op, replace(bucket, rule=rule), fallback, self.src, self.dst, self.reduce_op, world)
+            started.fallback = f"{bucket.primitive.value} raised on every rank ({type(exc).__name__}: {exc})"
+            return started
+
+    def finish(self, started: flight.InFlight) -> None:
+        flight.finish(
+            started, self.op, self.reduce_op, self.src, self.dst, self.plan, self.timeout, self.group, self.failures
+        )
+        if self.done is not None:
+            for seg in started.bucket.segments:
+                self.left[seg.tensor] -= 1
+                if not self.left[seg.tensor]:
+                    self.done(seg.tensor)
 
 
 _default: Dispatcher | None = None
