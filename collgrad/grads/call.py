@@ -21,18 +21,20 @@ import torch
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
-from collgrad.backends.decide import Capabilities
-from collgrad.backends.policy import Policy
 from collgrad.backends.agreement import Field, agree_on_call, stable_hash, tell_invalid
-from collgrad.core.buffers import Pieces
-from collgrad.core.dispatch import Dispatcher, Prepared, checked_bucket_bytes, default_dispatcher, policy_print
+from collgrad.backends.decide import Capabilities
 from collgrad.backends.ops import Op, Primitive
+from collgrad.backends.policy import Policy
+from collgrad.core.dispatch import Dispatcher, Prepared, checked_bucket_bytes, default_dispatcher, policy_print
 from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, LayoutChangedError, NotReadyError
 from collgrad.grads import sources
+from collgrad.grads.cache import ShapePlans
+from collgrad.grads.model_cache import MODELS, ModelCache
+from collgrad.grads.placements import piece_count, placement_print
 from collgrad.grads.plan import PLANS, GradCall, GradPlan, needs_capabilities, plan_grads
-from collgrad.grads.sources import LocalGrads, Problem, Source
-from collgrad.grads.sources.layout import GradGroup, Kind
+from collgrad.grads.sources.base import LocalGrads, Problem, Source
+from collgrad.grads.sources.layout import GradGroup
 
 __all__ = ["OpenCall", "FIELDS"]
 
@@ -45,6 +47,7 @@ FIELDS = (
     "streaming",
     "policy=",
     "where each rank's gradient pieces lie",  # told, not compared (see OpenCall.placements)
+    "how many gradient pieces each rank holds",  # told, not compared (see OpenCall.piece_counts)
 )
 
 
@@ -78,20 +81,13 @@ class OpenCall:
         name: str,
         extra: Callable[[Source], Sequence[Field]] | None = None,
         meanwhile: Callable[[OpenCall], Any] | None = None,
+        models: ModelCache = MODELS,
     ) -> None:
         self.name = name
         self.dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
         try:  # every argument is checked before any collective; a rank with bad ones tells the others
-            if plan not in PLANS:
-                raise InvalidArgumentError(f"rank {_compat.rank()}: plan must be one of {PLANS}, got {plan!r}")
-            cap = checked_bucket_bytes(bucket_bytes)
-            if policy is not None:
-                policy.validate()
-            self.source, self.layout_cached = _source(self.dispatcher, model, params)
-            if not self.source.layout.order:
-                raise InvalidArgumentError(
-                    f"rank {_compat.rank()}: no trainable parameter is selected (an empty model, or an empty params=)"
-                )
+            cap = _checked(plan, bucket_bytes, policy)
+            self.source, self.layout_cached = _source(models, self.dispatcher, model, params)
             extra_fields = list(extra(self.source)) if extra is not None else []
             extra_fields += [Field(f"unused {i}", 0) for i in range(self.EXTRA - len(extra_fields))]
             self.local: LocalGrads = self.source.read()
@@ -100,6 +96,8 @@ class OpenCall:
             raise
         self.call = GradCall(plan, cap, streaming)
         self.policy = policy
+        #: This call shape's plans, kept with the source (see cache.py).
+        self.plans: ShapePlans = self.source.plans.shape(self.call, policy)
         self.unscale = unscale and self.local.loss_scale != 1.0
         #: What ``meanwhile`` returned, computed while the ranks were agreeing.
         self.early: Any = None
@@ -108,61 +106,42 @@ class OpenCall:
             if meanwhile is not None and self.local.problem is Problem.OK:
                 self.early = meanwhile(self)
 
-        rows = _agree(self.source, self.local, self._fields() + extra_fields, self.dispatcher.timeout, name, early)
-        #: Every rank's print of where its gradient pieces lie (its storage order), by global rank: a
-        #: gather of partitions as they lie checks it against what it cached (no extra collective).
+        rows = _agree(self.source, self.local, _fields(self) + extra_fields, self.dispatcher.timeout, name, early)
+        #: Every rank's print of where its gradient pieces lie (its storage order), and how many pieces
+        #: it holds, by global rank: a gather of partitions as they lie checks the print against what it
+        #: cached, and sizes a placements exchange by the counts (no extra collective for either).
         self.placements: dict[int, int] = {}
-        if rows is not None:
+        self.piece_counts: dict[int, int] = {}
+        if rows is not None and self.source.control_group is not None:
+            ranks = _compat.group_ranks(self.source.control_group)
             at = 1 + FIELDS.index("where each rank's gradient pieces lie")
-            self.placements = dict(zip(_compat.group_ranks(self.source.control_group), (r[at] for r in rows)))
+            self.placements = dict(zip(ranks, (r[at] for r in rows)))
+            self.piece_counts = dict(zip(ranks, (r[at + 1] for r in rows)))
         #: Nothing was planned for this call so far: everything came from the cache.
         self.cached = True
-        self._plan: GradPlan | None = None
-
-    def _fields(self) -> list[Field]:
-        return [
-            Field(FIELDS[0], stable_hash(self.name), shown=False),
-            Field(FIELDS[1], self.source.fingerprint, shown=False),
-            Field(FIELDS[2], PLANS.index(self.call.plan), shown=False),
-            Field(FIELDS[3], self.call.bucket_bytes),
-            Field(FIELDS[4], int(self.call.streaming)),
-            Field(FIELDS[5], policy_print(self.policy), shown=False),
-            Field(FIELDS[6], _placement_print(self.source, self.local), compare=False),
-        ]
 
     @property
     def plan(self) -> GradPlan:
         """The GradPlan of this call, built on first use and cached with the source (asking the registry
         for capabilities, collective the first time, only for groups whose plan depends on them)."""
-        if self._plan is None:
-            key = ("gradient plan", self.call, self.policy)
-            found = self.source.plans.get(key)
-            if found is None:
-                self.cached = False
-                found = self.source.plans[key] = self._build_plan()
-            self._plan = found
-        return self._plan
-
-    def _build_plan(self) -> GradPlan:
-        layout = self.source.layout
-        per_param = self.source.per_param is not None
-        gather_ok = {}
-        for i, group in enumerate(layout.groups):
-            if needs_capabilities(group, self.call, per_param):  # collective on first use: only if needed
-                gather_ok[i] = self.primitive(group, Op.ALL_GATHER, group.wire_dtype) not in (
-                    None,
-                    Primitive.PER_TENSOR,
-                )
-        return plan_grads(layout, self.call, gather_ok, per_param)
+        if self.plans.gradient_plan is None:
+            self.cached = False
+            accessor = self.source.accessor is not None
+            gather_ok = {}
+            for i, group in enumerate(self.source.layout.groups):
+                if needs_capabilities(group, self.call, accessor):  # collective on first use: only if needed
+                    found = self.primitive(group, Op.ALL_GATHER, group.wire_dtype)
+                    gather_ok[i] = found not in (None, Primitive.PER_TENSOR)
+            self.plans.gradient_plan = plan_grads(self.source.layout, self.call, gather_ok, accessor)
+        return self.plans.gradient_plan
 
     def primitive(self, group: GradGroup, op: Op, dtype: torch.dtype) -> Primitive | None:
         """The registry's choice of primitive for ``op`` on ``dtype`` over ``group``, under this call's
         policy. Asked once (collective the first time, on every rank alike), cached with the source."""
-        key = ("primitive", group.index, op, dtype, self.policy)
-        found = self.source.plans.get(key, False)
-        if found is False:
-            found = self.source.plans[key] = self.capabilities(group).choice(op, dtype).primitive
-        return found
+        key = (group.index, op, dtype)
+        if key not in self.plans.primitives:
+            self.plans.primitives[key] = self.capabilities(group).choice(op, dtype).primitive
+        return self.plans.primitives[key]
 
     def capabilities(self, group: GradGroup) -> Capabilities:
         """What the registry agreed ``group`` can run, under this call's policy (the same on every
@@ -182,49 +161,54 @@ class OpenCall:
         bucket_bytes: int | None = None,
         done: Callable[[int], None] | None = None,
         meanwhile: Callable[[], None] | None = None,
+        strided: bool = False,
     ) -> CallRecord:
         """One dispatcher call for ``step`` of this call, through its cached bucket plan (buckets of
         ``bucket_bytes``, default the call's). Not atomic and not re-checked: the tensors are collgrad's
-        own buffers, and the ranks agreed when the call opened. ``done``, ``meanwhile``: see
-        ``Dispatcher.run``."""
+        own buffers, and the ranks agreed when the call opened. ``done``, ``meanwhile``, ``strided``:
+        see ``Dispatcher.run`` and ``Dispatcher.prepare``."""
         group = _compat.default_group() if group is None else group
         cap = self.call.bucket_bytes if bucket_bytes is None else bucket_bytes
-        prepared = self._prepared(step, op, inputs, group, cap)
+        key = (self.name, step, cap, strided)
+        prepared = self.plans.bucket_plans.get(key)
+        if prepared is None:  # the tensors of a step have the same specs every call (from the layout)
+            self.cached = False
+            prepared = self.plans.bucket_plans[key] = _prepare(self, op, inputs, group, cap, strided)
         return self.dispatcher.run(prepared, inputs, outputs, group, atomic=False, done=done, meanwhile=meanwhile)
 
-    def _prepared(
-        self, step: Hashable, op: Op, tensors: Sequence[torch.Tensor], group: ProcessGroup, cap: int
-    ) -> Prepared:
-        """The dispatcher's bucket plan for one step of this call, built once and cached with the source
-        (the tensors of a step have the same specs every call: they come from the layout)."""
-        key = ("bucket plan", self.name, self.call, self.policy, step, cap)
-        found = self.source.plans.get(key)
-        if found is None:
-            self.cached = False
-            found = self.source.plans[key] = self.dispatcher.prepare(
-                op, tensors, group, bucket_bytes=cap, policy=self.policy
-            )
-        return found
+
+def _prepare(
+    call: OpenCall, op: Op, tensors: Sequence[torch.Tensor], group: ProcessGroup, cap: int, strided: bool
+) -> Prepared:
+    """The dispatcher's bucket plan for one step of ``call``."""
+    if strided:
+        return call.dispatcher.prepare(op, tensors, group, bucket_bytes=cap, policy=call.policy, strided=True)
+    return call.dispatcher.prepare(op, tensors, group, bucket_bytes=cap, policy=call.policy)
 
 
-def _placement_print(source: Source, local: LocalGrads) -> int:
-    """What this rank tells the others of where its gradient pieces lie: a print of them if the
-    placements cached with the source (by a gather of partitions as they lie) still hold for every
-    group, else -1, which makes every rank exchange placements again before such a gather."""
-    from collgrad.grads.execute import placed_pieces  # execute imports this module
+def _checked(plan: str, bucket_bytes: int | None, policy: Policy | None) -> int:
+    """The call's own arguments checked on this rank (InvalidArgumentError); returns the bucket cap."""
+    if plan not in PLANS:
+        raise InvalidArgumentError(f"rank {_compat.rank()}: plan must be one of {PLANS}, got {plan!r}")
+    cap = checked_bucket_bytes(bucket_bytes)
+    if policy is not None:
+        policy.validate()
+    return cap
 
-    prints = []
-    for position, buffer in enumerate(local.buffers):
-        if not isinstance(buffer, Pieces) or source.layout.groups[position].kind is not Kind.PARTITIONED_FLAT:
-            continue
-        pieces = placed_pieces(buffer)
-        cached = source.plans.get(("placements", source.layout.groups[position].index))
-        if cached is None or cached[0] != pieces:
-            return -1
-        if "placed print" not in buffer.memo:
-            buffer.memo["placed print"] = stable_hash(pieces)
-        prints.append(buffer.memo["placed print"])
-    return stable_hash(prints) & ((1 << 62) - 1)
+
+def _fields(call: OpenCall) -> list[Field]:
+    """This rank's row of the readiness check (see ``FIELDS``)."""
+    layout, buffers = call.source.layout, call.local.buffers
+    return [
+        Field(FIELDS[0], stable_hash(call.name), shown=False),
+        Field(FIELDS[1], call.source.fingerprint, shown=False),
+        Field(FIELDS[2], PLANS.index(call.call.plan), shown=False),
+        Field(FIELDS[3], call.call.bucket_bytes),
+        Field(FIELDS[4], int(call.call.streaming)),
+        Field(FIELDS[5], policy_print(call.policy), shown=False),
+        Field(FIELDS[6], placement_print(layout, call.source.plans, buffers), compare=False),
+        Field(FIELDS[7], piece_count(layout, buffers), compare=False),
+    ]
 
 
 def _agree(
@@ -269,13 +253,27 @@ def _tell_invalid(model: Any, timeout_s: float, name: str) -> None:
         tell_invalid(group, len(FIELDS) + OpenCall.EXTRA, timeout_s, name)
 
 
-def _source(dispatcher: Dispatcher, model: Any, params: Iterable[Any] | None) -> tuple[Source, bool]:
+def _source(
+    models: ModelCache, dispatcher: Dispatcher, model: Any, params: Iterable[Any] | None
+) -> tuple[Source, bool]:
     """The cached Source of ``model`` for this ``params`` selection if its layout still holds, else a
-    new one. Cached on the dispatcher, weakly per model: released with the model."""
+    new one (and an empty model or selection refused). Cached in ``models`` per dispatcher, weakly per
+    model: released with the model."""
+    source, cached = _cached_source(models, dispatcher, model, params)
+    if not source.layout.order:
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: no trainable parameter is selected (an empty model, or an empty params=)"
+        )
+    return source, cached
+
+
+def _cached_source(
+    models: ModelCache, dispatcher: Dispatcher, model: Any, params: Iterable[Any] | None
+) -> tuple[Source, bool]:
     params = None if params is None else list(params)
     key = None if params is None else tuple(p if isinstance(p, str) else id(p) for p in params)
     try:
-        per_model = dispatcher.model_cache.setdefault(model, {})
+        per_model = models.per_model(dispatcher, model)
     except TypeError:  # not weakly referenceable, so not a model: let open_source say what is wrong
         return sources.open_source(model, params), False
     source = per_model.get(key)

@@ -6,13 +6,13 @@ Plan kinds, per gradient group (groups: see sources/layout.py)::
 
   local       nothing to communicate: every rank holds the full reduced gradients (BF16_Optimizer,
               no ZeRO), or the group has a single rank (expert-parallel experts, AutoTP shards).
-  all_gather  ranks own equal contiguous partitions (ZeRO-1/2 flat groups, ZeRO-3 per-parameter
-              partitions): every rank contributes its partition as it lies and gathers the rest.
+  all_gather  ranks own equal contiguous partitions (ZeRO-1/2 flat groups, ZeRO-3 / FSDP2 sliced
+              parameters): every rank contributes its partition as it lies and gathers the rest.
               Half the bytes of an all-reduce, and no zero fill.
   all_reduce  zero-padded: every rank writes the elements it owns into a zeroed buffer and the group
               sums it. Adding zeros is exact, so the result is bitwise what DeepSpeed's
               ``safe_get_full_grad`` returns (it does the same, one parameter at a time).
-  per_param   DeepSpeed's own accessor, one collective per parameter: optimizers whose layout
+  accessor    DeepSpeed's own accessor, one collective per parameter: optimizers whose layout
               collgrad does not know.
 
 Steps ("batches") are runs of whole parameters, in layout order::
@@ -57,7 +57,7 @@ class PlanKind(ValueEnum):
     LOCAL = "local"
     ALL_GATHER = "all_gather"
     ALL_REDUCE = "all_reduce"
-    PER_PARAM = "per_param"
+    ACCESSOR = "accessor"
 
 
 @dataclass(frozen=True)
@@ -89,11 +89,11 @@ class GradPlan:
         return sum(len(g.batches) for g in self.groups)
 
 
-def needs_capabilities(group: GradGroup, call: GradCall, per_param: bool = False) -> bool:
+def needs_capabilities(group: GradGroup, call: GradCall, accessor: bool = False) -> bool:
     """Whether ``choose_kind`` looks at ``gather_ok`` for this group: only then must the caller ask
     the registry (collective over the group the first time)."""
     return not (
-        per_param
+        accessor
         or group.kind is Kind.REPLICATED
         or group.world == 1
         or call.plan != "auto"
@@ -101,12 +101,12 @@ def needs_capabilities(group: GradGroup, call: GradCall, per_param: bool = False
     )
 
 
-def choose_kind(group: GradGroup, call: GradCall, gather_ok: bool, per_param: bool = False) -> PlanKind:
+def choose_kind(group: GradGroup, call: GradCall, gather_ok: bool, accessor: bool = False) -> PlanKind:
     """The plan kind of one group. ``gather_ok``: the group's agreed capabilities have a bucket
-    primitive (not per-tensor) for an all-gather of its wire dtype. ``per_param``: the source has no
+    primitive (not per-tensor) for an all-gather of its wire dtype. ``accessor``: the source has no
     layout and only DeepSpeed's per-parameter accessor can read it."""
-    if per_param:
-        return PlanKind.PER_PARAM
+    if accessor:
+        return PlanKind.ACCESSOR
     if group.kind is Kind.REPLICATED or group.world == 1:
         return PlanKind.LOCAL
     if call.plan != "auto":
@@ -125,27 +125,27 @@ def choose_kind(group: GradGroup, call: GradCall, gather_ok: bool, per_param: bo
 def batch_params(group: GradGroup, kind: PlanKind, call: GradCall) -> tuple[tuple[tuple[int, ...], ...], int | None]:
     """The steps of one group, and the byte budget of a step (None: one step).
 
-    ZeRO-3 all-gathers go by buckets of gathered bytes (the staging buffer is one bucket); when
+    Sliced all-gathers (ZeRO-3, FSDP2) go by buckets of gathered bytes (the staging buffer is one bucket); when
     streaming, each step's staging and results together stay within a bucket (half each). Streamed
-    all-reduces and streamed local reads (copies) go by buckets of result bytes; per-parameter reads
+    all-reduces and streamed local reads (copies) go by buckets of result bytes; accessor reads
     go one parameter at a time. Everything else (unstreamed local reads, ZeRO-1/2 gathers, unstreamed
     all-reduces) is one step.
     """
     indices = tuple(range(len(group.params)))
     if not indices:
         return (), None
-    if kind is PlanKind.PER_PARAM:
+    if kind is PlanKind.ACCESSOR:
         return tuple((k,) for k in indices), None
-    per_param_gather = kind is PlanKind.ALL_GATHER and group.kind is Kind.PER_PARAM
-    if not (per_param_gather or (call.streaming and kind in (PlanKind.ALL_REDUCE, PlanKind.LOCAL))):
+    sliced_gather = kind is PlanKind.ALL_GATHER and group.kind is Kind.SLICED
+    if not (sliced_gather or (call.streaming and kind in (PlanKind.ALL_REDUCE, PlanKind.LOCAL))):
         return (indices,), None
     itemsize = torch.empty((), dtype=group.out_dtype).element_size()
-    budget = call.bucket_bytes // 2 if (call.streaming and per_param_gather) else call.bucket_bytes
+    budget = call.bucket_bytes // 2 if (call.streaming and sliced_gather) else call.bucket_bytes
     batches: list[tuple[int, ...]] = []
     current: list[int] = []
     size = 0
     for k, p in enumerate(group.params):
-        numel = p.slice_numel * group.world if per_param_gather else p.numel
+        numel = p.slice_numel * group.world if sliced_gather else p.numel
         if current and (size + numel) * itemsize > budget:
             batches.append(tuple(current))
             current, size = [], 0
@@ -155,12 +155,12 @@ def batch_params(group: GradGroup, kind: PlanKind, call: GradCall) -> tuple[tupl
     return tuple(batches), budget
 
 
-def plan_grads(layout: GradLayout, call: GradCall, gather_ok: Mapping[int, bool], per_param: bool = False) -> GradPlan:
+def plan_grads(layout: GradLayout, call: GradCall, gather_ok: Mapping[int, bool], accessor: bool = False) -> GradPlan:
     """The plan of one call. ``gather_ok[i]``: for ``layout.groups[i]``, whether the agreed
     capabilities have a bucket all-gather primitive (see ``choose_kind``)."""
     groups = []
     for i, group in enumerate(layout.groups):
-        kind = choose_kind(group, call, gather_ok.get(i, False), per_param)
+        kind = choose_kind(group, call, gather_ok.get(i, False), accessor)
         batches, budget = batch_params(group, kind, call)
         groups.append(GroupPlan(i, kind, batches, budget))
     return GradPlan(call, tuple(groups))

@@ -19,7 +19,7 @@ from collgrad.grads.record import FullGradRecord
 __all__ = ["safe_get_full_model_grads", "iter_full_model_grads", "FullGrads", "FullGradStream"]
 
 
-class FullGrads(dict):
+class FullGrads(dict[str, torch.Tensor]):
     """``dict[name, Tensor]`` of full gradients, plus ``record`` (what was done) and
     ``model_parallel`` (names of tensor- or expert-parallel shards: full across the data-parallel
     group, still local across tensor/expert-parallel ranks)."""

@@ -21,14 +21,15 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from collgrad import _compat
+from collgrad.backends import agreement
+from collgrad.backends.agreement import Field, ranks_by_value, stable_hash
 from collgrad.backends.policy import Policy
-from collgrad.backends.agreement import Field, exchange, ranks_by_value, stable_hash
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import ArgumentMismatchError, InvalidArgumentError, UnknownParameterError
 from collgrad.grads.call import OpenCall
 from collgrad.grads.execute import Executor
 from collgrad.grads.record import FullGradRecord
-from collgrad.grads.sources import Source
+from collgrad.grads.sources.base import Source
 
 __all__ = ["safe_set_full_model_grads", "update_full_model_grads", "checksums"]
 
@@ -37,8 +38,8 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
     """Per tensor, a number that differs, with high probability, when any element differs bit for bit:
     the sum, wrapping in int64, of its bytes read as 64-bit words (order-free integer arithmetic: the
     same on every rank and device for equal tensors; two elements swapped within a word change it too).
-    One reduction per tensor and one transfer for all: ~3 ms at 400 tensors / 25 MB here, where a
-    per-tensor int64 accumulation of 32-bit patterns and a read back each took 18 ms."""
+    One reduction per tensor and one transfer for all, rather than a read back per tensor (measurements:
+    docs/notes/)."""
     sums = []
     with torch.no_grad():
         for t in tensors:
@@ -161,7 +162,9 @@ def _which_differ(
     checksums (one all-gather over the control group; every rank reaches the same message)."""
     group = source.control_group
     assert group is not None  # a mismatch was seen, so there is more than one rank
-    rows = exchange(group, [c for _, c in sums], timeout_s=timeout_s, what="the per-tensor checksum comparison")
+    rows = agreement.exchange(
+        group, [c for _, c in sums], timeout_s=timeout_s, what="the per-tensor checksum comparison"
+    )
     ranks = _compat.group_ranks(group)
     differ = []
     for k, (name, _) in enumerate(sums):
@@ -180,9 +183,9 @@ def _which_differ(
 def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> FullGradRecord:
     source = call.source
     collectives = 0
-    if source.per_param_set is not None:  # an optimizer collgrad does not know: DeepSpeed's setter
+    if source.accessor_set is not None:  # an optimizer collgrad does not know: DeepSpeed's setter
         for name, value in values.items():
-            source.per_param_set(source.params[name], value.to(torch.float32))
+            source.accessor_set(source.params[name], value.to(torch.float32))
             collectives += 1
     else:
         with torch.no_grad():

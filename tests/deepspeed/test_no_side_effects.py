@@ -98,10 +98,12 @@ def _leaks(rank, world):
     plain(torch.ones(2, 4)).sum().backward()
     collgrad.safe_get_full_model_grads(plain, dispatcher=dispatcher)
     ref = weakref.ref(plain)
-    cached = len(dispatcher.model_cache)
+    from collgrad.grads.model_cache import MODELS
+
+    cached = len(MODELS.of(dispatcher))
     del plain
     gc.collect()
-    out["cache"] = (cached, len(dispatcher.model_cache), ref() is None)
+    out["cache"] = (cached, len(MODELS.of(dispatcher)), ref() is None)
     return out
 
 

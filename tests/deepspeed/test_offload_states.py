@@ -23,7 +23,9 @@ def _worker(rank, world):
     models.run_backward(eng, rank)
     dispatcher = collgrad.Dispatcher()
     first = collgrad.safe_get_full_model_grads(eng, dispatcher=dispatcher)
-    (source,) = dispatcher.model_cache[eng].values()
+    from collgrad.grads.model_cache import MODELS
+
+    (source,) = MODELS.of(dispatcher)[eng].values()
     # views of DeepSpeed's buffer (no staging: over Gloo on CPU the gather is laid out by Gloo itself)
     held = source._pieces is not None
     eng.step()  # states are offloaded between steps, as in RLHF loops that free the device for generation

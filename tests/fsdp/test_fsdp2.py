@@ -124,7 +124,9 @@ def _worker(rank: int, world: int, hsdp: bool):
         with count_collectives() as seen:
             again = collgrad.safe_get_full_model_grads(model)
         # this step's shards are read once: later calls reuse them while FSDP2 holds the same ones
-        source = default_dispatcher().model_cache[model][None]
+        from collgrad.grads.model_cache import MODELS
+
+        source = MODELS.of(default_dispatcher())[model][None]
         held = source._held
         shard = weakref.ref(next(p for p in model.parameters() if p.requires_grad).grad._local_tensor)
         stream = collgrad.iter_full_model_grads(model, bucket_bytes=256)

@@ -25,7 +25,7 @@ from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 def _group(index, kind, sizes, world, pad_to=1):
     slots, offset = [], 0
     for i, n in enumerate(sizes):
-        per_rank = -(-n // world) if kind is Kind.PER_PARAM else n
+        per_rank = -(-n // world) if kind is Kind.SLICED else n
         slots.append(ParamSlot(f"g{index}.p{i}", (n,), n, offset, per_rank))
         offset += per_rank
     if kind is Kind.PARTITIONED_FLAT:
@@ -66,14 +66,14 @@ def test_every_parameter_in_exactly_one_step_within_the_budget(gs, call, gather_
         assert flat == list(range(len(group.params)))  # each once, in layout order
         assert all(batch for batch in gplan.batches)  # no empty step
         if gplan.budget is not None:
-            gathered = gplan.kind is PlanKind.ALL_GATHER and group.kind is Kind.PER_PARAM
+            gathered = gplan.kind is PlanKind.ALL_GATHER and group.kind is Kind.SLICED
             for batch in gplan.batches:
                 numel = sum(
                     group.params[k].slice_numel * group.world if gathered else group.params[k].numel for k in batch
                 )
                 assert len(batch) == 1 or numel * 4 <= gplan.budget  # one parameter may exceed it alone
         if per_param:
-            assert gplan.kind is PlanKind.PER_PARAM and all(len(b) == 1 for b in gplan.batches)
+            assert gplan.kind is PlanKind.ACCESSOR and all(len(b) == 1 for b in gplan.batches)
 
 
 @settings(max_examples=200, deadline=None)
@@ -108,25 +108,25 @@ def test_auto_gathers_a_flat_group_from_half_of_it_and_reduces_below():
 def test_the_choice_rule():
     call = GradCall("auto", 1 << 20, False)
     flat = _group(0, Kind.PARTITIONED_FLAT, [50, 50], 2)
-    sliced = _group(0, Kind.PER_PARAM, [50, 50], 2)
+    sliced = _group(0, Kind.SLICED, [50, 50], 2)
     assert choose_kind(flat, call, gather_ok=False) is PlanKind.ALL_REDUCE  # no bucket gather primitive
     assert choose_kind(sliced, call, gather_ok=True) is PlanKind.ALL_GATHER
     streaming = GradCall("auto", 1 << 20, True)
     assert choose_kind(flat, streaming, gather_ok=True) is PlanKind.ALL_REDUCE  # whole parameters per bucket
     assert choose_kind(sliced, streaming, gather_ok=True) is PlanKind.ALL_GATHER
     assert choose_kind(_group(0, Kind.REPLICATED, [5], 2), call, True) is PlanKind.LOCAL
-    assert choose_kind(_group(0, Kind.PER_PARAM, [5], 1), call, True) is PlanKind.LOCAL  # a group of one rank
+    assert choose_kind(_group(0, Kind.SLICED, [5], 1), call, True) is PlanKind.LOCAL  # a group of one rank
     forced = GradCall("all_gather", 1 << 20, True)
     assert choose_kind(flat, forced, gather_ok=False) is PlanKind.ALL_GATHER  # plan= wins over auto's rule
     # Capabilities are asked for exactly where the rule reads them (asking is collective the first time).
-    for group in (flat, sliced, _group(0, Kind.REPLICATED, [5], 2), _group(0, Kind.PER_PARAM, [5], 1)):
+    for group in (flat, sliced, _group(0, Kind.REPLICATED, [5], 2), _group(0, Kind.SLICED, [5], 1)):
         for c in (call, streaming, forced):
             reads = choose_kind(group, c, True) != choose_kind(group, c, False)
             assert not reads or needs_capabilities(group, c)
 
 
 def test_zero3_gathers_go_by_buckets_of_gathered_bytes_and_half_when_streaming():
-    group = _group(0, Kind.PER_PARAM, [100] * 10, 2)  # 100 gathered elements each, 400 bytes
+    group = _group(0, Kind.SLICED, [100] * 10, 2)  # 100 gathered elements each, 400 bytes
     plan = plan_grads(_layout([group]), GradCall("auto", 1200, False), {0: True})
     assert plan.groups[0].batches == ((0, 1, 2), (3, 4, 5), (6, 7, 8), (9,))
     plan = plan_grads(_layout([group]), GradCall("auto", 1200, True), {0: True})

@@ -27,7 +27,7 @@ def _per_param_group(sizes, world):
         slice_numel = -(-n // world)
         slots.append(ParamSlot(f"p{i}", (n,), n, offset, slice_numel))
         offset += slice_numel
-    return GradGroup(0, Kind.PER_PARAM, tuple(range(world)), offset, torch.float32, torch.float32, tuple(slots))
+    return GradGroup(0, Kind.SLICED, tuple(range(world)), offset, torch.float32, torch.float32, tuple(slots))
 
 
 @settings(max_examples=300, deadline=None)

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collgrad.grads.sources.layout import Fragment
-from collgrad.grads.stats import _blocks, _Rows
+from collgrad.grads.stat_blocks import Rows as _Rows
+from collgrad.grads.stat_blocks import blocks as _blocks
 
 
 def _fragments(sizes_and_gaps):

@@ -1,22 +1,15 @@
-"""Where gradient fragments come from.
+"""The base types of every gradient source: ``Source`` (a model's gradient layout and how to read and
+write this rank's part of it), ``LocalGrads`` (one call's view of this rank's gradients), ``Problem``
+(why they cannot be read now), ``ReplicatedSource`` (every rank holds every full gradient).
 
-``open_source(model, params)`` inspects a model once and returns a ``Source``: the gradient layout
-(plain data, the same on every rank) and how to find this rank's buffers. ``Source.read()`` then
-returns, each call and without communicating, the local buffers and whether reading is valid now.
-Sources are cached per model by the caller while ``Source.valid()`` holds, so a second call does no
-planning work.
-
-Only ``collgrad.grads.sources.deepspeed`` imports deepspeed, and only when a DeepSpeed engine is passed;
-only ``collgrad.grads.sources.fsdp2`` touches FSDP2 internals, when a ``fully_shard`` model is passed.
+The adapters (deepspeed.py, fsdp2.py) build on these; ``collgrad.grads.sources`` opens the right one.
 """
 
 from __future__ import annotations
 
 import enum
-import sys
-import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -25,18 +18,10 @@ from torch.distributed import ProcessGroup
 from collgrad import _compat
 from collgrad.core.buffers import Pieces
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
+from collgrad.grads.cache import PlanCache, WritePlan, WriteRow
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
 
-__all__ = [
-    "Problem",
-    "LocalGrads",
-    "Source",
-    "ReplicatedSource",
-    "open_source",
-    "select",
-    "control_group_of",
-    "rank_in",
-]
+__all__ = ["Problem", "LocalGrads", "Source", "ReplicatedSource", "select", "rank_in"]
 
 
 def rank_in(group: GradGroup) -> int:
@@ -75,7 +60,7 @@ class LocalGrads:
     """One call's view of this rank's gradients."""
 
     problem: Problem
-    #: per layout group: a ``buffers.Pieces`` (PARTITIONED_FLAT, PER_PARAM) or a list of full
+    #: per layout group: a ``buffers.Pieces`` (PARTITIONED_FLAT, SLICED) or a list of full
     #: gradients per parameter (REPLICATED); empty when ``problem`` is set.
     buffers: list[Any]
     loss_scale: float = 1.0
@@ -88,16 +73,19 @@ class Source:
     layout: GradLayout
     fingerprint: int
     control_group: ProcessGroup | None  # the ranks that must all call, and agree before data moves
-    groups: dict[int, ProcessGroup]  # layout group index -> process group
+    groups: dict[int, ProcessGroup | None]  # layout group index -> process group
     device: torch.device  # where results are returned
     model_parallel: frozenset[str] = frozenset()
-    #: Per-parameter fallback (optimizers without a known layout): parameter -> full gradient.
-    per_param: Callable[[nn.Parameter], torch.Tensor] | None = None
+    #: DeepSpeed's per-parameter accessor (optimizers without a known layout): parameter -> full
+    #: gradient, one collective per parameter.
+    accessor: Callable[[nn.Parameter], torch.Tensor] | None = None
+    #: The accessor for writing: (parameter, full gradient) -> None, collective.
+    accessor_set: Callable[[nn.Parameter, torch.Tensor], None] | None = None
     params: dict[str, nn.Parameter]
-    #: Scratch buffers the reader keeps with the source between calls (staging for gathers).
-    scratch: dict
-    #: Gradient plans and bucket plans built for this source, by call (see collgrad/grads/call.py).
-    plans: dict
+    #: Scratch buffers the reader keeps with the source between calls (staging for gathers, padding).
+    scratch: dict[Hashable, Any]
+    #: Gradient plans, bucket plans and steps built for this source (see cache.py).
+    plans: PlanCache
 
     def valid(self) -> bool:
         """Whether the layout still describes the model (cheap; checked before reusing a cached source)."""
@@ -105,9 +93,6 @@ class Source:
 
     def read(self) -> LocalGrads:
         raise NotImplementedError
-
-    #: Per-parameter fallback for writing: (parameter, full gradient) -> None, collective.
-    per_param_set: Callable[[nn.Parameter, torch.Tensor], None] | None = None
 
     def write(self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float) -> None:
         """Store the full gradients ``values`` (by name; true values, multiplied here by ``scale``, the
@@ -127,23 +112,21 @@ class Source:
                 new = values.get(name)
                 if new is not None:
                     part = _scaled(new.reshape(-1)[lo : lo + numel], scale)
-                    if at is None:
+                    if at is None or span is None:
                         buffer.write(local_offset, part)
                     else:  # straight into the storage span where it lies (the usual case)
-                        span[at : at + numel].copy_(part)  # type: ignore[index]
+                        span[at : at + numel].copy_(part)
         self.after_write(values)
 
-    def _write_plan(self, group: GradGroup, buffer: Pieces) -> list[tuple[str, int, int, int, int | None]]:
-        """This rank's owned fragments of ``group`` as (name, offset in the parameter, elements, offset
-        in the local buffer, offset in the buffer's storage span or None): worked out once while the
-        pieces lie where they did (DeepSpeed keeps its buffers), not per fragment per call."""
+    def _write_plan(self, group: GradGroup, buffer: Pieces) -> tuple[WriteRow, ...]:
+        """This rank's owned fragments of ``group`` to write: worked out once while the pieces lie where
+        they did (DeepSpeed keeps its buffers), not per fragment per call."""
         placed = buffer.placement()
         where = placed[1] if placed is not None else None
-        key = ("write plan", group.index)
-        found = self.plans.get(key)
-        if found is None or found[0] != where or found[1] != buffer.starts:
-            plan = [
-                (
+        found = self.plans.write_plans.get(group.index)
+        if found is None or found.placement != where or found.starts != tuple(buffer.starts):
+            rows = tuple(
+                WriteRow(
                     group.params[f.param].name,
                     f.param_offset,
                     f.numel,
@@ -152,16 +135,16 @@ class Source:
                 )
                 for f in owned_fragments(group, rank_in(group))
                 if f.numel
-            ]
-            found = self.plans[key] = (where, list(buffer.starts), plan)
-        return found[2]
+            )
+            found = self.plans.write_plans[group.index] = WritePlan(where, tuple(buffer.starts), rows)
+        return found.rows
 
-    def _full_targets(self, buffer: list) -> list:
+    def _full_targets(self, buffer: list[Any]) -> Sequence[Any]:
         """Where a replicated group's full gradients are written: ``read()``'s tensors, asked for once
         per call (once per parameter, it made writing quadratic)."""
         return buffer
 
-    def _write_full(self, k: int, slot: ParamSlot, targets: list, value: torch.Tensor) -> None:
+    def _write_full(self, k: int, slot: ParamSlot, targets: Sequence[Any], value: torch.Tensor) -> None:
         targets[k].copy_(value.reshape(targets[k].shape))
 
     def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
@@ -188,7 +171,7 @@ def select(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, n
         return named
     by_id = {id(p): n for n, p in named}
     names = {n for n, _ in named}
-    wanted = set()
+    wanted: set[str] = set()
     for item in params:
         if isinstance(item, str):
             if item not in names:
@@ -211,84 +194,22 @@ def select(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, n
     return [(n, p) for n, p in named if n in wanted]
 
 
-def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
-    """The Source of ``model``: a DeepSpeed engine, the module it wraps, or a plain module whose
-    ``.grad`` already holds reduced gradients (after DDP, or on one process). Local: no communication."""
-    if "deepspeed" in sys.modules or _looks_like_engine(model):
-        from collgrad.grads.sources import deepspeed as ds_source
-
-        engine = ds_source.find_engine(model)
-        if engine is not None:
-            return ds_source.open_engine(engine, select(engine.module, params))
-    if not isinstance(model, nn.Module):
-        raise InvalidArgumentError(
-            f"rank {_compat.rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
-        )
-    if "torch.distributed.fsdp" in sys.modules:  # imported by whoever called fully_shard
-        from collgrad.grads.sources import fsdp2
-
-        if fsdp2.is_fsdp2(model):
-            return fsdp2.open_fsdp2(model, select(model, params))
-    params = None if params is None else list(params)
-    named = select(model, params)
-    group = _compat.default_group() if torch.distributed.is_initialized() else None
-    module = weakref.ref(model)
-    return ReplicatedSource(
-        "torch", named, lambda: [p.grad for _, p in named], group, reselect=lambda: select(module(), params)
-    )
-
-
-def control_group_of(model: Any) -> ProcessGroup | None:
-    """The group whose ranks must all call for ``model`` (its data-parallel group), found without
-    inspecting gradients: used to tell the other ranks when this rank's arguments are invalid."""
-    if not torch.distributed.is_initialized():
-        return None
-    if "deepspeed" in sys.modules or _looks_like_engine(model):
-        from collgrad.grads.sources import deepspeed as ds_source
-
-        engine = ds_source.find_engine(model)
-        if engine is not None:
-            return ds_source.control_group(engine)
-    return _compat.default_group()
-
-
-def hook_model_step(model: Any, run: Callable[[Any], None]) -> Callable[[], None]:
-    """Have ``run(engine)`` called inside ``model``'s fused step (a DeepSpeed engine's ``step()``, at each
-    accumulation boundary, before clipping and the update); returns the function that undoes it.
-    Raises InvalidArgumentError where there is no such step."""
-    if "deepspeed" in sys.modules or _looks_like_engine(model):
-        from collgrad.grads.sources import deepspeed as ds_source
-
-        engine = ds_source.find_engine(model)
-        if engine is not None:
-            return ds_source.hook_model_step(engine, run)
-    raise InvalidArgumentError(
-        f"rank {_compat.rank()}: {type(model).__name__} is not a DeepSpeed engine (or a module one wraps): there is "
-        "no fused step to hook. With a torch optimizer, call your function between backward() and "
-        "optimizer.step() (or register it with optimizer.register_step_pre_hook)"
-    )
-
-
-def _looks_like_engine(model: Any) -> bool:
-    return type(model).__name__.endswith("Engine") and hasattr(model, "optimizer")
-
-
 class ReplicatedSource(Source):
     """Every rank holds every full, reduced gradient: ``grads()`` returns them (None where absent)."""
 
     def __init__(
         self,
-        variant,
-        named,
-        grads,
-        group,
+        variant: str,
+        named: Sequence[tuple[str, nn.Parameter]],
+        grads: Callable[[], Sequence[torch.Tensor | None]],
+        group: ProcessGroup | None,
         *,
-        problem=None,
-        loss_scale=lambda: 1.0,
-        model_parallel=frozenset(),
-        dtype=None,
-        reselect=None,
-        set_grad=None,
+        problem: Callable[[], Problem] | None = None,
+        loss_scale: Callable[[], float] = lambda: 1.0,
+        model_parallel: frozenset[str] = frozenset(),
+        dtype: torch.dtype | None = None,
+        reselect: Callable[[], Sequence[tuple[str, nn.Parameter]]] | None = None,
+        set_grad: Callable[[nn.Parameter, torch.Tensor], None] | None = None,
     ) -> None:
         self._grads = grads
         self._set_grad = set_grad  # (parameter, tensor): where a parameter without a gradient gets one
@@ -301,7 +222,7 @@ class ReplicatedSource(Source):
         self.control_group = group
         self.groups = {0: group}
         self.scratch = {}
-        self.plans = {}
+        self.plans = PlanCache()
         self.model_parallel = frozenset(model_parallel)
         out = dtype or (named[0][1].dtype if named else torch.float32)
         slots = tuple(ParamSlot(n, tuple(p.shape), p.numel(), 0, p.numel(), n in model_parallel) for n, p in named)
@@ -331,12 +252,12 @@ class ReplicatedSource(Source):
         ]
         return LocalGrads(problem, [full], self._loss_scale())
 
-    def _full_targets(self, buffer: list) -> list:
+    def _full_targets(self, buffer: list[Any]) -> Sequence[Any]:
         # The gradients as they are now, None where there is none (read() put zeros there, which a
-        # write would not reach): ~1 ms at 400 parameters.
+        # write would not reach).
         return self._grads()
 
-    def _write_full(self, k: int, slot: ParamSlot, targets: list, value: torch.Tensor) -> None:
+    def _write_full(self, k: int, slot: ParamSlot, targets: Sequence[Any], value: torch.Tensor) -> None:
         current = targets[k]
         if current is not None:
             current.copy_(value.reshape(current.shape))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import deepspeed
 import torch
@@ -41,11 +41,15 @@ from torch import nn
 from collgrad import _compat
 from collgrad.core.buffers import Pieces, PiecesCache
 from collgrad.errors import InvalidArgumentError
-from collgrad.grads.sources import LocalGrads, Problem, ReplicatedSource, Source
+from collgrad.grads.cache import PlanCache
+from collgrad.grads.sources.base import LocalGrads, Problem, ReplicatedSource, Source
+from collgrad.grads.sources.engine_hooks import hook_model_step, release_on_offload
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
+from collgrad.grads.sources.swap import SwappedIn
 
 __all__ = [
     "find_engine",
+    "hook_model_step",
     "open_engine",
     "control_group",
     "initialize",
@@ -77,37 +81,6 @@ def find_engine(model: Any) -> DeepSpeedEngine | None:
                 if isinstance(owner, DeepSpeedEngine) and owner.module is model:
                     return owner
     return None
-
-
-def hook_model_step(engine: DeepSpeedEngine, run: Callable[[Any], None]) -> Callable[[], None]:
-    """Call ``run(engine)`` inside every ``engine.step()`` that updates the model, before it clips, checks for
-    overflow or steps the optimizer; returns a function that undoes it. Relies on DeepSpeed 0.19
-    internals (runtime/engine.py): ``step()`` calls ``self._take_model_step(lr_kwargs)`` exactly when
-    ``is_gradient_accumulation_boundary()``, after the gradients are reduced (in ``backward()``, or in
-    ``step()`` itself under unmanaged accumulation) and before anything else of the update: fp32
-    clipping (``clip_fp32_gradients``), ``optimizer.step()`` (ZeRO and the fp16/bf16 optimizers check
-    overflow and clip there), ``zero_grad()``. An instance attribute shadows the method; DeepSpeed's
-    source is unchanged. Several callers share one wrapper (each run in the order registered)."""
-    runs: list[Callable[[Any], None]] | None = engine.__dict__.get("_collgrad_pre_step")
-    if runs is None:
-        runs = engine.__dict__["_collgrad_pre_step"] = []
-        take_model_step = type(engine)._take_model_step
-
-        def _take_model_step(*args: Any, **kwargs: Any) -> Any:
-            for fn in list(runs):
-                fn(engine)
-            return take_model_step(engine, *args, **kwargs)
-
-        engine._take_model_step = _take_model_step
-    runs.append(run)
-
-    def remove() -> None:
-        if run in runs:
-            runs.remove(run)
-        if not runs and engine.__dict__.get("_collgrad_pre_step") is runs:
-            del engine.__dict__["_collgrad_pre_step"], engine.__dict__["_take_model_step"]
-
-    return remove
 
 
 def control_group(engine: DeepSpeedEngine):
@@ -189,35 +162,9 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) 
         model_parallel=model_parallel,
         dtype=torch.float32,
     )
-    source.per_param = safe_get_full_grad
-    source.per_param_set = safe_set_full_grad
+    source.accessor = safe_get_full_grad
+    source.accessor_set = safe_set_full_grad
     return source
-
-
-def _release_on_offload(engine: DeepSpeedEngine, source: Source) -> None:
-    """Make ``engine.offload_states()`` release ``source``'s cached tensors first.
-
-    ``offload_states`` moves the optimizer's buffers off the accelerator by replacing their ``.data``
-    (``grad_partitions_flat_buffer.data = ...to(cpu)`` in ZeRO-3): views a cached source keeps of the
-    old buffers would keep that accelerator memory alive until collgrad's next call. DeepSpeed has no
-    hook for it, so the engine's ``offload_states`` is wrapped, once per engine, on the instance (the
-    class is untouched). The wrapper holds the engine and the sources weakly: caching a source never
-    keeps an engine alive.
-    """
-    watched = engine.__dict__.get("_collgrad_offload_watch")
-    if watched is None:
-        watched = engine.__dict__["_collgrad_offload_watch"] = weakref.WeakSet()
-        engine_ref = weakref.ref(engine)
-
-        def offload_states(*args: Any, **kwargs: Any) -> None:
-            for cached in list(watched):
-                cached.release()
-            owner = engine_ref()
-            return type(owner).offload_states(owner, *args, **kwargs)
-
-        offload_states.__doc__ = DeepSpeedEngine.offload_states.__doc__
-        engine.__dict__["offload_states"] = offload_states
-    watched.add(source)
 
 
 class _EngineSource(Source):
@@ -231,8 +178,8 @@ class _EngineSource(Source):
         self.control_group = control_group(engine)
         self.groups = {}
         self.scratch = {}
-        self.plans = {}
-        _release_on_offload(engine, self)
+        self.plans = PlanCache()
+        release_on_offload(engine, self)
 
     @property
     def engine(self) -> DeepSpeedEngine:
@@ -347,47 +294,6 @@ class _Zero12(_EngineSource):
                     opt.norm_for_param_grads[param_id] = grad.narrow(0, dest_offset, numel).to(get_norm_dtype()).norm(2)
 
 
-class _SwappedIn:
-    """ZeRO-3 with the optimizer on NVMe: the gradient partitions of swapped sub-groups, one sub-group
-    swapped in at a time. DeepSpeed's per-parameter accessors (``_get_fp32_grad_state_partition``,
-    ``set_local_grad_for_param``) swap the parameter's whole sub-group in, into buffers from a fixed
-    pool, every time they are called: per parameter, reading runs the pool dry (DeepSpeed asserts)
-    and writing moves a sub-group per parameter. Here a sub-group goes in once and back (its
-    gradients written back with ``write_back``, else released) when the next one is needed or at
-    the end; after an exception the sub-group held is released without writing back."""
-
-    def __init__(self, opt, *, write_back: bool) -> None:
-        self.opt, self.write_back, self.held = opt, write_back, None
-
-    def grad(self, param) -> torch.Tensor | None:
-        """This rank's fp32 gradient partition of ``param`` in the swap buffers, or None when its
-        sub-group is not swapped (it lies in memory)."""
-        opt = self.opt
-        group_idx, offset, numel = opt.grad_position[opt.get_param_id(param)]
-        if not opt._swappable_optimizer_subgroup(group_idx):
-            return None
-        if self.held != group_idx:
-            self._let_go(self.write_back)
-            opt._get_fp32_grad_state_partition(param, release_swap_buffers=False)  # swaps the sub-group in
-            self.held = group_idx
-        return opt.fp32_partitioned_groups_flat[group_idx].grad.narrow(0, offset, numel)
-
-    def _let_go(self, write_back: bool) -> None:
-        held, self.held = self.held, None
-        if held is None:
-            return
-        if write_back:
-            self.opt._writeback_swap_state(held, write_opt_state=False, write_gradients=True)
-        else:
-            self.opt._release_swap_buffers(held)
-
-    def __enter__(self) -> _SwappedIn:
-        return self
-
-    def __exit__(self, kind, *_) -> None:
-        self._let_go(self.write_back and kind is None)
-
-
 def _fp32_accumulation(opt) -> bool:
     """bf16 + ``grad_accum_dtype: fp32`` keeps a compact fp32 partition (GradPartitionBufferGroup)."""
     accum = getattr(opt, "gradient_accumulation_dtype", None)
@@ -425,7 +331,7 @@ class _Zero3(_EngineSource):
             pg = pgs[key]
             groups.append(
                 GradGroup(
-                    index, Kind.PER_PARAM, tuple(_compat.group_ranks(pg)), offset, wire, self.out_dtype, tuple(slots)
+                    index, Kind.SLICED, tuple(_compat.group_ranks(pg)), offset, wire, self.out_dtype, tuple(slots)
                 )
             )
             self.groups[index] = pg
@@ -467,7 +373,7 @@ class _Zero3(_EngineSource):
         if self._pieces is not None and not self.swaps and self._sign() == self._signature:
             return LocalGrads(problem, self._pieces, _loss_scale(self.engine))  # views of live buffers
         pieces = []
-        with _SwappedIn(opt, write_back=False) as swapped:
+        with SwappedIn(opt, write_back=False) as swapped:
             for params in self.members.values():
                 parts = []
                 for p in params:
@@ -487,7 +393,7 @@ class _Zero3(_EngineSource):
         refreshes the per-parameter norms offload clips with. NVMe: that setter swaps the parameter's
         whole sub-group in and its gradients out again, per parameter; here once per sub-group."""
         opt = self.opt
-        with _SwappedIn(opt, write_back=True) as swapped:
+        with SwappedIn(opt, write_back=True) as swapped:
             for name, new in values.items():
                 p = self.params[name]
                 rank = torch.distributed.get_rank(group=opt._get_param_partition_group(p))

@@ -4,7 +4,7 @@ touches FSDP2 internals.
 After the backward of a micro-step with gradient sync on, each parameter's ``.grad`` is a DTensor
 sharded on dim 0 over the mesh dimension FSDP shards on: rank r holds rows
 ``[r * ceil(d0 / n), (r + 1) * ceil(d0 / n))`` (``torch.chunk``; the last ranks may hold fewer rows, or
-none), unpadded. That is the PER_PARAM layout with a slice of ``ceil(d0 / n)`` rows::
+none), unpadded. That is the SLICED layout with a slice of ``ceil(d0 / n)`` rows::
 
     param (5 x 9), 2 shard ranks    rank 0: rows 0-2 (27 elements)   rank 1: rows 3-4 (18, padded to 27)
 
@@ -41,7 +41,8 @@ from torch.distributed.tensor import DTensor, Shard
 from collgrad import _compat
 from collgrad.core.buffers import Pieces, SameTensors, flat_alias
 from collgrad.errors import InvalidArgumentError
-from collgrad.grads.sources import LocalGrads, Problem, Source, rank_in
+from collgrad.grads.cache import PlanCache
+from collgrad.grads.sources.base import LocalGrads, Problem, Source, rank_in
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
 
 __all__ = ["is_fsdp2", "open_fsdp2", "shard_whole"]
@@ -56,14 +57,14 @@ def is_fsdp2(model: Any) -> bool:
 
 class FSDP2Source(Source):
     """Parameters grouped by the process group that shards them (FSDP's shard dimension of the mesh);
-    each group PER_PARAM over the parameter's local shape before FSDP (the tensor-parallel shard under
+    each group SLICED over the parameter's local shape before FSDP (the tensor-parallel shard under
     TP, else the whole parameter)."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
         self.model = model
         self.params = dict(named)
-        # Where each parameter is registered: valid() checks these 400 slots (~50 us) instead of walking
-        # named_parameters() (~0.7 ms at 100 modules).
+        # Where each parameter is registered: valid() checks these slots instead of walking
+        # named_parameters() (measurements: docs/notes/).
         self._registered = []
         for n, p in named:
             path, _, attr = n.rpartition(".")
@@ -79,7 +80,7 @@ class FSDP2Source(Source):
                 owner._held = None
 
         self._shards = SameTensors(gone=forget)
-        self.scratch, self.plans, self.groups = {}, {}, {}
+        self.scratch, self.plans, self.groups = {}, PlanCache(), {}
         self.control_group = _compat.default_group()
         self.device = named[0][1].device if named else torch.device("cpu")
         managed = {id(fp.sharded_param): fp for fp in _fsdp_params(model)}
@@ -120,7 +121,7 @@ class FSDP2Source(Source):
                 offset += slice_numel
             dtype = self.params[params[0][0]].to_local().dtype
             groups.append(
-                GradGroup(index, Kind.PER_PARAM, tuple(_compat.group_ranks(pg)), offset, dtype, dtype, tuple(slots))
+                GradGroup(index, Kind.SLICED, tuple(_compat.group_ranks(pg)), offset, dtype, dtype, tuple(slots))
             )
             self.groups[index] = pg
         self.layout = GradLayout("fsdp2", tuple(groups), tuple(n for n, _ in named))
@@ -170,7 +171,7 @@ class FSDP2Source(Source):
                 if grad is None:  # took no part in backward: its gradient is zero
                     local = torch.zeros(owned, dtype=group.wire_dtype, device=self.device)
                 else:
-                    # DTensor's local shard itself (to_local() is an autograd function, ~10 us per
+                    # DTensor's local shard itself (to_local() is an autograd function, costly per
                     # call), flat, as an alias that does not keep the shard tensor alive (see read())
                     shard = grad._local_tensor if isinstance(grad, DTensor) else None
                     local = flat_alias(shard) if shard is not None and shard.is_contiguous() else None

@@ -9,7 +9,7 @@ Three kinds of gradient group cover DeepSpeed's optimizers (docs/notes/deepspeed
       ranks   | rank 0: [0, 8)  | rank 1: [8, 16) |   P = 8
       a: offset 0, b: offset 5 (rank 0), c: offset 8 (rank 1), 7 elements
 
-  PER_PARAM (ZeRO-3): every parameter is cut into world equal slices of ceil(numel / world) elements
+  SLICED (ZeRO-3, FSDP2): every parameter is cut into world equal slices of ceil(numel / world) elements
   (the last zero-padded); rank r's buffer holds slice r of every parameter, back to back.
 
       rank r  | a_r a_r a_r | b_r b_r | c_r c_r c_r c_r |     offsets 0, 3, 5 on every rank
@@ -18,7 +18,7 @@ Three kinds of gradient group cover DeepSpeed's optimizers (docs/notes/deepspeed
   REPLICATED (BF16_Optimizer, no ZeRO): every rank already holds every full, reduced gradient.
 
 A rank's local buffer for a group is one contiguous tensor of P elements (PARTITIONED_FLAT,
-PER_PARAM) in the group's wire dtype. Nothing here touches a process group.
+SLICED) in the group's wire dtype. Nothing here touches a process group.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ __all__ = [
 
 class Kind(ValueEnum):
     PARTITIONED_FLAT = "partitioned_flat"
-    PER_PARAM = "per_param"
+    SLICED = "sliced"
     REPLICATED = "replicated"
 
 
@@ -55,9 +55,9 @@ class ParamSlot:
     name: str
     shape: tuple[int, ...]
     numel: int
-    #: PARTITIONED_FLAT: start in the group's flat buffer; PER_PARAM: start in every rank's buffer.
+    #: PARTITIONED_FLAT: start in the group's flat buffer; SLICED: start in every rank's buffer.
     offset: int
-    #: PER_PARAM: elements of each rank's slice; otherwise ``numel``.
+    #: SLICED: elements of each rank's slice; otherwise ``numel``.
     slice_numel: int
     #: A tensor- or expert-parallel shard: reconstructed across the data-parallel group only.
     model_parallel_shard: bool = False
@@ -124,7 +124,7 @@ def owned_fragments(group: GradGroup, rank_in_group: int) -> tuple[Fragment, ...
             start, end = max(p.offset, lo), min(p.offset + p.numel, hi)
             if start < end:
                 out.append(Fragment(k, start - p.offset, start - lo, end - start))
-    elif group.kind is Kind.PER_PARAM:
+    elif group.kind is Kind.SLICED:
         for k, p in enumerate(group.params):
             start = rank_in_group * p.slice_numel
             numel = min(p.slice_numel, p.numel - start)

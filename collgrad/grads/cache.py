@@ -1,0 +1,144 @@
+"""What a gradient source keeps between calls: plans and steps, typed, one field per kind, bounded.
+
+    PlanCache (one per Source)
+      shape(call, policy) -> ShapePlans     per call shape (plan=, bucket_bytes, streaming, policy=):
+                                            gradient plan, primitives, bucket plans, steps
+                                            LRU: at most MAX_SHAPES shapes, the least recently used
+                                            dropped (a caller sweeping bucket_bytes grows nothing)
+      placements[group]                     ZeRO-1/2: where every rank's pieces lie, and the cuts
+      write_plans[group]                    where this rank's owned fragments are written
+      arrangements[group]                   the statistics' blocks for where the pieces lie
+
+Per shape, entries are one per step of that shape's plan (finite: the plan has that many steps);
+per group, one entry each. Everything here is rebuilt on a miss: dropping an entry costs planning
+time, never a result.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Generic, Hashable, NamedTuple, TypeVar
+
+import torch
+
+from collgrad.backends.ops import Op, Primitive
+from collgrad.backends.policy import Policy
+from collgrad.core.dispatch import Prepared
+from collgrad.grads.plan import GradCall, GradPlan
+from collgrad.grads.stat_blocks import Arranged
+from collgrad.grads.steps import CopyPlan, Cut, ReduceStep, SlicesStep
+
+__all__ = ["Lru", "ShapePlans", "PlanCache", "Placements", "HeldCopies", "WriteRow", "WritePlan", "MAX_SHAPES"]
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+#: Call shapes (plan=, bucket_bytes, streaming, policy=) whose plans a source keeps.
+MAX_SHAPES = 8
+
+
+class Lru(Generic[K, V]):
+    """A mapping of at most ``bound`` entries; putting one more drops the least recently used."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self._items: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        found = self._items.get(key)
+        if found is not None:
+            self._items.move_to_end(key)
+        return found
+
+    def put(self, key: K, value: V) -> V:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self.bound:
+            self._items.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
+class HeldCopies(NamedTuple):
+    """An all-reduce step's copy plan, for the pieces where they lay when it was made (``placement``:
+    their offsets in the storage span, ``starts``: in the buffer), and per run its reversed row index
+    (on the buffer's device) where the run lies back to front."""
+
+    placement: tuple[int, ...]
+    starts: tuple[int, ...]
+    plan: CopyPlan
+    reverse: tuple[torch.Tensor | None, ...]
+
+
+@dataclass
+class ShapePlans:
+    """The plans of one call shape: bounded by the number of steps of its gradient plan."""
+
+    gradient_plan: GradPlan | None = None
+    #: (group index, op, dtype) -> the agreed primitive under this shape's policy
+    primitives: dict[tuple[int, Op, torch.dtype], Primitive | None] = field(default_factory=dict)
+    #: (entry point, step, bucket bytes, strided) -> the dispatcher's bucket plan
+    bucket_plans: dict[tuple[str, Hashable, int, bool], Prepared] = field(default_factory=dict)
+    #: (group index, batch, wire dtype) -> a sliced gather step
+    slices_steps: dict[tuple[int, tuple[int, ...], torch.dtype], SlicesStep] = field(default_factory=dict)
+    #: (group index, batch, rank in group) -> an all-reduce step
+    reduce_steps: dict[tuple[int, tuple[int, ...], int], ReduceStep] = field(default_factory=dict)
+    #: (group index, batch, rank in group, moved off its device) -> its copy plan
+    copies: dict[tuple[int, tuple[int, ...], int, bool], HeldCopies] = field(default_factory=dict)
+
+
+class Placements:
+    """ZeRO-1/2: this rank's pieces as sent when the placements were exchanged, per parameter its runs
+    in the gathered buffer, and the cuts derived from them by batch (dropped with them)."""
+
+    def __init__(self, pieces: tuple[tuple[int, int, int], ...], where: list[list[tuple[int, int]]]) -> None:
+        self.pieces = pieces
+        self.where = where
+        self.cuts: Lru[tuple[int, ...], Cut] = Lru(MAX_SHAPES)
+
+
+class WriteRow(NamedTuple):
+    """One owned fragment to write: the parameter, where in it, how many elements, where in the local
+    buffer, and where in the buffer's storage span (None: it straddles pieces)."""
+
+    name: str
+    param_offset: int
+    numel: int
+    local_offset: int
+    at: int | None
+
+
+class WritePlan(NamedTuple):
+    """A group's write rows for the pieces where they lay (``placement`` None: no one storage span)."""
+
+    placement: tuple[int, ...] | None
+    starts: tuple[int, ...]
+    rows: tuple[WriteRow, ...]
+
+
+class PlanCache:
+    """A source's plans between calls, typed. Per call shape (``shape()``): an LRU of at most
+    ``MAX_SHAPES`` (8) shapes, each holding one entry per step of its plan; per gradient group
+    (``placements``, ``write_plans``, ``arrangements``): one entry each."""
+
+    def __init__(self) -> None:
+        self._shapes: Lru[tuple[GradCall, Policy | None], ShapePlans] = Lru(MAX_SHAPES)
+        self.placements: dict[int, Placements] = {}
+        self.write_plans: dict[int, WritePlan] = {}
+        self.arrangements: dict[int, Arranged] = {}
+
+    def shape(self, call: GradCall, policy: Policy | None) -> ShapePlans:
+        """The plans of calls with these arguments (an empty set the first time)."""
+        key = (call, policy)
+        found = self._shapes.get(key)
+        return found if found is not None else self._shapes.put(key, ShapePlans())
+
+    @property
+    def shapes(self) -> int:
+        return len(self._shapes)

@@ -1,0 +1,81 @@
+"""ZeRO-1/2 gather: every rank's partition gathered as it lies in memory, then a view per parameter.
+
+DeepSpeed fills its buffer in backward order, so the partition is sent without a concatenation; the
+gathered buffer *is* the result: each parameter is a view of it (made while it is in flight) or, where
+it straddles ranks or pieces, one concatenation of its runs (``steps.Cut``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from collgrad.backends import agreement
+from collgrad.backends.ops import Op
+from collgrad.core.buffers import Pieces
+from collgrad.grads.cache import Placements
+from collgrad.grads.placements import CHANGED, placed
+from collgrad.grads.runner import Result, Step, all_converted, shaped
+from collgrad.grads.sources.layout import gathered_runs
+from collgrad.grads.steps import cut_gathered
+
+__all__ = ["gather_flat"]
+
+
+def gather_flat(step: Step) -> Result:
+    """Step ``step`` of a ZeRO-1/2 gather (one collective per bucket)."""
+    call, group, buffer, batch = step.call, step.group, step.buffer, step.batch
+    assert isinstance(buffer, Pieces)
+    tiling = buffer.tiling()
+    local = tiling[0] if tiling is not None else buffer.whole()
+    full = torch.empty(group.world * group.partition_numel, dtype=group.wire_dtype, device=call.source.device)
+    held = _placements(step, buffer)  # may exchange placements: before the gather
+    cut = held.cuts.get(batch)
+    if cut is None:  # kept with the placements it was made from
+        cut = held.cuts.put(batch, cut_gathered(held.where, batch, full.numel()))
+    out: list[tuple[str, torch.Tensor | None]] = []  # (name, None) for a parameter that straddles
+    parts: list[tuple[torch.Tensor, ...]] = []
+
+    def views() -> None:
+        parts.append(full.split_with_sizes(list(cut.sizes)))  # every run of every parameter as a view, in one call
+        for k, runs in zip(batch, cut.take):
+            slot = group.params[k]
+            out.append((slot.name, shaped(parts[0][runs[0]], slot) if len(runs) == 1 else None))
+
+    step.run(Op.ALL_GATHER, [local.to(call.source.device)], [full], meanwhile=views)
+    results: Result = []
+    for (name, view), k, runs in zip(out, batch, cut.take):
+        if view is None:  # straddles: its runs end to end, now that they have arrived
+            view = shaped(torch.cat([parts[0][r] for r in runs]), group.params[k])
+        results.append((name, view))
+    return all_converted(call, results, full.dtype, group.out_dtype)
+
+
+def _placements(step: Step, buffer: Pieces) -> Placements:
+    """Per parameter, the (offset, numel) runs of the gathered buffer that make it up, from every rank's
+    placement of its pieces: reused if every rank said, in the readiness check, that its cached
+    placements still hold (the same data on every rank of the group, so they all decide alike); else
+    exchanged in one small collective, each rank's row padded to the largest piece count told in the
+    readiness check."""
+    call, group = step.call, step.group
+    pieces = placed(buffer)
+    found = call.source.plans.placements.get(group.index)
+    if found is not None and all(call.placements.get(r, CHANGED) != CHANGED for r in group.group_ranks):
+        return found
+    if group.world > 1:
+        width = 3 * max(call.piece_counts.get(r, 0) for r in group.group_ranks)
+        row = [v for piece in pieces for v in piece]  # (offset in partition, offset sent, numel) each
+        pg = call.source.groups.get(group.index)
+        assert pg is not None  # a group of more than one rank has a process group
+        rows = agreement.exchange(
+            pg,
+            row + [-1] * (width - len(row)),
+            timeout_s=call.dispatcher.timeout,
+            what="where gradient pieces lie",
+        )
+        # A piece's offsets are never negative: a row's pieces end at its first padding.
+        per_rank = [[(r[i], r[i + 1], r[i + 2]) for i in range(0, width, 3) if r[i] != -1] for r in rows]
+    else:
+        per_rank = [list(pieces)]
+    held = call.source.plans.placements[group.index] = Placements(pieces, gathered_runs(group, per_rank))
+    call.cached = False
+    return held

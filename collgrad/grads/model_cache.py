@@ -1,0 +1,45 @@
+"""The gradient sources of each model, kept between calls: per dispatcher, per model, both weakly.
+
+    ModelCache.of(dispatcher)[model][params selection] -> Source   (reused while Source.valid())
+
+A dispatcher or a model that goes away takes its sources with it. ``MODELS`` is the default instance
+the public functions use; pass another ``ModelCache`` (e.g. in tests) to keep sources apart.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Hashable
+
+from collgrad.core.dispatch import Dispatcher
+from collgrad.grads.sources.base import Source
+
+__all__ = ["ModelCache", "MODELS"]
+
+#: A model's sources by ``params=`` selection (None: every trainable parameter).
+PerModel = dict[Hashable, Source]
+
+
+class ModelCache:
+    """Sources per dispatcher and per model, both held weakly."""
+
+    def __init__(self) -> None:
+        self._by_dispatcher: weakref.WeakKeyDictionary[Dispatcher, weakref.WeakKeyDictionary[Any, PerModel]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def of(self, dispatcher: Dispatcher) -> weakref.WeakKeyDictionary[Any, PerModel]:
+        """The models ``dispatcher`` has opened sources for, each with its sources by selection."""
+        found = self._by_dispatcher.get(dispatcher)
+        if found is None:
+            found = self._by_dispatcher[dispatcher] = weakref.WeakKeyDictionary()
+        return found
+
+    def per_model(self, dispatcher: Dispatcher, model: Any) -> PerModel:
+        """``model``'s sources under ``dispatcher``; raises TypeError if ``model`` cannot be held weakly
+        (then it is no model)."""
+        return self.of(dispatcher).setdefault(model, {})
+
+
+#: The cache behind the public functions.
+MODELS = ModelCache()

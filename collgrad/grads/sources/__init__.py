@@ -1,0 +1,103 @@
+"""Where gradient fragments come from: the door that opens the right adapter.
+
+``open_source(model, params)`` inspects a model once and returns a ``Source`` (base.py): the gradient
+layout (plain data, the same on every rank) and how to find this rank's buffers. ``Source.read()``
+then returns, each call and without communicating, the local buffers and whether reading is valid now.
+Sources are cached per model by the caller while ``Source.valid()`` holds, so a second call does no
+planning work.
+
+Only ``collgrad.grads.sources.deepspeed`` imports deepspeed, and only when a DeepSpeed engine is passed;
+only ``collgrad.grads.sources.fsdp2`` touches FSDP2 internals, when a ``fully_shard`` model is passed.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from collgrad import _compat
+from collgrad.errors import InvalidArgumentError
+from collgrad.grads.sources.base import LocalGrads, Problem, ReplicatedSource, Source, rank_in, select
+
+__all__ = [
+    "Problem",
+    "LocalGrads",
+    "Source",
+    "ReplicatedSource",
+    "open_source",
+    "select",
+    "control_group_of",
+    "hook_model_step",
+    "rank_in",
+]
+
+
+def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
+    """The Source of ``model``: a DeepSpeed engine, the module it wraps, or a plain module whose
+    ``.grad`` already holds reduced gradients (after DDP, or on one process). Local: no communication."""
+    if "deepspeed" in sys.modules or _looks_like_engine(model):
+        from collgrad.grads.sources import deepspeed as ds_source
+
+        engine = ds_source.find_engine(model)
+        if engine is not None:
+            return ds_source.open_engine(engine, select(engine.module, params))
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
+        )
+    if "torch.distributed.fsdp" in sys.modules:  # imported by whoever called fully_shard
+        from collgrad.grads.sources import fsdp2
+
+        if fsdp2.is_fsdp2(model):
+            return fsdp2.open_fsdp2(model, select(model, params))
+    params = None if params is None else list(params)
+    named = select(model, params)
+    group = _compat.default_group() if torch.distributed.is_initialized() else None
+    module = weakref.ref(model)
+
+    def reselect() -> list[tuple[str, nn.Parameter]]:  # trainable parameters can change between calls
+        owner = module()
+        return select(owner, params) if owner is not None else []
+
+    return ReplicatedSource("torch", named, lambda: [p.grad for _, p in named], group, reselect=reselect)
+
+
+def control_group_of(model: Any) -> ProcessGroup | None:
+    """The group whose ranks must all call for ``model`` (its data-parallel group), found without
+    inspecting gradients: used to tell the other ranks when this rank's arguments are invalid."""
+    if not torch.distributed.is_initialized():
+        return None
+    if "deepspeed" in sys.modules or _looks_like_engine(model):
+        from collgrad.grads.sources import deepspeed as ds_source
+
+        engine = ds_source.find_engine(model)
+        if engine is not None:
+            group: ProcessGroup | None = ds_source.control_group(engine)
+            return group
+    return _compat.default_group()
+
+
+def hook_model_step(model: Any, run: Callable[[Any], None]) -> Callable[[], None]:
+    """Have ``run(engine)`` called inside ``model``'s fused step (a DeepSpeed engine's ``step()``, at each
+    accumulation boundary, before clipping and the update); returns the function that undoes it.
+    Raises InvalidArgumentError where there is no such step."""
+    if "deepspeed" in sys.modules or _looks_like_engine(model):
+        from collgrad.grads.sources import deepspeed as ds_source
+
+        engine = ds_source.find_engine(model)
+        if engine is not None:
+            return ds_source.hook_model_step(engine, run)
+    raise InvalidArgumentError(
+        f"rank {_compat.rank()}: {type(model).__name__} is not a DeepSpeed engine (or a module one wraps): there is "
+        "no fused step to hook. With a torch optimizer, call your function between backward() and "
+        "optimizer.step() (or register it with optimizer.register_step_pre_hook)"
+    )
+
+
+def _looks_like_engine(model: Any) -> bool:
+    return type(model).__name__.endswith("Engine") and hasattr(model, "optimizer")

@@ -1,0 +1,264 @@
+"""The steps of a gradient plan as frozen data: pure functions of the layout (and, for a gather of
+partitions as they lie, of where every rank's pieces lie). No tensor, no process group: every rank
+builds the same steps, and tests need no ranks. The executors (execute.py and the modules it calls)
+only move bytes as these say.
+
+  Cut          ZeRO-1/2 gather: the gathered buffer cut in one ``split``, each parameter's runs
+  ReduceStep   all-reduce: the bucket's size, where each owned fragment goes, the gaps to zero
+  CopyPlan     all-reduce: owned fragments copied into the bucket, runs of equal ones in one copy
+  SlicesStep   ZeRO-3 / FSDP2 gather: chunks, runs of equal slices, and the result's cuts
+
+A sliced step (ZeRO-3 / FSDP2), ``world`` = 2, slices a (3), b (3), c (2) back to back from ``lo``::
+
+  each rank   | a_r a_r a_r | b_r b_r b_r | c_r c_r |          span = 8
+  gathered    | a_0 a_1 | b_0 b_1 | c_0 c_1 |                   rank-major laid out parameter-major
+  chunks      [a b] [c]   equal runs: (a, b) one strided copy, (c) another
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from collgrad.grads.sources.layout import Fragment, GradGroup, ParamSlot, owned_fragments, strided_runs
+
+__all__ = [
+    "PIPELINE_CHUNKS",
+    "MIN_CHUNK_BYTES",
+    "Cut",
+    "cut_gathered",
+    "ReduceStep",
+    "reduce_step",
+    "CopyRows",
+    "CopyPlan",
+    "copy_plan",
+    "EqualRun",
+    "Chunk",
+    "StridedRun",
+    "SlicesStep",
+    "slices_step",
+    "chunk_slots",
+    "equal_runs",
+    "placed_pieces",
+]
+
+#: A ZeRO-3 / FSDP2 gather step goes in this many chunks, so that laying out one chunk overlaps
+#: gathering the next (measurements: docs/notes/).
+PIPELINE_CHUNKS = 4
+#: ...but no chunk under this: small steps stay one collective.
+MIN_CHUNK_BYTES = 1 << 20
+
+#: Per parameter, its (offset, numel) runs in a gathered buffer, in order.
+Where = Sequence[Sequence[tuple[int, int]]]
+
+
+class Cut(NamedTuple):
+    """How a gathered buffer of partitions as they lie is cut in one ``split``: ``sizes`` (the runs and
+    the gaps between them, in buffer order, summing to the buffer's size) and, per parameter of the
+    batch, the positions of its runs among the pieces (several: it straddles ranks or pieces)."""
+
+    sizes: tuple[int, ...]
+    take: tuple[tuple[int, ...], ...]
+
+
+def cut_gathered(where: Where, batch: tuple[int, ...], numel: int) -> Cut:
+    """The ``Cut`` of a gathered buffer of ``numel`` elements for the parameters ``batch`` (indices into
+    ``where``)."""
+    runs = sorted((at, n, k, i) for k in batch for i, (at, n) in enumerate(where[k]))
+    sizes: list[int] = []
+    index: dict[tuple[int, int], int] = {}
+    at = 0
+    for lo, n, k, i in runs:
+        if lo > at:
+            sizes.append(lo - at)
+        index[(k, i)] = len(sizes)
+        sizes.append(n)
+        at = lo + n
+    if at < numel:
+        sizes.append(numel - at)
+    return Cut(tuple(sizes), tuple(tuple(index[(k, i)] for i in range(len(where[k]))) for k in batch))
+
+
+class ReduceStep(NamedTuple):
+    """One all-reduce step, its parameters back to back in batch order: the bucket's size, this rank's
+    fragments with the bucket offset each goes to, and the (offset, numel) ranges no fragment of this
+    rank fills (zeroed before the sum)."""
+
+    total: int
+    mine: tuple[tuple[Fragment, int], ...]
+    gaps: tuple[tuple[int, int], ...]
+
+
+def reduce_step(group: GradGroup, batch: tuple[int, ...], rank: int) -> ReduceStep:
+    """The ``ReduceStep`` of ``batch`` for the rank at position ``rank`` in ``group``."""
+    total = 0
+    where: dict[int, int] = {}
+    for k in batch:
+        where[k] = total
+        total += group.params[k].numel
+    mine = tuple((f, where[f.param] + f.param_offset) for f in owned_fragments(group, rank) if f.param in where)
+    gaps: list[tuple[int, int]] = []
+    at = 0
+    for f, lo in sorted(mine, key=lambda m: m[1]):
+        if lo > at:
+            gaps.append((at, lo - at))
+        at = max(at, lo + f.numel)
+    if at < total:
+        gaps.append((at, total - at))
+    return ReduceStep(total, mine, tuple(gaps))
+
+
+@dataclass(frozen=True)
+class CopyRows:
+    """``count`` equal fragments, ``src_stride`` apart in this rank's storage span from ``src``, copied
+    in one call to ``dst + i * dst_stride`` in the bucket (``dst_stride < 0``: DeepSpeed's ZeRO-1/2
+    fragments lie back to front, so the i-th lands below the one before)."""
+
+    src: int
+    count: int
+    numel: int
+    src_stride: int
+    dst: int
+    dst_stride: int
+
+
+class CopyPlan(NamedTuple):
+    """How this rank's fragments go into an all-reduce bucket: ``runs`` of equal fragments (one copy
+    each), and the others one by one (``single``: fragment and bucket offset)."""
+
+    runs: tuple[CopyRows, ...]
+    single: tuple[tuple[Fragment, int], ...]
+
+
+def copy_plan(mine: Sequence[tuple[Fragment, int]], spans: Sequence[int | None]) -> CopyPlan:
+    """``mine`` (fragments and their bucket offsets) with ``spans[i]``, where the i-th lies in this
+    rank's storage span (None: it straddles two pieces): runs of equal fragments equally spaced both
+    where they lie and where they go become ``CopyRows``; the others (a lone fragment, one that
+    straddles) are copied one by one."""
+    placed: list[Fragment] = []
+    dsts: list[tuple[Fragment, int]] = []
+    single: list[tuple[Fragment, int]] = []
+    for (f, at), src in zip(mine, spans):
+        if src is None:
+            single.append((f, at))
+        else:
+            placed.append(Fragment(len(dsts), 0, src, f.numel))
+            dsts.append((f, at))
+    runs: list[CopyRows] = []
+    for run in strided_runs(tuple(placed)):
+        to = [dsts[placed[i].param][1] for i in run.frags]
+        step = to[1] - to[0] if len(to) > 1 else 0
+        if len(to) > 1 and abs(step) >= run.numel and all(t == to[0] + i * step for i, t in enumerate(to)):
+            runs.append(CopyRows(run.local_offset, run.count, run.numel, run.stride, to[0], step))
+        else:
+            single += [dsts[placed[i].param] for i in run.frags]
+    return CopyPlan(tuple(runs), tuple(single))
+
+
+@dataclass(frozen=True)
+class EqualRun:
+    """``count`` equally sized slices of ``numel`` elements back to back from ``start`` (relative to the
+    step's ``lo``): laid out parameter-major by one strided copy."""
+
+    start: int
+    numel: int
+    count: int
+
+
+class Chunk(NamedTuple):
+    """Part of a sliced step gathered as one bucket: ``span`` elements from ``lo`` (relative to the
+    step's ``lo``), cut at parameter edges, and its runs of equal slices."""
+
+    lo: int
+    span: int
+    runs: tuple[EqualRun, ...]
+
+
+@dataclass(frozen=True)
+class StridedRun:
+    """``count`` equally sized slices (``numel`` each) at a constant distance ``stride`` from ``start``
+    (relative to the step's ``lo``): a model's repeated layers, one strided view each side of a gather
+    whose backend lays the data out itself."""
+
+    start: int
+    stride: int
+    numel: int
+    count: int
+
+
+class SlicesStep(NamedTuple):
+    """How a step of a sliced group (ZeRO-3, FSDP2) is gathered and laid out. The batch's slices lie
+    back to back from ``lo`` (``span`` elements) in each rank's buffer; the result holds each
+    parameter's ``world`` slices end to end (``gathered`` elements each, to the next one's start), of
+    which its first ``numel`` are the gradient."""
+
+    lo: int
+    span: int
+    names: tuple[str, ...]
+    gathered: tuple[int, ...]
+    #: positions in the batch whose result needs cutting (padding) or a view in the parameter's shape
+    trimmed: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+    strided: tuple[StridedRun, ...]
+
+
+def slices_step(group: GradGroup, batch: tuple[int, ...], element_size: int) -> SlicesStep:
+    """The ``SlicesStep`` of ``batch`` (a non-empty run of ``group``'s parameters) for slices of
+    ``element_size`` bytes per element."""
+    slots = [group.params[k] for k in batch]
+    lo = slots[0].offset
+    span = slots[-1].offset + slots[-1].slice_numel - lo
+    count = max(1, min(PIPELINE_CHUNKS, span * element_size // MIN_CHUNK_BYTES))
+    chunks = []
+    for c_lo, c_span, members in chunk_slots(slots, lo, count):
+        runs = equal_runs([slots[j] for j in members])
+        chunks.append(Chunk(c_lo, c_span, tuple(EqualRun(r[0].offset - lo, r[0].slice_numel, len(r)) for r in runs)))
+    ends = [s.offset for s in slots[1:]] + [lo + span]
+    gathered = tuple(group.world * (end - s.offset) for s, end in zip(slots, ends))
+    slices = tuple(Fragment(k, 0, s.offset - lo, s.slice_numel) for k, s in enumerate(slots) if s.slice_numel)
+    return SlicesStep(
+        lo,
+        span,
+        tuple(s.name for s in slots),
+        gathered,
+        tuple(k for k, (s, g) in enumerate(zip(slots, gathered)) if g != s.numel or len(s.shape) != 1),
+        tuple(chunks),
+        tuple(StridedRun(r.local_offset, r.stride, r.numel, len(r.frags)) for r in strided_runs(slices)),
+    )
+
+
+def chunk_slots(slots: Sequence[ParamSlot], lo: int, count: int) -> list[tuple[int, int, list[int]]]:
+    """``slots`` (back to back from ``lo``) cut at parameter edges into about ``count`` chunks of
+    similar size: (start relative to ``lo``, elements, member positions) each; together they cover
+    the span once, in order."""
+    total = slots[-1].offset + slots[-1].slice_numel - lo
+    target = -(-total // count)
+    chunks: list[tuple[int, int, list[int]]] = []
+    start, members = 0, []
+    for j, s in enumerate(slots):
+        members.append(j)
+        end = s.offset + s.slice_numel - lo
+        if end - start >= target or j == len(slots) - 1:
+            chunks.append((start, end - start, members))
+            start, members = end, []
+    return chunks
+
+
+def equal_runs(slots: Sequence[ParamSlot]) -> list[list[ParamSlot]]:
+    """``slots`` (back to back in a sliced buffer) cut into runs of equal slice size, each contiguous."""
+    runs: list[list[ParamSlot]] = []
+    for s in slots:
+        if runs and runs[-1][-1].slice_numel == s.slice_numel and runs[-1][-1].offset + s.slice_numel == s.offset:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
+
+
+def placed_pieces(
+    starts: Sequence[int], sent: Sequence[int], numels: Sequence[int]
+) -> tuple[tuple[int, int, int], ...]:
+    """A rank's pieces as a gather of its partition sends them: (offset in the partition, offset in
+    what is sent, numel) each. ``sent``: where each piece starts in what is sent (its offset in the
+    storage span where the pieces tile one, else its offset in their concatenation: ``starts``)."""
+    return tuple(zip(starts, sent, numels))

@@ -1,0 +1,196 @@
+"""The steps of a gradient plan without any process group: cuts tile the gathered buffer, every element
+lands exactly once, chunks cover the span in order, runs are equal-sized and contiguous, copy plans
+place each fragment where the reduce step says, and the plan cache stays within its bound."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from collgrad.grads.cache import MAX_SHAPES, PlanCache
+from collgrad.grads.plan import GradCall
+from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, ParamSlot, gathered_runs, owned_fragments
+from collgrad.grads.steps import (
+    MIN_CHUNK_BYTES,
+    PIPELINE_CHUNKS,
+    chunk_slots,
+    copy_plan,
+    cut_gathered,
+    equal_runs,
+    placed_pieces,
+    reduce_step,
+    slices_step,
+)
+
+
+def _sliced(sizes: list[int], world: int) -> GradGroup:
+    slots, offset = [], 0
+    for i, n in enumerate(sizes):
+        per_rank = -(-n // world)
+        slots.append(ParamSlot(f"p{i}", (n,), n, offset, per_rank))
+        offset += per_rank
+    return GradGroup(0, Kind.SLICED, tuple(range(world)), offset, torch.float32, torch.float32, tuple(slots))
+
+
+def _flat(sizes: list[int], world: int) -> GradGroup:
+    slots, offset = [], 0
+    for i, n in enumerate(sizes):
+        slots.append(ParamSlot(f"p{i}", (n,), n, offset, n))
+        offset += n
+    partition = max(1, -(-offset // world))
+    return GradGroup(
+        0, Kind.PARTITIONED_FLAT, tuple(range(world)), partition, torch.float32, torch.float32, tuple(slots)
+    )
+
+
+def _batch(n: int, data: st.DataObject) -> tuple[int, ...]:
+    lo = data.draw(st.integers(0, n - 1))
+    hi = data.draw(st.integers(lo + 1, n))
+    return tuple(range(lo, hi))
+
+
+sizes = st.lists(st.integers(0, 60), min_size=1, max_size=12)
+worlds = st.integers(1, 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes, worlds, st.data())
+def test_reduce_step_fills_every_element_once(sizes, world, data):
+    group = _flat(sizes, world) if data.draw(st.booleans()) else _sliced(sizes, world)
+    batch = _batch(len(sizes), data)
+    starts, at = {}, 0
+    for k in batch:
+        starts[k] = at
+        at += group.params[k].numel
+    filled = Counter()
+    every_rank = Counter()
+    for rank in range(world):
+        step = reduce_step(group, batch, rank)
+        assert step.total == at
+        mine = Counter()
+        for f, dst in step.mine:
+            assert dst == starts[f.param] + f.param_offset  # where the parameter's element goes
+            mine.update(range(dst, dst + f.numel))
+        for lo, n in step.gaps:
+            mine.update(range(lo, lo + n))
+        assert all(v == 1 for v in mine.values()) and set(mine) == set(range(at))  # fragments + gaps tile it
+        every_rank.update(e for f, dst in step.mine for e in range(dst, dst + f.numel))
+        filled.update(mine)
+    assert set(every_rank) == set(range(at)) and all(v == 1 for v in every_rank.values())  # each element once
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=20), st.data())
+def test_copy_plan_places_each_fragment_where_the_step_says(frags, data):
+    # fragments of a few repeated sizes, lying with gaps in the span, going to distinct bucket places
+    mine, spans, src, dst = [], [], 0, 0
+    for k, (numel, gap, kind) in enumerate(frags):
+        src += gap
+        mine.append((Fragment(k, 0, src, numel), dst))
+        spans.append(None if kind == 0 and data.draw(st.booleans()) else src)
+        src += numel
+        dst += numel + data.draw(st.sampled_from([0, 0, 2]))
+    if data.draw(st.booleans()):  # back to front, as DeepSpeed's ZeRO-1/2 fragments lie
+        top = dst
+        mine = [(f, top - at - f.numel) for f, at in mine]
+    plan = copy_plan(mine, spans)
+    placed = Counter()
+    wanted = {f.param: (span, at) for (f, at), span in zip(mine, spans)}
+    for run in plan.runs:
+        assert run.count > 1 and abs(run.dst_stride) >= run.numel and run.src_stride >= run.numel
+        for i in range(run.count):
+            hits = [k for k, (span, at) in wanted.items() if span == run.src + i * run.src_stride]
+            assert hits, "a row that is no fragment"
+            k = hits[0]
+            assert wanted[k][1] == run.dst + i * run.dst_stride
+            placed[k] += 1
+    for f, at in plan.single:
+        assert wanted[f.param][1] == at
+        placed[f.param] += 1
+    assert placed == Counter({f.param: 1 for f, _ in mine})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 2000), min_size=1, max_size=12), worlds, st.data())
+def test_slices_step_chunks_cover_the_span_and_runs_are_equal_and_contiguous(sizes, world, data):
+    group = _sliced(sizes, world)
+    batch = _batch(len(sizes), data)
+    element = data.draw(st.sampled_from([1, 2, 4, 1 << 18]))  # large elements: several chunks
+    step = slices_step(group, batch, element)
+    slots = [group.params[k] for k in batch]
+    assert step.lo == slots[0].offset and step.span == sum(s.slice_numel for s in slots)
+    assert sum(step.gathered) == world * step.span
+    assert 1 <= len(step.chunks) <= PIPELINE_CHUNKS
+    if step.span * element < 2 * MIN_CHUNK_BYTES:
+        assert len(step.chunks) == 1  # small steps stay one collective
+    at = 0
+    for chunk in step.chunks:  # back to back, in order, at parameter edges
+        assert chunk.lo == at and chunk.span > 0
+        run_at = chunk.lo
+        for run in chunk.runs:
+            assert run.start == run_at and run.count >= 1
+            run_at += run.count * run.numel
+        assert run_at == chunk.lo + chunk.span
+        at += chunk.span
+    assert at == step.span
+    covered = Counter()
+    for run in step.strided:
+        for i in range(run.count):
+            covered.update(range(run.start + i * run.stride, run.start + i * run.stride + run.numel))
+    assert set(covered) == set(range(step.span)) and all(v == 1 for v in covered.values())
+    for k, (slot, gathered) in enumerate(zip(slots, step.gathered)):
+        assert gathered >= slot.numel
+        assert (k in step.trimmed) == (gathered != slot.numel)
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(1, 5))
+def test_chunks_and_equal_runs(sizes, count):
+    group = _sliced([max(1, n) for n in sizes], 2)
+    slots = list(group.params)
+    chunks = chunk_slots(slots, 0, count)
+    assert [j for _, _, members in chunks for j in members] == list(range(len(slots)))
+    assert sum(span for _, span, _ in chunks) == group.partition_numel
+    runs = equal_runs(slots)
+    assert [s for run in runs for s in run] == slots
+    for run in runs:
+        assert len({s.slice_numel for s in run}) == 1
+        assert all(b.offset == a.offset + a.slice_numel for a, b in zip(run, run[1:]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes, st.integers(2, 4), st.data())
+def test_cut_sizes_sum_to_the_buffer_and_take_each_parameters_runs(sizes, world, data):
+    group = _flat([max(1, n) for n in sizes], world)
+    placements = []
+    for _ in range(world):  # each rank's partition as one piece, or two pieces sent back to front
+        p = group.partition_numel
+        if p > 1 and data.draw(st.booleans()):
+            cut = data.draw(st.integers(1, p - 1))
+            placements.append(list(placed_pieces([0, cut], [p - cut, 0], [cut, p - cut])))
+        else:
+            placements.append(list(placed_pieces([0], [0], [p])))
+    where = gathered_runs(group, placements)
+    batch = _batch(len(group.params), data)
+    numel = world * group.partition_numel
+    cut = cut_gathered(where, batch, numel)
+    assert sum(cut.sizes) == numel and all(n > 0 for n in cut.sizes)
+    starts = [sum(cut.sizes[:i]) for i in range(len(cut.sizes))]
+    for k, take in zip(batch, cut.take):
+        assert [(starts[i], cut.sizes[i]) for i in take] == where[k]
+        assert sum(cut.sizes[i] for i in take) == group.params[k].numel
+        held = sum(f.numel for r in range(world) for f in owned_fragments(group, r) if f.param == k)
+        assert held == group.params[k].numel
+
+
+def test_the_plan_cache_keeps_at_most_its_bound_of_call_shapes():
+    cache = PlanCache()
+    first = cache.shape(GradCall("auto", 1, False), None)
+    assert cache.shape(GradCall("auto", 1, False), None) is first
+    for cap in range(2, 2 + 3 * MAX_SHAPES):  # a caller sweeping bucket_bytes
+        cache.shape(GradCall("auto", cap, False), None)
+        assert cache.shapes <= MAX_SHAPES
+    assert cache.shape(GradCall("auto", 1, False), None) is not first  # dropped, rebuilt on a miss
