@@ -8,10 +8,9 @@ public call makes before any data moves are ``calls``.
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,8 +78,6 @@ class Dispatcher:
         self.fault_hook: Callable[[FaultPoint], None] | None = None
         #: Seconds any collective of this dispatcher may wait (COLLGRAD_TIMEOUT, default 120).
         self.timeout = timeout_from_env(timeout) if timeout is not None or registry is None else registry.timeout
-        #: Per model (weakly): gradient sources, layouts and plans, reused while valid (collgrad.grads).
-        self.model_cache: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
     # -- public operations --------------------------------------------------------------------------
     def all_reduce(
