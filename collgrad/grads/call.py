@@ -25,7 +25,7 @@ from collgrad.backends.agreement import Field, agree_on_call, stable_hash, tell_
 from collgrad.backends.decide import Capabilities
 from collgrad.backends.ops import Op, Primitive
 from collgrad.backends.policy import Policy
-from collgrad.core.dispatch import Dispatcher, Prepared, checked_bucket_bytes, default_dispatcher, policy_print
+from collgrad.core.dispatch import Dispatcher, checked_bucket_bytes, default_dispatcher, policy_print
 from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, LayoutChangedError, NotReadyError
 from collgrad.grads import sources
@@ -173,17 +173,9 @@ class OpenCall:
         prepared = self.plans.bucket_plans.get(key)
         if prepared is None:  # the tensors of a step have the same specs every call (from the layout)
             self.cached = False
-            prepared = self.plans.bucket_plans[key] = _prepare(self, op, inputs, group, cap, strided)
+            prepared = self.dispatcher.prepare(op, inputs, group, bucket_bytes=cap, policy=self.policy, strided=strided)
+            self.plans.bucket_plans[key] = prepared
         return self.dispatcher.run(prepared, inputs, outputs, group, atomic=False, done=done, meanwhile=meanwhile)
-
-
-def _prepare(
-    call: OpenCall, op: Op, tensors: Sequence[torch.Tensor], group: ProcessGroup, cap: int, strided: bool
-) -> Prepared:
-    """The dispatcher's bucket plan for one step of ``call``."""
-    if strided:
-        return call.dispatcher.prepare(op, tensors, group, bucket_bytes=cap, policy=call.policy, strided=True)
-    return call.dispatcher.prepare(op, tensors, group, bucket_bytes=cap, policy=call.policy)
 
 
 def _checked(plan: str, bucket_bytes: int | None, policy: Policy | None) -> int:

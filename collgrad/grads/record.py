@@ -31,6 +31,7 @@ class FullGradRecord:
 
     variant: str
     groups: tuple[GroupRecord, ...]
+    #: Collectives of DeepSpeed's accessor (``plan`` ``accessor``: one per parameter; the field keeps its name).
     per_param_collectives: int
     loss_scale: float
     unscaled: bool

@@ -13,10 +13,11 @@ import torch
 
 from collgrad import _compat
 from collgrad.core.buffers import Pieces
+from collgrad.grads import stat_blocks
 from collgrad.grads.cache import PlanCache
 from collgrad.grads.sources.base import rank_in
 from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, owned_fragments
-from collgrad.grads.stat_blocks import CPU_BLOCK_BYTES, Arranged, Rows, blocks
+from collgrad.grads.stat_blocks import Arranged, Rows, blocks
 
 __all__ = ["partials"]
 
@@ -57,8 +58,9 @@ def _fragments(group: GradGroup, buffer: Pieces) -> tuple[Fragment, ...]:
 
 
 def _block_elements(buffer: Pieces) -> int:
-    """``CPU_BLOCK_BYTES`` in elements of ``buffer`` on a CPU; 0 (unlimited) elsewhere."""
-    return CPU_BLOCK_BYTES // buffer.pieces[0].element_size() if buffer.device.type == "cpu" else 0
+    """``stat_blocks.CPU_BLOCK_BYTES`` (read at each call: tests set it) in elements of ``buffer`` on a
+    CPU; 0 (unlimited) elsewhere."""
+    return stat_blocks.CPU_BLOCK_BYTES // buffer.pieces[0].element_size() if buffer.device.type == "cpu" else 0
 
 
 def _reduce(plans: PlanCache, group: GradGroup, buffer: Any) -> _Reduced:

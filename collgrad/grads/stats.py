@@ -30,11 +30,11 @@ from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher
 from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, RankFailedError
+from collgrad.grads import stat_reduce
 from collgrad.grads.call import OpenCall
 from collgrad.grads.plan import PlanKind
 from collgrad.grads.record import FullGradRecord, GroupRecord
 from collgrad.grads.sources.layout import GradGroup, Kind
-from collgrad.grads.stat_reduce import partials
 
 __all__ = ["GradStat", "GradStats", "model_grad_stats", "module_of"]
 
@@ -157,7 +157,10 @@ def _local_partials(call: OpenCall) -> list[torch.Tensor] | Exception | None:
     if call.source.accessor is not None:
         return None
     try:
-        return [partials(call.source.plans, g, call.local.buffers[i]) for i, g in enumerate(call.source.layout.groups)]
+        return [
+            stat_reduce.partials(call.source.plans, g, call.local.buffers[i])
+            for i, g in enumerate(call.source.layout.groups)
+        ]
     except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the others
         return exc
 

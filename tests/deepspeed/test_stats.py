@@ -83,7 +83,7 @@ def _worker(rank, world):
     # Non-finite values: put NaN and Inf into this rank's own partition, then compare with a full read.
     # Blocks: repeated layers, whose fragments statistics reduce as strided runs (one NaN lands in one);
     # reduced in blocks of 32 elements too (rows of a run in several blocks, tensors cut into spans).
-    from collgrad.grads import stats as stats_module
+    from collgrad.grads import stat_blocks as stats_module
 
     default_block = stats_module.CPU_BLOCK_BYTES
     for name, model, block in (
@@ -113,15 +113,17 @@ def _worker(rank, world):
     # One rank's reductions raise (after the readiness check: they overlap it): every rank raises.
     eng = models.engine(models.config(2))
     models.run_backward(eng, rank)
-    reduce = stats_module._partials
+    from collgrad.grads import stat_reduce
+
+    reduce = stat_reduce.partials
     if rank == world - 1:
 
         def broken(*args):
             raise RuntimeError("injected reduction failure")
 
-        stats_module._partials = broken
+        stat_reduce.partials = broken
     out["reduction_fails"] = attempt(lambda: collgrad.model_grad_stats(eng))
-    stats_module._partials = reduce
+    stat_reduce.partials = reduce
     out["after_failure"] = attempt(lambda: collgrad.model_grad_stats(eng).global_norm > 0, keep=True)
     return out
 
