@@ -194,3 +194,23 @@ def test_the_plan_cache_keeps_at_most_its_bound_of_call_shapes():
         cache.shape(GradCall("auto", cap, False), None)
         assert cache.shapes <= MAX_SHAPES
     assert cache.shape(GradCall("auto", 1, False), None) is not first  # dropped, rebuilt on a miss
+
+
+def test_what_a_rank_tells_of_its_pieces_in_the_readiness_check():
+    from collgrad.core.buffers import Pieces
+    from collgrad.grads.cache import Placements
+    from collgrad.grads.placements import CHANGED, piece_count, placed, placement_print
+    from collgrad.grads.sources.layout import GradLayout
+
+    group = _flat([3, 5], 2)
+    layout = GradLayout("test", (group,), ("p0", "p1"))
+    storage = torch.zeros(group.partition_numel)
+    buffer = Pieces([storage[2:], storage[:2]])  # two pieces lying back to front in one storage
+    plans = PlanCache()
+    assert piece_count(layout, [buffer]) == 2
+    assert placement_print(layout, plans, [buffer]) == CHANGED  # nothing cached: exchange
+    plans.placements[group.index] = Placements(placed(buffer), [])
+    told = placement_print(layout, plans, [buffer])
+    assert told != CHANGED and told == placement_print(layout, plans, [buffer])
+    plans.placements[group.index] = Placements(((0, 0, 4),), [])  # cached for pieces that lay elsewhere
+    assert placement_print(layout, plans, [buffer]) == CHANGED
