@@ -39,6 +39,7 @@ def copies_gathers_out_strided(device_type: str) -> bool:
     of it with ``copy_``, which honours the output's strides (ProcessGroupGloo.cpp,
     ``AsyncAllgatherCoalescedWork``, torch 2.3-2.13): given strided views, it lays a rank-major gather
     out parameter-major in the copy it makes anyway, at about the cost of a raw all-gather of the same
-    bytes, where a flat gather needs a separate reorder copy (docs/notes/timings.md). CPU only (its coalesced calls reject CUDA tensors); its inputs are flattened first (a copy
-    where there are several, or a strided one)."""
+    bytes, where a flat gather needs a separate reorder copy (docs/notes/timings.md). CPU only (its
+    coalesced calls reject CUDA tensors); its inputs are flattened first (a copy where there are
+    several, or a strided one)."""
     return device_type == "cpu" and _compat.gloo_has_all_gather_coalesced()
