@@ -105,10 +105,12 @@ _CALLS = ("synchronize", "reset_peak_memory_stats", "memory_allocated", "max_mem
 class DeviceMemory:
     """The peak allocation of torch's caching allocator on a CUDA or XPU device, above the level at
     ``start()``; ``measured`` is False (and ``extra()`` 0) on the CPU or where ``torch.<device>`` lacks
-    the calls. Call ``start()`` and ``extra()`` on the rank that owns ``device``."""
+    the calls. Call ``start()`` and ``extra()`` on the rank that owns ``device``. ``module``: the device
+    module to ask (default ``torch.cuda`` or ``torch.xpu`` by the device's type)."""
 
-    def __init__(self, device: torch.device) -> None:
-        module: Any = getattr(torch, device.type, None) if device.type in ("cuda", "xpu") else None
+    def __init__(self, device: torch.device, module: Any = None) -> None:
+        if module is None and device.type in ("cuda", "xpu"):
+            module = getattr(torch, device.type, None)
         self.measured = module is not None and all(hasattr(module, name) for name in _CALLS)
         self._module = module
         self._device = device

@@ -81,8 +81,7 @@ def make_setting(subject: Subject, cfg: BenchConfig) -> Setting:
     full = collgrad.safe_get_full_model_grads(subject.engine)
     first = next(iter(full.values()))
     size = first.element_size()
-    world = dist.get_world_size()
-    share = torch.ones(-(-subject.numel // world), dtype=first.dtype, device=subject.device)
+    share = torch.ones(-(-subject.numel // subject.world), dtype=first.dtype, device=subject.device)
     small = max(1, size * subject.numel // cfg.stream_fraction)
     return Setting(subject, cfg.bucket_bytes, small, full, size, share)
 

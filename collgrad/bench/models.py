@@ -51,6 +51,7 @@ class Subject:
 
     source: str
     engine: Any  # a DeepSpeedEngine, or the fully_shard model itself
+    world: int  # ranks of the default group
     params: list[nn.Parameter]
     numel: int
     device: torch.device
@@ -59,10 +60,6 @@ class Subject:
     full_grad: Callable[[nn.Parameter], torch.Tensor]
     set_grad: Callable[[nn.Parameter, torch.Tensor], Any] | None = None
     loop_element_size: int = field(default=0)
-
-    @property
-    def world(self) -> int:
-        return dist.get_world_size()
 
 
 def accelerator_device() -> torch.device:
@@ -90,6 +87,7 @@ def _deepspeed(cfg: BenchConfig) -> Subject:
     return Subject(
         source="deepspeed",
         engine=engine,
+        world=dist.get_world_size(),
         params=params,
         numel=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params),
         device=torch.device(engine.device),
@@ -117,6 +115,7 @@ def _fsdp2(cfg: BenchConfig) -> Subject:
     return Subject(
         source="fsdp2",
         engine=model,
+        world=dist.get_world_size(),
         params=params,
         numel=sum(p.numel() for p in params),
         device=device,
