@@ -123,13 +123,15 @@ def _of_stream(s: Setting, call: Call) -> Reading:
 
 
 def _loop_reading(s: Setting, call: Call) -> Reading:
-    """The framework's per-parameter full gradients: one collective per parameter. DeepSpeed's
-    all-reduce sends the whole gradient; FSDP2's all-gather the other ranks' shares."""
+    """The framework's per-parameter full gradients: one collective per parameter. An all-reduce
+    (ZeRO-1/2) sends the whole gradient; an all-gather (ZeRO-3, FSDP2) this rank's share of each
+    parameter (every rank's share padded to the largest, ``ceil(elements / world)``)."""
     sub = s.subject
-    sent = sub.loop_element_size * sub.numel
-    if sub.source == "fsdp2":
-        sent = sent * (sub.world - 1) // sub.world
-    return Reading(len(sub.params), sent)
+    if sub.loop_gathers:
+        elements = sum(-(-n // sub.world) for n in sub.sizes)
+    else:
+        elements = sub.numel
+    return Reading(len(sub.params), elements * sub.loop_element_size)
 
 
 def _local(s: Setting, call: Call) -> Reading:

@@ -46,20 +46,28 @@ class Subject:
     ``full_grad(p)`` is the framework's full gradient of one parameter (DeepSpeed's
     ``safe_get_full_grad``, FSDP2's ``p.grad.full_tensor()``), ``set_grad`` DeepSpeed's
     ``safe_set_full_grad`` (None for FSDP2, which has none). ``loop_element_size`` is the element size
-    of what ``full_grad`` returned, observed once when the subject was built.
+    of what ``full_grad`` returned, observed once when the subject was built. ``loop_gathers``: the
+    framework's accessor all-gathers each parameter's shares (ZeRO-3, FSDP2) rather than all-reducing
+    the whole gradient (ZeRO-1/2).
     """
 
     source: str
     engine: Any  # a DeepSpeedEngine, or the fully_shard model itself
     world: int  # ranks of the default group
     params: list[nn.Parameter]
-    numel: int
+    sizes: list[int]  # elements per parameter (ZeRO-3: the whole parameter's, not this rank's partition)
+    loop_gathers: bool
     device: torch.device
     optimizer: str
     deepspeed: str | None
     full_grad: Callable[[nn.Parameter], torch.Tensor]
     set_grad: Callable[[nn.Parameter, torch.Tensor], Any] | None = None
     loop_element_size: int = field(default=0)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the model's gradient."""
+        return sum(self.sizes)
 
 
 def accelerator_device() -> torch.device:
@@ -89,7 +97,8 @@ def _deepspeed(cfg: BenchConfig) -> Subject:
         engine=engine,
         world=dist.get_world_size(),
         params=params,
-        numel=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params),
+        sizes=[p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params],
+        loop_gathers=cfg.stage == 3,  # safe_get_full_grad: ZeRO-3 gathers partitions, ZeRO-1/2 all-reduce
         device=torch.device(engine.device),
         optimizer=type(engine.optimizer).__name__,
         deepspeed=ds.VERSION,
@@ -117,7 +126,8 @@ def _fsdp2(cfg: BenchConfig) -> Subject:
         engine=model,
         world=dist.get_world_size(),
         params=params,
-        numel=sum(p.numel() for p in params),
+        sizes=[p.numel() for p in params],
+        loop_gathers=True,  # full_tensor(): an all-gather of every rank's shard
         device=device,
         optimizer="torch.optim.SGD (fully_shard)",
         deepspeed=None,

@@ -48,14 +48,18 @@ FSDP2_ROWS = [
 ]
 
 
-def _setting(source: str, dtype: torch.dtype, loop_dtype: torch.dtype, numel: int = 1000, world: int = 2) -> Setting:
+def _setting(
+    source: str, dtype: torch.dtype, loop_dtype: torch.dtype, numel: int = 1000, world: int = 2, gathers: bool = False
+) -> Setting:
     size = torch.empty(0, dtype=dtype).element_size()
+    sizes = [numel // 10] * 9 + [numel - 9 * (numel // 10)]
     subject = Subject(
         source=source,
         engine=None,
         world=world,
-        params=[torch.nn.Parameter(torch.zeros(numel // 10)) for _ in range(10)],
-        numel=numel,
+        params=[torch.nn.Parameter(torch.zeros(n)) for n in sizes],
+        sizes=sizes,
+        loop_gathers=gathers,
         device=torch.device("cpu"),
         optimizer="x",
         deepspeed=None,
@@ -90,8 +94,10 @@ def test_the_loops_count_bytes_in_the_dtype_the_framework_returned(loop_dtype):
     assert (_reading("deepspeed_loop", ds).bytes, _reading("deepspeed_loop", ds).collectives) == (1000 * size, 10)
     assert _reading("deepspeed_norm_loop", ds).bytes == 1000 * size
     assert _reading("deepspeed_set_loop", ds) == Reading(0, 0)
-    fsdp = _setting("fsdp2", torch.float32, loop_dtype, numel=1200, world=3)
-    assert _reading("full_tensor_loop", fsdp).bytes == 1200 * size * 2 // 3  # the other ranks' shares
+    # ZeRO-3 and FSDP2 gather each parameter's shares: a rank sends its own, ceil(elements / world)
+    fsdp = _setting("fsdp2", torch.float32, loop_dtype, numel=1000, world=3, gathers=True)
+    assert _reading("full_tensor_loop", fsdp).bytes == 10 * 34 * size
+    assert _reading("full_tensor_norm_loop", fsdp).collectives == 10
 
 
 def test_a_reading_row_has_plans_only_where_a_record_told_them():
