@@ -109,8 +109,8 @@ class Method:
 
 def _of_result(s: Setting, call: Call) -> Reading:
     """One more call; its result's record (set and update return their record itself)."""
-    rec = call()
-    rec = getattr(rec, "record", rec)
+    result: Any = call()
+    rec: Any = getattr(result, "record", result)
     return Reading(rec.collectives, rec.bytes, tuple(str(g.plan) for g in rec.groups), rec.plan_cached)
 
 

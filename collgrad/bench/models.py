@@ -112,14 +112,16 @@ def _fsdp2(cfg: BenchConfig) -> Subject:
     from collgrad.grads.sources import fsdp2  # collgrad's one door to FSDP2
 
     device = accelerator_device()
-    model = VectorModel(cfg.tensors, cfg.elements).to(device)
-    model = fsdp2.shard_whole(model, device.type, dist.get_world_size())
-    x = torch.rand(2, model.width, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
+    plain = VectorModel(cfg.tensors, cfg.elements).to(device)
+    model = fsdp2.shard_whole(plain, device.type, dist.get_world_size())
+    x = torch.rand(2, plain.width, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
     model(x).backward()
     params = [p for p in model.parameters() if p.requires_grad]
 
     def full_tensor(p: nn.Parameter) -> torch.Tensor:
-        return p.grad.full_tensor()  # type: ignore[union-attr]  # a DTensor's gradient
+        grad: Any = p.grad  # a DTensor
+        full: torch.Tensor = grad.full_tensor()
+        return full
 
     return Subject(
         source="fsdp2",

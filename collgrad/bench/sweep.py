@@ -42,13 +42,17 @@ def sweep_configs(cfg: BenchConfig) -> list[tuple[str, BenchConfig]]:
 
 
 def _x(axis: str, report: dict[str, Any]) -> float:
+    """Where a point lies on its axis."""
+    x: float
     if axis == "tensors":
-        return report["params"]
-    if axis == "bytes":
-        return report["numel"] * report["element_size"]
-    if axis == "world":
-        return report["world"]
-    return report["config"]["bucket_mb"]
+        x = report["params"]
+    elif axis == "bytes":
+        x = report["numel"] * report["element_size"]
+    elif axis == "world":
+        x = report["world"]
+    else:
+        x = report["config"]["bucket_mb"]
+    return x
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:

@@ -75,7 +75,9 @@ class Clock:
         call, minor page faults per call, then the peak memory of separate calls."""
         for _ in range(warmup):
             fn()
-        times, faults, inside = [], [], []
+        times: list[float] = []
+        faults: list[int] = []
+        inside: list[float] = []
         for rep in range(reps):
             before = minor_faults()
             times.append(self.once(fn, inside))
