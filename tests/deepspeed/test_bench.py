@@ -71,15 +71,15 @@ def test_bench_runs_and_reports_every_method(tmp_path):
 
 
 def test_each_row_reports_what_torch_received():
-    # 3 ranks: a rank's share (ZeRO-3's loop and plans) differs from the whole and from the others' shares.
-    # Parameters of 330 elements: DeepSpeed's ZeRO-3 setter fails on sizes that do not divide (0.19.8,
-    # stage3.py set_fp32_grad_for_param; padding is observed in the FSDP2 test). ZeRO-1 bf16 with fp32
-    # accumulation is BF16_Optimizer: every rank holds every gradient, nothing to send.
+    # A rank's share (ZeRO-3's loop and plans) is half the whole. Parameters of an even size: DeepSpeed's
+    # ZeRO-3 setter fails on sizes that do not divide (0.19.8, stage3.py set_fp32_grad_for_param; padding
+    # is observed in the FSDP2 test). ZeRO-1 bf16 with fp32 accumulation is BF16_Optimizer: every rank
+    # holds every gradient, nothing to send.
     configs = [
         BenchConfig(stage=stage, dtype=dtype, tensors=24, elements=24 * 330)
         for stage, dtype in ((2, "fp32"), (3, "fp32"), (1, "bf16"))
     ]
-    by_config = run_local(observe, 3, configs, env={"DS_ACCELERATOR": "cpu"}, timeout=600)[0]
+    by_config = run_local(observe, 2, configs, env={"DS_ACCELERATOR": "cpu"}, timeout=600)[0]
     for config, rows in by_config.items():
         assert list(rows) == ROWS, config
         for name, row in rows.items():
