@@ -20,7 +20,7 @@ see ``collgrad.bench.memory``), minor page faults, and ratios against the floor 
 Modules: ``config`` (what a run measures), ``models`` (the model and engine; the bench's one door to
 the DeepSpeed and FSDP2 adapters), ``memory`` and ``timing`` (measurement), ``methods`` (the typed
 method table), ``run`` (one run on the ranks), ``report``, ``sweep``, ``cli`` (options, entry point).
-Imports flow one way: cli -> run/sweep/report -> methods -> models -> config.
+Imports flow one way: cli -> run, sweep, report -> methods -> models -> config, and run -> timing -> memory.
 """
 
 from __future__ import annotations
