@@ -22,3 +22,18 @@ def test_probe_local_prints_a_table_per_group():
     assert out.count("cpu tensors -> backend gloo") == 2
     assert "choice all_reduce: fp32:flat" in out
     assert "mpi4py" in out and "not started by an MPI launcher" in out
+
+
+def test_the_readme_names_every_bench_option_and_no_other():
+    import argparse
+    import pathlib
+    import re
+
+    from collgrad.bench import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    options = {s for action in parser._actions for s in action.option_strings} - {"-h", "--help"}
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n## Benchmark\n", 1)[1].split("\n## ", 1)[0]
+    assert set(re.findall(r"(--[a-z][a-z-]*)", section)) == options

@@ -1,0 +1,146 @@
+"""The report: ratios to each method's floor and to the per-parameter loops, and the printed table.
+
+Pure functions of the report (a JSON-able dict built by ``collgrad.bench.run``) and the method table:
+call anywhere, also on a report read back from ``--json``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from collgrad.bench.config import BenchConfig
+from collgrad.bench.methods import floors, versus
+
+__all__ = ["ratios", "format_report", "describe", "GET_LOOPS", "PLANS"]
+
+#: The frameworks' per-parameter getters, and collgrad's plans the best of which they are compared with.
+GET_LOOPS = ("deepspeed_loop", "full_tensor_loop")
+PLANS = ("collgrad_all_gather", "collgrad_all_reduce")
+
+
+def _to_floors(report: dict[str, Any], stage: int) -> dict[str, Any]:
+    m = report["methods"]
+    out: dict[str, Any] = {}
+    for method, floor in floors().items():
+        if method in m and floor.method in m:
+            paired = report.get("paired", {}).get(method)
+            out[method] = {
+                "floor": floor.method,
+                # paired (alternating) where measured; else the ratio of the two medians
+                "time_ratio": paired["ratio"] if paired else m[method]["median_ms"] / m[floor.method]["median_ms"],
+                "spread": (paired["min"], paired["max"]) if paired else None,
+                "goal": floor.goal_at(stage),
+                "memory_mb": max(m[method]["peak_host_mb"], m[method]["peak_device_mb"]),
+            }
+    return out
+
+
+def ratios(report: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
+    """Each method with a floor against it (and its goal); the per-parameter getter against collgrad's
+    best plan; each loop against its collgrad method (paired where measured); ``update``'s peak in
+    buckets of 1/``cfg.stream_fraction`` of the gradient bytes."""
+    m = report["methods"]
+    out: dict[str, Any] = {"floors": _to_floors(report, cfg.stage)}
+    timed = [(m[k]["median_ms"], k) for k in PLANS if k in m]
+    loop = next((k for k in GET_LOOPS if k in m), None)
+    if timed and loop:
+        best = min(timed)
+        out["collgrad_best"] = best[1]
+        out["loop"] = loop
+        out["loop_over_collgrad"] = m[loop]["median_ms"] / best[0]
+    for slow, ours in versus():
+        key = f"{slow}_over_{ours}"
+        paired = report.get("paired_versus", {}).get(key)
+        if paired:
+            out[key] = paired["ratio"]
+            out[f"{key}_spread"] = (paired["min"], paired["max"])
+        elif slow in m and ours in m:
+            out[key] = m[slow]["median_ms"] / m[ours]["median_ms"]
+    if "collgrad_update" in m:
+        bucket = report["element_size"] * report["numel"] // cfg.stream_fraction
+        out["update_peak_buckets"] = m["collgrad_update"]["peak_host_mb"] * 2**20 / max(1, bucket)
+    return out
+
+
+def describe(report: dict[str, Any]) -> str:
+    """What ran, in a few words: ``ZeRO-2 fp32``, ``FSDP2 fully_shard fp32``."""
+    cfg = report["config"]
+    if cfg.get("source") == "fsdp2":
+        return "FSDP2 fully_shard fp32"
+    return f"ZeRO-{cfg['stage']} {cfg['dtype']}{' offload' if cfg['offload'] else ''}"
+
+
+_HEADER = (
+    f"{'method':<22}{'median ms':>11}{'min':>9}{'max':>9}{'in call':>9}{'MB sent':>10}{'colls':>7}"
+    f"{'peak MB':>9}{'faults':>8}  plan"
+)
+
+
+def _row(name: str, row: dict[str, Any]) -> str:
+    plan = ",".join(row.get("plans", []) or [])
+    if row.get("plan_cached") is not None:
+        plan += " (plan from cache)" if row["plan_cached"] else " (plan built)"
+    return (
+        f"{name:<22}{row['median_ms']:>11.1f}{row['min_ms']:>9.1f}{row['max_ms']:>9.1f}{row['call_ms']:>9.1f}"
+        f"{row.get('bytes', 0) / 2**20:>10.1f}{row.get('collectives', 0):>7}"
+        f"{max(row['peak_host_mb'], row['peak_device_mb']):>9.1f}{row['page_faults']:>8.0f}  {plan}"
+    )
+
+
+def _floor_lines(report: dict[str, Any]) -> list[str]:
+    cfg, r = report["config"], report.get("ratios", {})
+    if not r.get("floors"):
+        return []
+    result = report["result_mb"]
+    lines = [
+        f"to the floor, paired (median of {cfg['pairs']} alternating pairs [min-max]; result {result:.1f} MB; "
+        "memory goal: result + one bucket, streaming 2 buckets):"
+    ]
+    for method, f in r["floors"].items():
+        ok = "ok" if f["time_ratio"] <= f["goal"] else "over the goal"
+        spread = f" [{f['spread'][0]:.2f}-{f['spread'][1]:.2f}]" if f.get("spread") else ""
+        lines.append(
+            f"  {method:<21} / {f['floor']:<15} time {f['time_ratio']:.2f}x{spread} (goal {f['goal']:.2f}x, {ok}); "
+            f"peak {f['memory_mb']:.1f} MB = {f['memory_mb'] / max(result, 1e-9):.2f}x the result"
+        )
+    return lines
+
+
+def _ratio_lines(report: dict[str, Any]) -> list[str]:
+    cfg, r = report["config"], report.get("ratios", {})
+    lines = []
+    if "loop_over_collgrad" in r:
+        lines.append(f"{r['loop']} / {r['collgrad_best']} = {r['loop_over_collgrad']:.1f}x")
+    for slow, ours in versus():
+        if f"{slow}_over_{ours}" in r:
+            spread = r.get(f"{slow}_over_{ours}_spread")
+            paired = f" [{spread[0]:.1f}-{spread[1]:.1f}], paired" if spread else ""
+            lines.append(f"{slow} / {ours} = {r[f'{slow}_over_{ours}']:.1f}x{paired}")
+    if "update_peak_buckets" in r:
+        lines.append(
+            f"update: peak extra {r['update_peak_buckets']:.2f} buckets "
+            f"(bucket = 1/{cfg['stream_fraction']} of the model)"
+        )
+    s = report.get("stream_memory")
+    if s:
+        lines.append(
+            f"streaming: bucket {s['bucket_mb']:.2f} MiB, peak extra {s['peak_extra_mb']:.2f} MiB "
+            f"= {s['buckets']:.2f} buckets"
+        )
+    if "per_tensor_us" in report:
+        lines.append(f"cost per parameter tensor at fixed bytes: {report['per_tensor_us']:.2f} us (slope of the sweep)")
+    return lines
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The printed report: a header line, one row per method, the ratios."""
+    cfg = report["config"]
+    lines = [
+        f"collgrad bench: {describe(report)}, "
+        f"{report['params']} tensors / {report['numel']:,} elements, {report['world']} ranks over "
+        f"{report['backend']}, {report['optimizer']}, torch {report['torch']}, deepspeed {report['deepspeed']}, "
+        f"bucket {cfg['bucket_mb']} MiB, median of {cfg['reps']}",
+        _HEADER,
+    ]
+    lines += [_row(name, row) for name, row in report["methods"].items()]
+    return "\n".join(lines + _floor_lines(report) + _ratio_lines(report))
