@@ -82,16 +82,21 @@ class RankError(RuntimeError):
         super().__init__("\n".join(parts))
 
 
-# Ranks of a CPU run (Gloo only) are forked from a forkserver that imported torch, collgrad and, on
-# DeepSpeed's CPU accelerator, deepspeed once for this process, instead of importing them again in a
-# fresh interpreter per rank (seconds each). Importing them starts no thread and initializes no device
-# or process group, so a fork of it is as clean as a fresh interpreter. What the server cannot give a
-# rank is read at import time: deepspeed fixes its accelerator (DS_ACCELERATOR) when imported, so
-# the server imports it only where DS_ACCELERATOR=cpu is set when the server starts, and a run that
-# asks for another accelerator, or for a device backend, starts fresh interpreters (spawn) as before.
-# Environment variables read later are the parent's current ones: every rank gets the parent's
-# os.environ as it is at the call (the server's own is as it was when the server started).
-_SERVER_PRELOAD = ("torch", "torch.distributed", "collgrad")
+# Ranks of a CPU run (Gloo only) are forked from a forkserver that imported what ranks import, once
+# for this process, instead of importing it again in a fresh interpreter per rank (seconds each, more
+# on a loaded machine): torch, torch._dynamo (imported by the first optimizer torch.optim builds),
+# collgrad and, on DeepSpeed's CPU accelerator, deepspeed with the modules its first engine imports
+# (its Muon optimizer module, which compiles with torch.compile and so imports torch._inductor).
+# Importing them starts no thread and initializes no device or process group, so a fork of the server
+# is as clean as a fresh interpreter. What the server cannot give a rank is what was read at import:
+# deepspeed fixes its accelerator (DS_ACCELERATOR) when imported, so the server imports it only where
+# DS_ACCELERATOR=cpu is set when the server starts, and a run that asks for another accelerator, or for
+# a device backend, starts fresh interpreters (spawn) as before. Environment variables read later are
+# the parent's current ones: every rank gets the parent's os.environ as it is at the call (the
+# server's own is as it was when the server started). A module missing from an installed release is
+# skipped (the forkserver ignores an ImportError), and the rank imports what it needs itself.
+_SERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "collgrad")
+_DEEPSPEED_PRELOAD = ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer")
 _server_accelerator: list[str | None] = []  # DS_ACCELERATOR the server imported deepspeed with, once set
 
 
@@ -103,7 +108,7 @@ def _context(backend: str, envs: list[dict[str, str]]) -> Any:
     if not _server_accelerator:  # the first run of this process: start the server, importing what it may
         wanted = os.environ.get("DS_ACCELERATOR")
         deepspeed = wanted == "cpu" and importlib.util.find_spec("deepspeed") is not None
-        ctx.set_forkserver_preload(list(_SERVER_PRELOAD) + (["deepspeed"] if deepspeed else []))
+        ctx.set_forkserver_preload(list(_SERVER_PRELOAD) + (list(_DEEPSPEED_PRELOAD) if deepspeed else []))
         # The server imports with this process's module search path (Python < 3.12 ignores the one
         # multiprocessing hands it), so that it imports the very collgrad (and torch) this process does.
         saved = os.environ.get("PYTHONPATH")
