@@ -68,6 +68,22 @@ def reference_bounds(world: int, gas: int = 1, make=None, batch=batch) -> dict[s
     return {n: slack * float(magnitude[n].norm()) / max(float(mean[n].norm()), 1e-30) for n in mean}
 
 
+def reference_magnitudes(world: int, gas: int = 1, make=None, batch=batch) -> dict[str, torch.Tensor]:
+    """Mean over ranks and micro-steps of the local gradients' magnitudes |g_k|: what the rounding of a
+    reordered mean of them scales with, elementwise (tests/tolerance.py)."""
+    return _reference(world, gas, make, batch)[1]
+
+
+def low_precision_bound(dtype: torch.dtype) -> float:
+    """Relative distance of gradients computed in ``dtype`` (bf16, fp16) from fp32 ones, first order:
+    each of Net's 5 layers rounds its weights and output (forward) and its input and weight gradients
+    (backward) to ``dtype``, 4 roundings of relative u per layer (CPU low-precision matmuls accumulate
+    in fp32): 4 * 5 * u."""
+    from tests.tolerance import unit_roundoff
+
+    return 4 * 5 * unit_roundoff(dtype)
+
+
 def _reference(world: int, gas: int, make, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = make() if make is not None else Net()
     total = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
