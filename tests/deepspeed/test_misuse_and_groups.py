@@ -76,14 +76,17 @@ def _moe(rank, world, ep_size, num_experts, stage, dtype):
 
     import collgrad
     from tests.deepspeed import models
+    from tests.tolerance import norm_of_sum_of_squares
 
     eng = models.moe_engine(models.config(stage, dtype=dtype), ep_size, num_experts)
     models.run_backward(eng, rank)
     grads = collgrad.safe_get_full_model_grads(eng)
     ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
     stats = collgrad.model_grad_stats(eng)
+    # fp32 fragment norms against the fp64 norm of the same values (tests/tolerance.py)
     stats_equal = all(
-        abs(stats.params[n].norm - float(g.double().norm())) <= 1e-5 * float(g.double().norm()) + 1e-30
+        abs(stats.params[n].norm - float(g.double().norm()))
+        <= norm_of_sum_of_squares(g.numel(), torch.float32) * float(g.double().norm()) + 1e-30
         for n, g in grads.items()
     )
     # Writing: each rank's own values (expert shards differ between expert-parallel ranks) read back.
