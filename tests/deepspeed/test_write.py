@@ -154,6 +154,7 @@ def _worker(rank, world):
     import collgrad
     from tests.counting import count_collectives
     from tests.deepspeed import models
+    from tests.tolerance import unit_roundoff
 
     # DeepSpeed's CPU accelerator refuses fp16 only because this CPU lacks oneDNN fp16; its fp16 code
     # (loss scaling, overflow checks) is the same everywhere.
@@ -178,14 +179,18 @@ def _worker(rank, world):
             record = collgrad.safe_set_full_model_grads(eng, new)
         back = collgrad.safe_get_full_model_grads(eng)
         entry["set_calls"] = (seen.data, seen.agreements, record.collectives)
-        tol = 1e-2 if name in LOW else 0.0
-        entry["read_back"] = all(torch.allclose(back[n].float(), new[n], rtol=tol, atol=tol) for n in new)
+        # Where gradients are held in bf16/fp16 the written fp32 values round once to that dtype: within
+        # its unit roundoff, relatively, and half its subnormal spacing absolutely (tests/tolerance.py).
+        held = {"fp16": torch.float16, "bf16": torch.bfloat16, "bf16_acc32": torch.bfloat16}.get(dtype)
+        rtol = 0.0 if held is None else unit_roundoff(held)
+        atol = 0.0 if held is None else torch.finfo(held).smallest_normal * unit_roundoff(held)
+        entry["read_back"] = all(torch.allclose(back[n].float(), new[n], rtol=rtol, atol=atol) for n in new)
         entry["read_back_bitwise"] = all(torch.equal(back[n].float(), new[n]) for n in new)
         if "round_robin" not in name:  # DeepSpeed's accessor is wrong there (see the reading tests)
             ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
             scale = back.record.loss_scale
             entry["deepspeed_reads_it"] = all(
-                torch.allclose(ds[n].float() / scale, new[n], rtol=tol, atol=tol) for n in new
+                torch.allclose(ds[n].float() / scale, new[n], rtol=rtol, atol=atol) for n in new
             )
         # 2. training with an edit before every step, against plain PyTorch
         for how in ("set", "update"):
