@@ -3,15 +3,18 @@
 collgrad has no launcher of its own for real jobs: under torchrun or the deepspeed launcher the
 usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` are read; under mpiexec/mpirun/srun the
 MPI launcher's rank variables are read and, if no ``MASTER_ADDR`` is set, MPI rank 0 publishes an
-address over MPI. ``run_local`` spawns N ranks over Gloo on this host (the probe's and benchmark's
+address over MPI. ``run_local`` starts N ranks over Gloo on this host (the probe's and benchmark's
 ``--local N``, and the test suite's harness).
 """
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import sys
 import tempfile
 import time
 import traceback
@@ -81,10 +84,64 @@ class RankError(RuntimeError):
         super().__init__("\n".join(parts))
 
 
+# Ranks of a CPU run (Gloo only) are forked from a forkserver that imported what ranks import, once
+# for this process, instead of importing it again in a fresh interpreter per rank (seconds each, more
+# on a loaded machine): torch, torch._dynamo (imported by the first optimizer torch.optim builds),
+# collgrad and, on DeepSpeed's CPU accelerator, deepspeed with the modules its first engine imports
+# (its Muon optimizer module, which compiles with torch.compile and so imports torch._inductor).
+# Importing them starts no thread and initializes no device or process group, so a fork of the server
+# is as clean as a fresh interpreter. What the server cannot give a rank is what was read at import:
+# deepspeed fixes its accelerator (DS_ACCELERATOR) when imported, so the server imports it only where
+# DS_ACCELERATOR=cpu is set when the server starts, and a run that asks for another accelerator, or for
+# a device backend, starts fresh interpreters (spawn) as before. Environment variables read later are
+# the parent's current ones: every rank gets the parent's os.environ as it is at the call (the
+# server's own is as it was when the server started). A module missing from an installed release is
+# skipped (the forkserver ignores an ImportError), and the rank imports what it needs itself.
+_SERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "collgrad")
+_DEEPSPEED_PRELOAD = ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer")
+_server_accelerator: list[str | None] = []  # DS_ACCELERATOR the server imported deepspeed with, once set
+
+
+def _context(backend: str, envs: list[dict[str, str]]) -> Any:
+    """The start method for one run: the preloaded forkserver for CPU runs, spawn otherwise."""
+    if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    if not _server_accelerator:  # the first run of this process: start the server, importing what it may
+        wanted = os.environ.get("DS_ACCELERATOR")
+        deepspeed = wanted == "cpu" and importlib.util.find_spec("deepspeed") is not None
+        ctx.set_forkserver_preload(list(_SERVER_PRELOAD) + (list(_DEEPSPEED_PRELOAD) if deepspeed else []))
+        # The server imports with this process's module search path (Python < 3.12 ignores the one
+        # multiprocessing hands it), so that it imports the very collgrad (and torch) this process does.
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path)
+        try:
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+        _server_accelerator.append(wanted if deepspeed else None)
+    preloaded = _server_accelerator[0]
+    if preloaded is not None and any(env.get("DS_ACCELERATOR") != preloaded for env in envs):
+        return mp.get_context("spawn")
+    return ctx
+
+
 def _entry(fn, rank, world, store_path, backend, env, args, results) -> None:
+    # What the rank starts with (the imported modules: thousands of objects once torch._dynamo is in)
+    # lives as long as the rank: out of the collector's sight, a gc.collect() (ZeRO-3 calls one per
+    # engine) walks only what the rank made since, not every module of torch again.
+    gc.freeze()
+    # A forked rank starts with the server's environment: take the parent's (``env`` is all of it).
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
     # What torchrun sets, so that libraries that read it (DeepSpeed asserts LOCAL_RANK) work here too.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    os.environ.update(env)
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         store = dist.FileStore(store_path, world)
@@ -107,24 +164,30 @@ def run_local(
     env: dict[str, str] | None = None,
     rank_env: dict[int, dict[str, str]] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned local ranks; results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local rank processes; results by rank.
 
     Ranks rendezvous through a FileStore in a temporary folder. ``fn`` must be importable (defined at
-    module level). ``env`` is set on every rank, ``rank_env[r]`` on rank r only. Ranks that raise make
-    this raise RankError with every failed rank's traceback; ranks not done within ``timeout`` seconds
-    of the start (one deadline for the whole run) are killed, and a RankError naming them (or a
-    TimeoutError, if no rank failed) is raised, so a hang never outlives the call.
+    module level). Each rank's environment is this process's ``os.environ`` at the call, with ``env``
+    set on every rank and ``rank_env[r]`` on rank r only. Gloo-only ranks are forked from a server
+    that imported torch (and deepspeed on its CPU accelerator) once per process; other backends
+    start a fresh interpreter per rank. Ranks that raise make this raise RankError with every failed
+    rank's traceback; ranks not done within ``timeout`` seconds of the start (one deadline for the
+    whole run) are killed, and a RankError naming them (or a TimeoutError, if no rank failed) is
+    raised, so a hang never outlives the call.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    base_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    base_env = dict(os.environ)
+    base_env.setdefault("OMP_NUM_THREADS", "1")
     base_env.update(env or {})
+    envs = [dict(base_env, **(rank_env or {}).get(rank, {})) for rank in range(world_size)]
+    ctx = _context(backend, envs)
+    results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="collgrad-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = []
         for rank in range(world_size):
-            renv = dict(base_env, **(rank_env or {}).get(rank, {}))
-            proc = ctx.Process(target=_entry, args=(fn, rank, world_size, store_path, backend, renv, args, results))
+            proc = ctx.Process(
+                target=_entry, args=(fn, rank, world_size, store_path, backend, envs[rank], args, results)
+            )
             proc.start()
             procs.append(proc)
         done: dict[int, Any] = {}

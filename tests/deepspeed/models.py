@@ -52,8 +52,42 @@ def batch(rank: int, micro: int, dtype=torch.float32):
 def reference_grads(world: int, gas: int = 1, make=None, batch=batch) -> dict[str, torch.Tensor]:
     """Mean over ranks and micro-steps of the local fp32 gradients of a plain copy of the model
     (``make()``, default Net) on ``batch(rank, micro)``."""
+    return _reference(world, gas, make, batch)[0]
+
+
+def reference_bounds(world: int, gas: int = 1, make=None, batch=batch) -> dict[str, float]:
+    """How far (relative 2-norm, per parameter) an fp32 mean of the same local gradients, summed in
+    another order, may be from ``reference_grads``: ``reordered_sum(terms) * ||sum |g_k| / terms|| /
+    ||mean||`` (tests/tolerance.py) with ``terms = world * gas`` local gradients, plus one rounding per
+    term for what DeepSpeed does besides summing (the loss scaled by 1/gas before backward, the
+    gradients divided by the world before the reduction). The magnitude factor is this data's."""
+    from tests.tolerance import reordered_sum
+
+    mean, magnitude = _reference(world, gas, make, batch)
+    slack = reordered_sum(world * gas + 1, torch.float32)
+    return {n: slack * float(magnitude[n].norm()) / max(float(mean[n].norm()), 1e-30) for n in mean}
+
+
+def reference_magnitudes(world: int, gas: int = 1, make=None, batch=batch) -> dict[str, torch.Tensor]:
+    """Mean over ranks and micro-steps of the local gradients' magnitudes |g_k|: what the rounding of a
+    reordered mean of them scales with, elementwise (tests/tolerance.py)."""
+    return _reference(world, gas, make, batch)[1]
+
+
+def low_precision_bound(dtype: torch.dtype) -> float:
+    """Relative distance of gradients computed in ``dtype`` (bf16, fp16) from fp32 ones, first order:
+    each of Net's 5 layers rounds its weights and output (forward) and its input and weight gradients
+    (backward) to ``dtype``, 4 roundings of relative u per layer (CPU low-precision matmuls accumulate
+    in fp32): 4 * 5 * u."""
+    from tests.tolerance import unit_roundoff
+
+    return 4 * 5 * unit_roundoff(dtype)
+
+
+def _reference(world: int, gas: int, make, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = make() if make is not None else Net()
     total = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    magnitude = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
     for rank in range(world):
         for micro in range(gas):
             model.zero_grad()
@@ -62,7 +96,8 @@ def reference_grads(world: int, gas: int = 1, make=None, batch=batch) -> dict[st
             for n, p in model.named_parameters():
                 if p.requires_grad:
                     total[n] += p.grad
-    return {n: g / (world * gas) for n, g in total.items()}
+                    magnitude[n] += p.grad.abs()
+    return {n: g / (world * gas) for n, g in total.items()}, {n: m / (world * gas) for n, m in magnitude.items()}
 
 
 def config(stage: int, *, dtype: str = "fp32", offload: bool = False, gas: int = 1, **zero) -> dict:

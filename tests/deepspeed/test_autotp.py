@@ -35,9 +35,13 @@ def _worker(rank, world):
             "groups": [(g.plan, g.ranks) for g in grads.record.groups],
         }
         stats = collgrad.model_grad_stats(eng)
+        from tests.tolerance import norm_of_sum_of_squares
+
         out[stage]["stats"] = {
             n: (
-                abs(s.norm - float(grads[n].double().norm())) <= 1e-5 * float(grads[n].double().norm()),
+                # fp32 fragment norms against the fp64 norm of the same values (tests/tolerance.py)
+                abs(s.norm - float(grads[n].double().norm()))
+                <= norm_of_sum_of_squares(grads[n].numel(), torch.float32) * float(grads[n].double().norm()),
                 s.max_abs == float(grads[n].abs().max()),
                 s.numel == grads[n].numel(),
             )

@@ -1,5 +1,6 @@
 """Calls at invalid times or with diverging arguments raise the same error on every rank, quickly;
-MoE expert groups are reduced within their own group; the call leaves the engine as it was."""
+MoE expert groups are reduced within their own group. (That a call leaves the engine's step as it was
+is test_no_side_effects': its first step is this one, with every plan and the stream called.)"""
 
 from __future__ import annotations
 
@@ -75,14 +76,17 @@ def _moe(rank, world, ep_size, num_experts, stage, dtype):
 
     import collgrad
     from tests.deepspeed import models
+    from tests.tolerance import norm_of_sum_of_squares, unit_roundoff
 
     eng = models.moe_engine(models.config(stage, dtype=dtype), ep_size, num_experts)
     models.run_backward(eng, rank)
     grads = collgrad.safe_get_full_model_grads(eng)
     ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
     stats = collgrad.model_grad_stats(eng)
+    # fp32 fragment norms against the fp64 norm of the same values (tests/tolerance.py)
     stats_equal = all(
-        abs(stats.params[n].norm - float(g.double().norm())) <= 1e-5 * float(g.double().norm()) + 1e-30
+        abs(stats.params[n].norm - float(g.double().norm()))
+        <= norm_of_sum_of_squares(g.numel(), torch.float32) * float(g.double().norm()) + 1e-30
         for n, g in grads.items()
     )
     # Writing: each rank's own values (expert shards differ between expert-parallel ranks) read back.
@@ -92,7 +96,11 @@ def _moe(rank, world, ep_size, num_experts, stage, dtype):
     return {
         "stats_equal": stats_equal,
         "written": all(
-            torch.allclose(back[n].float(), new[n].float(), rtol=1e-2 if dtype != "fp32" else 0, atol=0) for n in new
+            # bf16 + fp32 accumulation: at most one rounding to bf16 on the way (tests/tolerance.py)
+            torch.allclose(
+                back[n].float(), new[n].float(), rtol=unit_roundoff(torch.bfloat16) if dtype != "fp32" else 0, atol=0
+            )
+            for n in new
         ),
         "equal": all(torch.equal(grads[n], ds[n]) for n in ds) and list(grads) == list(ds),
         "groups": [(g.plan, g.ranks, g.collectives, g.params) for g in grads.record.groups],
@@ -116,35 +124,3 @@ def test_moe_expert_parameters_reduced_within_their_expert_data_parallel_group(w
                 assert expert_groups == [("local", (rank,), 0, 2)]
             else:
                 assert len(res["groups"]) == 2 and all(g[2] >= 1 for g in res["groups"])
-
-
-def _with_and_without_calls(rank, world, stage, dtype):
-    import collgrad
-    from tests.deepspeed import models
-
-    params = []
-    for call in (True, False):
-        eng = models.engine(models.config(stage, dtype=dtype))
-        models.run_backward(eng, rank)
-        if call:
-            collgrad.safe_get_full_model_grads(eng)
-            list(collgrad.iter_full_model_grads(eng, bucket_bytes=128))
-            collgrad.safe_get_full_model_grads(eng, plan="all_reduce")
-        eng.step()
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(eng.module.parameters()), enabled=stage == 3):
-            params.append([p.detach().clone() for p in eng.module.parameters()])
-    return all(torch.equal(a, b) for a, b in zip(*params))
-
-
-STEP_CONFIGS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16_acc32"), (2, "bf16_acc32"), (3, "bf16_acc32")]
-
-
-def _all_steps(rank, world):
-    return [_with_and_without_calls(rank, world, stage, dtype) for stage, dtype in STEP_CONFIGS]
-
-
-def test_the_step_after_a_call_is_unchanged():
-    for per_rank in run_ranks(_all_steps, 2, timeout=600):
-        assert dict(zip(STEP_CONFIGS, per_rank)) == dict.fromkeys(STEP_CONFIGS, True)

@@ -20,9 +20,10 @@ import os
 import torch
 from torch import nn
 
-from tests.deepspeed.test_write import CLIP, STEPS, _params, _reference, _rel, edit
+from tests.deepspeed.test_write import CLIP, STEPS, _params, _reference, _reference_and_bound, _rel, edit
 from tests.edits import write_edit
 from tests.harness import run_ranks
+from tests.tolerance import norm_of_sum_of_squares
 
 #: DeepSpeed swaps a sub-group only from 1 MiB per rank (here 2.4M parameters, 3 ranks). Every size
 #: divides by 2 and 3: with parameters ZeRO-3 pads (sizes not divisible by the world), DeepSpeed's own
@@ -78,6 +79,7 @@ def _worker(rank, world, path):
     again = collgrad.safe_get_full_model_grads(eng)  # the swapped-in buffers were released in between
     ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
     reference = models.reference_grads(world, make=Wide, batch=_batch)
+    bounds = models.reference_bounds(world, make=Wide, batch=_batch)
     stats = collgrad.model_grad_stats(eng)
     out["read"] = {
         "swaps": swappable > 0,
@@ -85,8 +87,15 @@ def _worker(rank, world, path):
         "names": sorted(full) == sorted(reference),
         "deepspeed": all(torch.equal(full[n], ds[n]) for n in full),
         "again": all(torch.equal(full[n], again[n]) for n in full),
-        "reference": max(_rel({n: full[n]}, {n: reference[n]}) for n in full),
-        "stats": max(abs(stats.params[n].norm - float(full[n].double().norm())) / float(full[n].norm()) for n in full),
+        # over the bound of a reordered fp32 mean (models.reference_bounds), per parameter
+        "reference": max(_rel({n: full[n]}, {n: reference[n]}) / bounds[n] for n in full),
+        # fp32 fragment norms against the fp64 norm of the same values, over their bound (tests/tolerance.py)
+        "stats": max(
+            abs(stats.params[n].norm - float(full[n].double().norm()))
+            / float(full[n].norm())
+            / norm_of_sum_of_squares(full[n].numel(), torch.float32)
+            for n in full
+        ),
     }
     gen = torch.Generator().manual_seed(7)  # the same values on every rank
     new = {n: torch.randn(p.ds_shape, generator=gen) for n, p in eng.module.named_parameters() if p.requires_grad}
@@ -96,7 +105,8 @@ def _worker(rank, world, path):
     back = collgrad.safe_get_full_model_grads(eng)
     ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
     out["written"] = all(torch.equal(back[n], new[n]) and torch.equal(ds[n], new[n]) for n in new)
-    edited, plain = (_reference(world, 1, e, make=Wide, batch=_batch) for e in (True, False))
+    edited, bound = _reference_and_bound(world, 1, True, Wide, _batch)
+    plain = _reference(world, 1, False, Wide, _batch)
     for how in ("set", "update"):
         eng = models.engine(_nvme_config(os.path.join(path, f"{how}{world}")), Wide())
         for _ in range(STEPS):
@@ -104,7 +114,11 @@ def _worker(rank, world, path):
             write_edit(eng, how, edit)
             eng.step()
         trained = _params(eng)
-        out[how] = (_rel(trained, edited), _rel(trained, plain))
+        # per parameter, over _reference_and_bound's bound of a reordered reduction through clipping and
+        # Adam; and the distances to the edited and the unedited training (that bound, worst case where
+        # this wide model's means cancel, does not tell them apart: the distances do)
+        ratio = max(_rel({n: trained[n]}, {n: edited[n]}) / bound[n] for n in trained)
+        out[how] = (ratio, _rel(trained, edited), _rel(trained, plain))
     return out
 
 
@@ -132,7 +146,7 @@ def test_reading_equals_deepspeed_and_plain_pytorch(results):
         read = res["read"]
         assert read["swaps"] and read["names"] and read["deepspeed"] and read["again"], read
         assert read["swap_ins"][0] == read["swap_ins"][1] >= 1, read  # once per swapped sub-group
-        assert read["reference"] < 1e-5 and read["stats"] < 1e-5, read  # norms accumulate in fp32
+        assert read["reference"] <= 1 and read["stats"] <= 1, read  # distances over their derived bounds
 
 
 def test_what_is_written_is_read_back(results):
@@ -146,5 +160,5 @@ def test_what_is_written_is_read_back(results):
 @pytest.mark.parametrize("how", ["set", "update"])
 def test_training_with_an_edit_matches_plain_pytorch(results, how):
     for res in results:
-        to_edited, to_plain = res[how]
-        assert to_edited < 1e-6 and to_plain > 1e-3, (how, to_edited, to_plain)
+        ratio, to_edited, to_plain = res[how]
+        assert ratio <= 1 and to_edited < to_plain, (how, ratio, to_edited, to_plain)

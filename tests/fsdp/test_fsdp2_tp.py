@@ -37,6 +37,7 @@ def _worker(rank, world):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import collgrad
+    from tests.tolerance import norm_of_sum_of_squares
 
     mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = rank // TP, rank % TP
@@ -63,7 +64,9 @@ def _worker(rank, world):
             "shape": tuple(grads[n].shape),
             "bitwise": torch.equal(grads[n], full),
             "plain": float((grads[n] - reference).norm() / reference.norm()),
-            "stat": abs(stats.params[n].norm - float(full.double().norm())) <= 1e-5 * float(full.double().norm()),
+            # fp32 fragment norms against the fp64 norm of the same values (tests/tolerance.py)
+            "stat": abs(stats.params[n].norm - float(full.double().norm()))
+            <= norm_of_sum_of_squares(full.numel(), torch.float32) * float(full.double().norm()),
         }
     new = {n: torch.full_like(g, 0.25) for n, g in grads.items()}
     collgrad.safe_set_full_model_grads(model, new)
