@@ -126,11 +126,11 @@ def model_grad_stats(
     records: tuple[GroupRecord, ...] = ()
     accessor_collectives = 0
     if call.source.accessor is not None:  # no known layout: DeepSpeed's accessor, one call per parameter
-        per_param = {name: _full_stat(call.source.accessor(call.source.params[name]), scale) for name in layout.order}
+        by_param = {name: _full_stat(call.source.accessor(call.source.params[name]), scale) for name in layout.order}
         accessor_collectives = len(layout.order)
     else:
-        per_param, records = _combined(call, scale)
-    ordered = {name: per_param[name] for name in layout.order if name in per_param}
+        by_param, records = _combined(call, scale)
+    ordered = {name: by_param[name] for name in layout.order if name in by_param}
     record = FullGradRecord(
         layout.variant,
         records,
@@ -187,7 +187,7 @@ def _combined(call: OpenCall, scale: float) -> tuple[dict[str, GradStat], tuple[
     parts); raises on every rank if any rank's reductions failed."""
     failure = call.early if isinstance(call.early, Exception) else None
     failed: set[int] = set()  # ranks whose reductions raised, as told in the gathers
-    per_param: dict[str, GradStat] = {}
+    by_param: dict[str, GradStat] = {}
     records = []
     for position, group in enumerate(call.source.layout.groups):
         mine = torch.zeros(3, len(group.params), dtype=torch.float64) if failure else call.early[position]
@@ -201,7 +201,7 @@ def _combined(call: OpenCall, scale: float) -> tuple[dict[str, GradStat], tuple[
         norms = (sumsq.sqrt() / scale).tolist()
         peaks = (max_abs / scale).tolist()
         for slot, norm, peak, count in zip(group.params, norms, peaks, nonfinite.long().tolist()):
-            per_param[slot.name] = GradStat(norm, peak, count, slot.numel)
+            by_param[slot.name] = GradStat(norm, peak, count, slot.numel)
     if failure is not None:
         raise failure
     if failed:
@@ -209,7 +209,7 @@ def _combined(call: OpenCall, scale: float) -> tuple[dict[str, GradStat], tuple[
             f"rank(s) {sorted(failed)} failed reducing their gradients (their own errors say why); "
             f"model_grad_stats returns nothing [seen by rank {_compat.rank()}]"
         )
-    return per_param, tuple(records)
+    return by_param, tuple(records)
 
 
 def _gather(
