@@ -17,7 +17,40 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.counting import Calls, count_collectives, count_planning
 
-__all__ = ["Sent", "sent", "observe"]
+__all__ = ["DEEPSPEED_ROWS", "FSDP2_ROWS", "Sent", "sent", "observe"]
+
+#: The rows the bench prints, in order, per source (what the tests expect of it).
+DEEPSPEED_ROWS = [
+    "deepspeed_loop",
+    "collgrad_all_gather",
+    "collgrad_all_reduce",
+    "collgrad_per_tensor",
+    "collgrad_no_copy",
+    "collgrad_iter",
+    "deepspeed_set_loop",
+    "collgrad_set",
+    "collgrad_set_unchecked",
+    "collgrad_update",
+    "deepspeed_norm_loop",
+    "collgrad_stats",
+    "raw_all_reduce",
+    "raw_all_gather",
+]
+FSDP2_ROWS = [
+    "full_tensor_loop",
+    "collgrad_all_gather",
+    "collgrad_all_reduce",
+    "collgrad_per_tensor",
+    "collgrad_no_copy",
+    "collgrad_iter",
+    "collgrad_set",
+    "collgrad_set_unchecked",
+    "collgrad_update",
+    "full_tensor_norm_loop",
+    "collgrad_stats",
+    "raw_all_reduce",
+    "raw_all_gather",
+]
 
 #: Ops that move no data of their own.
 _NOT_DATA = {"barrier", "monitored_barrier", "wait_tensor", "_wrap_tensor_autograd"}

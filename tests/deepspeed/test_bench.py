@@ -17,24 +17,9 @@ import sys
 
 from collgrad.bench.config import BenchConfig
 from collgrad.launch import run_local
-from tests.bench_observed import observe
+from tests.bench_observed import DEEPSPEED_ROWS, observe
 
-ROWS = [
-    "deepspeed_loop",
-    "collgrad_all_gather",
-    "collgrad_all_reduce",
-    "collgrad_per_tensor",
-    "collgrad_no_copy",
-    "collgrad_iter",
-    "deepspeed_set_loop",
-    "collgrad_set",
-    "collgrad_set_unchecked",
-    "collgrad_update",
-    "deepspeed_norm_loop",
-    "collgrad_stats",
-    "raw_all_reduce",
-    "raw_all_gather",
-]
+ROWS = DEEPSPEED_ROWS
 COLUMNS = {"median_ms", "min_ms", "max_ms", "call_ms", "page_faults", "peak_host_mb", "peak_device_mb"}
 
 

@@ -13,24 +13,10 @@ import sys
 
 from collgrad.bench.config import BenchConfig
 from collgrad.launch import run_local
-from tests.bench_observed import observe
+from tests.bench_observed import FSDP2_ROWS, observe
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-ROWS = [
-    "full_tensor_loop",
-    "collgrad_all_gather",
-    "collgrad_all_reduce",
-    "collgrad_per_tensor",
-    "collgrad_no_copy",
-    "collgrad_iter",
-    "collgrad_set",
-    "collgrad_set_unchecked",
-    "collgrad_update",
-    "full_tensor_norm_loop",
-    "collgrad_stats",
-    "raw_all_reduce",
-    "raw_all_gather",
-]
+ROWS = FSDP2_ROWS
 
 
 def test_bench_fsdp2_runs_and_reports_every_method(tmp_path):

@@ -14,38 +14,7 @@ from collgrad.bench.methods import METHODS, Reading, Setting, floors, methods_fo
 from collgrad.bench.models import Subject
 from collgrad.bench.report import describe, format_report, ratios
 from collgrad.bench.sweep import SWEEP_AXES, summarize_sweep, sweep_configs
-
-DEEPSPEED_ROWS = [
-    "deepspeed_loop",
-    "collgrad_all_gather",
-    "collgrad_all_reduce",
-    "collgrad_per_tensor",
-    "collgrad_no_copy",
-    "collgrad_iter",
-    "deepspeed_set_loop",
-    "collgrad_set",
-    "collgrad_set_unchecked",
-    "collgrad_update",
-    "deepspeed_norm_loop",
-    "collgrad_stats",
-    "raw_all_reduce",
-    "raw_all_gather",
-]
-FSDP2_ROWS = [
-    "full_tensor_loop",
-    "collgrad_all_gather",
-    "collgrad_all_reduce",
-    "collgrad_per_tensor",
-    "collgrad_no_copy",
-    "collgrad_iter",
-    "collgrad_set",
-    "collgrad_set_unchecked",
-    "collgrad_update",
-    "full_tensor_norm_loop",
-    "collgrad_stats",
-    "raw_all_reduce",
-    "raw_all_gather",
-]
+from tests.bench_observed import DEEPSPEED_ROWS, FSDP2_ROWS
 
 
 def _setting(
