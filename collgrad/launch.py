@@ -87,8 +87,8 @@ class RankError(RuntimeError):
 # Ranks of a CPU run (Gloo only) are forked from a forkserver that imported what ranks import, once
 # for this process, instead of importing it again in a fresh interpreter per rank (seconds each, more
 # on a loaded machine): torch, torch._dynamo (imported by the first optimizer torch.optim builds),
-# collgrad and, on DeepSpeed's CPU accelerator, deepspeed with the modules its first engine imports
-# (its Muon optimizer module, which compiles with torch.compile and so imports torch._inductor).
+# collgrad and, on DeepSpeed's CPU accelerator, collgrad's DeepSpeed adapter, which imports deepspeed
+# with the modules its first engine imports (see collgrad/grads/sources/deepspeed.py).
 # Importing them starts no thread and initializes no device or process group, so a fork of the server
 # is as clean as a fresh interpreter. What the server cannot give a rank is what was read at import:
 # deepspeed fixes its accelerator (DS_ACCELERATOR) when imported, so the server imports it only where
@@ -98,7 +98,9 @@ class RankError(RuntimeError):
 # server's own is as it was when the server started). A module missing from an installed release is
 # skipped (the forkserver ignores an ImportError), and the rank imports what it needs itself.
 _SERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "collgrad")
-_DEEPSPEED_PRELOAD = ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer")
+# collgrad's DeepSpeed adapter: it imports deepspeed and what a first engine imports (the adapter is
+# the one module of collgrad that imports deepspeed, the server's preload included).
+_DEEPSPEED_PRELOAD = ("collgrad.grads.sources.deepspeed",)
 _server_accelerator: list[str | None] = []  # DS_ACCELERATOR the server imported deepspeed with, once set
 
 

@@ -60,6 +60,15 @@ __all__ = [
 
 VERSION: str = deepspeed.__version__
 
+# DeepSpeed's engine imports its Muon optimizer module on first initialize(), and with it torch.compile's
+# torch._inductor (seconds, more on a loaded machine). Importing it with the adapter makes any process
+# that has the adapter ready to build engines: run_local's preloaded forkserver (collgrad/launch.py)
+# imports this module, so its ranks pay that once per process, not once per launch.
+try:
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+except ImportError:  # a 0.19 release without it: the engine imports what it needs itself
+    pass
+
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> DeepSpeedEngine:
     """``deepspeed.initialize`` for collgrad's own tools (the benchmark), so that they too reach
