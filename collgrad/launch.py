@@ -92,16 +92,19 @@ class RankError(RuntimeError):
 # Importing them starts no thread and initializes no device or process group, so a fork of the server
 # is as clean as a fresh interpreter. What the server cannot give a rank is what was read at import:
 # deepspeed fixes its accelerator (DS_ACCELERATOR) when imported, so the server imports it only where
-# DS_ACCELERATOR=cpu is set when the server starts, and a run that asks for another accelerator, or for
-# a device backend, starts fresh interpreters (spawn) as before. Environment variables read later are
-# the parent's current ones: every rank gets the parent's os.environ as it is at the call (the
-# server's own is as it was when the server started). A module missing from an installed release is
-# skipped (the forkserver ignores an ImportError), and the rank imports what it needs itself.
+# the first run asks for DS_ACCELERATOR=cpu, and a later run that asks for another accelerator, or for
+# a device backend, starts fresh interpreters (spawn) as before; so does every run if the server could
+# not start. Environment variables read later are the parent's current ones: every rank gets the
+# parent's os.environ as it is at the call (the server's own is as it was when the server started). A
+# module missing from an installed release is skipped (the forkserver ignores an ImportError), and the
+# rank imports what it needs itself.
 _SERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "collgrad")
 # collgrad's DeepSpeed adapter: it imports deepspeed and what a first engine imports (the adapter is
 # the one module of collgrad that imports deepspeed, the server's preload included).
 _DEEPSPEED_PRELOAD = ("collgrad.grads.sources.deepspeed",)
-_server_accelerator: list[str | None] = []  # DS_ACCELERATOR the server imported deepspeed with, once set
+#: The forkserver of this process, once started: "accelerator" is the DS_ACCELERATOR it imported
+#: deepspeed with (None: it did not), "usable" False if it could not start (then every run spawns).
+_server: dict[str, Any] = {}
 
 
 def _context(backend: str, envs: list[dict[str, str]]) -> Any:
@@ -109,28 +112,53 @@ def _context(backend: str, envs: list[dict[str, str]]) -> Any:
     if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    if not _server_accelerator:  # the first run of this process: start the server, importing what it may
-        wanted = os.environ.get("DS_ACCELERATOR")
+    if not _server:  # the first run of this process: start the server, importing what it may
+        wanted = envs[0].get("DS_ACCELERATOR")
         deepspeed = wanted == "cpu" and importlib.util.find_spec("deepspeed") is not None
         ctx.set_forkserver_preload(list(_SERVER_PRELOAD) + (list(_DEEPSPEED_PRELOAD) if deepspeed else []))
-        # The server imports with this process's module search path (Python < 3.12 ignores the one
-        # multiprocessing hands it), so that it imports the very collgrad (and torch) this process does.
-        saved = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path)
-        try:
-            from multiprocessing import forkserver
-
-            forkserver.ensure_running()
-        finally:
-            if saved is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = saved
-        _server_accelerator.append(wanted if deepspeed else None)
-    preloaded = _server_accelerator[0]
+        _server.update(accelerator=wanted if deepspeed else None, usable=_start_server(ctx, wanted))
+    if not _server["usable"]:
+        return mp.get_context("spawn")
+    preloaded = _server["accelerator"]
     if preloaded is not None and any(env.get("DS_ACCELERATOR") != preloaded for env in envs):
         return mp.get_context("spawn")
     return ctx
+
+
+def _start_server(ctx: Any, accelerator: str | None) -> bool:
+    """Start the forkserver and fork one empty process from it; False (use spawn) if either fails (a
+    preloaded module that raises something other than ImportError ends the server)."""
+    # The server imports with this process's module search path (Python < 3.12 ignores the one
+    # multiprocessing hands it), so that it imports the very collgrad (and torch) this process does,
+    # and with the runs' DS_ACCELERATOR, which deepspeed reads when imported.
+    wanted = {"PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in sys.path)}
+    if accelerator is not None:
+        wanted["DS_ACCELERATOR"] = accelerator
+    saved = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+        probe = ctx.Process(target=_noop)
+        probe.start()
+        probe.join(timeout=120)
+        if probe.is_alive():
+            probe.kill()
+            probe.join()
+        return probe.exitcode == 0
+    except (OSError, EOFError, ValueError):  # the server died while starting, or cannot be reached
+        return False
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _noop() -> None:
+    pass
 
 
 def _entry(fn, rank, world, store_path, backend, env, args, results) -> None:

@@ -164,7 +164,7 @@ class Dispatcher:
         for spec in specs:
             key = (spec.device, spec.dtype)
             if key not in rules:
-                # strided: a bucket holds whole tensors, so one may need to hold the largest of them
+                # strided: tensors are never cut, so the largest must fit the primitive's largest message
                 whole = max(t.numel for t in specs if (t.device, t.dtype) == key) if strided else 0
                 rule, channel, decision = _rule(self.registry, op, spec, group, cap_bytes, policy, whole)
                 rules[key], channels[rule] = rule, channel
@@ -236,7 +236,12 @@ def _rule(
     else:
         primitive, backend, wire, limit = choice.primitive, choice.backend, choice.wire_dtype, choice.max_elements
         why = choice.why()
-    capacity = max(planner.bucket_capacity(op, cap_bytes, wire, group.size(), limit), whole)
+    if whole > limit:
+        raise NoPrimitiveError(
+            f"rank {dist.get_rank()}: a strided {spec.dtype} tensor of {whole} elements is larger than the "
+            f"largest message {primitive.value} over {backend} takes ({limit}); gather it in parts"
+        )
+    capacity = planner.bucket_capacity(op, cap_bytes, wire, group.size(), limit)
     rule = BucketRule(primitive, backend, wire, capacity)
     channel = make_channel(primitive, group, backend, registry.mpi, links.mpi_comm)
     return rule, channel, Decision(device_type, spec.dtype, primitive, backend, wire, why)

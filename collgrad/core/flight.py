@@ -151,7 +151,7 @@ def _start_gather(bucket: Bucket, channel: Channel, src: list[Work], dst: list[W
         out_work = dst[s.tensor]
         whole = s.numel == src[s.tensor].tensor.numel()
         if out_work.flat is None and not as_given:
-            view = view.reshape(-1)  # a copy: contiguous scratch for one call per tensor
+            view = view.reshape(-1)  # contiguous (a copy of a strided view) for one call per tensor
         inputs.append(view)
         if whole and (out_work.flat is not None or as_given):
             outputs.append(out_work.whole)

@@ -73,6 +73,8 @@ class Plan:
     world_size: int
     tensors: tuple[TensorSpec, ...]
     buckets: tuple[Bucket, ...]
+    #: buckets hold whole tensors (``split_whole``): one larger than its bucket's capacity goes alone
+    whole: bool = False
 
     def validate(self) -> None:
         """Check the plan's invariants: every element of every tensor lands exactly once, no bucket over
@@ -81,7 +83,11 @@ class Plan:
         before any data moves."""
         covered = [0] * len(self.tensors)
         for bucket in self.buckets:
-            _require(0 < bucket.numel <= bucket.rule.capacity, f"bucket {bucket.index} holds {bucket.numel} elements")
+            alone = self.whole and len(bucket.segments) == 1  # a whole tensor larger than a bucket
+            _require(
+                0 < bucket.numel and (bucket.numel <= bucket.rule.capacity or alone),
+                f"bucket {bucket.index} holds {bucket.numel} elements",
+            )
             offset = 0
             for seg in bucket.segments:
                 spec = self.tensors[seg.tensor]

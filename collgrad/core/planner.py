@@ -59,7 +59,7 @@ def plan_buckets(
         split = split_whole if whole else split_stream
         for numel, segments in split([(i, tensors[i].numel) for i in members], rule.capacity):
             buckets.append(Bucket(len(buckets), device, dtype, rule, numel, segments))
-    return Plan(op, world_size, tuple(tensors), tuple(buckets))
+    return Plan(op, world_size, tuple(tensors), tuple(buckets), whole)
 
 
 def split_stream(sizes: Sequence[tuple[int, int]], capacity: int) -> list[tuple[int, tuple[Segment, ...]]]:

@@ -85,7 +85,7 @@ class ShapePlans:
     primitives: dict[tuple[int, Op, torch.dtype], Primitive | None] = field(default_factory=dict)
     #: (entry point, step, bucket bytes, strided) -> the dispatcher's bucket plan
     bucket_plans: dict[tuple[str, Hashable, int, bool], Prepared] = field(default_factory=dict)
-    #: (group index, batch, wire dtype) -> a sliced gather step
+    #: (group index, batch, dtype of this rank's buffer) -> a sliced gather step
     slices_steps: dict[tuple[int, tuple[int, ...], torch.dtype], SlicesStep] = field(default_factory=dict)
     #: (group index, batch, rank in group) -> an all-reduce step
     reduce_steps: dict[tuple[int, tuple[int, ...], int], ReduceStep] = field(default_factory=dict)

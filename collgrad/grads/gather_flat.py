@@ -62,7 +62,10 @@ def _placements(step: Step, buffer: Pieces) -> Placements:
     if found is not None and all(call.placements.get(r, CHANGED) != CHANGED for r in group.group_ranks):
         return found
     if group.world > 1:
-        width = 3 * max(call.piece_counts.get(r, 0) for r in group.group_ranks)
+        # every rank of the gradient group told its count in the readiness check (the control group
+        # covers it): the exchanged rows are as wide on every rank, and none is read short
+        assert all(r in call.piece_counts for r in group.group_ranks), "a rank's piece count was not told"
+        width = 3 * max(call.piece_counts[r] for r in group.group_ranks)
         row = [v for piece in pieces for v in piece]  # (offset in partition, offset sent, numel) each
         pg = call.source.groups.get(group.index)
         assert pg is not None  # a group of more than one rank has a process group

@@ -13,7 +13,7 @@ from tests.harness import run_ranks
 pytestmark = pytest.mark.guarantees
 
 #: (equal slices per run, slice size) of each run, and the distance between a run's slices
-RUNS = ((3, 5), (2, 7), (4, 1))
+RUNS = ((3, 5), (1, 5), (5, 1))  # 15, 5 and 5 elements
 STRIDE_PAD = 2
 
 
@@ -60,7 +60,8 @@ def _worker(rank, world):
     group = dist.group.WORLD
     out = {"rank": rank}
     total = sum(count * numel for count, numel in RUNS)
-    for case in ("strided", "fallback", "small buckets"):
+    caps = {"small buckets": 8, "pairs": 10}  # elements of this rank's part per bucket
+    for case in ("strided", "fallback", "small buckets", "pairs"):
         dispatcher = collgrad.Dispatcher(timeout=30)
         if case == "fallback":
 
@@ -70,7 +71,7 @@ def _worker(rank, world):
             dispatcher.fault_hook = hook
         result = torch.full((world * total,), -1.0)
         inputs, outputs = _views(_local(rank), result, world)
-        cap = 8 * 4 * world if case == "small buckets" else None  # a bucket per run, or fewer
+        cap = caps[case] * 4 * world if case in caps else None  # gathered bytes
         prepared = dispatcher.prepare(Op.ALL_GATHER, inputs, group, bucket_bytes=cap, strided=True)
         record = dispatcher.run(prepared, inputs, outputs, group, atomic=False)
         out[case] = {
@@ -95,7 +96,10 @@ def test_strided_outputs_laid_out_by_gloo_through_the_dispatcher(world):
         assert res["strided"] == {"equal": True, "buckets": [("coalesced", 3, 1, False)]}, res
         # the injected failure on every rank: one gather per tensor into scratch, copied into place
         assert res["fallback"]["equal"] and res["fallback"]["buckets"] == [("per_tensor", 3, 3, True)], res
-        # 32 bytes x world per bucket: runs of 15, 14 and 4 elements never cut, each alone
+        # 8 elements a bucket: 15 never cut (alone, over the cap), then 5 and 5 apart (10 > 8)
         small = res["small buckets"]
         assert small["equal"] and [b[:3] for b in small["buckets"]] == [("coalesced", 1, 1)] * 3, res
+        # 10 elements a bucket: 15 alone, 5 and 5 together
+        pairs = res["pairs"]
+        assert pairs["equal"] and [b[:3] for b in pairs["buckets"]] == [("coalesced", 1, 1), ("coalesced", 2, 1)], res
         assert res["forbidden"].startswith(f"rank {res['rank']}: ") and "strided outputs" in res["forbidden"], res

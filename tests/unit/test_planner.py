@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,6 +13,7 @@ from collgrad.backends.base import INT32_MAX, UNLIMITED
 from collgrad.backends.ops import Op, Primitive
 from collgrad.core.plan import BucketRule, Segment, TensorSpec
 from collgrad.core.planner import bucket_capacity, plan_buckets, split_stream, split_whole
+from collgrad.errors import CollgradError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 DEVICES = ["cpu", "cuda:0"]
@@ -105,3 +108,19 @@ def test_split_whole_never_cuts_a_tensor_and_fills_buckets_in_order(sizes, capac
         assert numel <= capacity or len(segs) == 1  # over capacity only alone
     for (n1, _), (_, nxt) in zip(buckets, buckets[1:]):
         assert n1 + nxt[0].numel > capacity  # a bucket closes only where the next tensor would not fit
+
+
+def test_a_whole_tensor_over_its_bucket_passes_validation_alone_and_only_in_whole_plans():
+    rule = BucketRule(Primitive.COALESCED, "gloo", torch.float32, 8)
+    specs = [
+        TensorSpec(15, torch.float32, "cpu"),
+        TensorSpec(5, torch.float32, "cpu"),
+        TensorSpec(5, torch.float32, "cpu"),
+    ]
+    plan = plan_buckets(Op.ALL_GATHER, specs, {("cpu", torch.float32): rule}, 2, whole=True)
+    plan.validate()
+    assert [[s.tensor for s in b.segments] for b in plan.buckets] == [[0], [1], [2]]
+    cut = plan_buckets(Op.ALL_GATHER, specs, {("cpu", torch.float32): rule}, 2)
+    assert all(b.numel <= 8 for b in cut.buckets)
+    with pytest.raises(CollgradError, match="holds 15 elements"):
+        replace(plan, whole=False).validate()
