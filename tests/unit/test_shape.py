@@ -12,9 +12,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "collgrad"
 MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 450, 150, 80
 
 
-def _too_long(path: pathlib.Path) -> list[str]:
+def _too_long(path: pathlib.Path, root: pathlib.Path = PACKAGE) -> list[str]:
     text = path.read_text()
-    where = path.relative_to(PACKAGE).as_posix()
+    where = path.relative_to(root).as_posix()
     out = []
     if len(text.splitlines()) > MAX_MODULE:
         out.append(f"{where}: {len(text.splitlines())} lines")
@@ -66,8 +66,8 @@ COLLECTIVES = {
 DIRECT = {"dist", "distributed", "_compat", "pg", "group", "process_group"}
 
 
-def _direct_collectives(path: pathlib.Path) -> list[str]:
-    where = path.relative_to(PACKAGE).as_posix()
+def _direct_collectives(path: pathlib.Path, root: pathlib.Path = PACKAGE) -> list[str]:
+    where = path.relative_to(root).as_posix()
     out = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
@@ -97,7 +97,7 @@ def test_the_shape_checks_see_what_they_should(tmp_path):
         "    pg.allgather([], [])\n"
         "    dispatcher.all_reduce([x])\n"
     )
-    found = sorted(line.split(": ", 1)[1] for line in _direct_collectives_at(sample))
+    found = sorted(line.split(": ", 1)[1] for line in _direct_collectives(sample, tmp_path))
     assert found == [
         "_compat.all_gather_coalesced",
         "distributed.all_reduce",
@@ -106,21 +106,4 @@ def test_the_shape_checks_see_what_they_should(tmp_path):
     ]
     long = tmp_path / "long.py"
     long.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION + "class C:\n    pass\n")
-    assert [line.split(": ", 1)[1] for line in _too_long_at(long)] == [f"f {MAX_FUNCTION + 1} lines"]
-
-
-def _direct_collectives_at(path: pathlib.Path) -> list[str]:
-    return _relative_to(path, _direct_collectives)
-
-
-def _too_long_at(path: pathlib.Path) -> list[str]:
-    return _relative_to(path, _too_long)
-
-
-def _relative_to(path: pathlib.Path, check) -> list[str]:
-    global PACKAGE
-    saved, PACKAGE = PACKAGE, path.parent
-    try:
-        return check(path)
-    finally:
-        PACKAGE = saved
+    assert [line.split(": ", 1)[1] for line in _too_long(long, tmp_path)] == [f"f {MAX_FUNCTION + 1} lines"]
