@@ -107,7 +107,7 @@ def observe(rank: int, world: int, configs: list[Any]) -> dict[str, dict[str, di
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for cfg in configs:
         setting = make_setting(build_subject(cfg), cfg)
-        rows = out[f"{cfg.source} stage {cfg.stage} {cfg.dtype}"] = {}
+        rows = out[f"{cfg.source} stage {cfg.stage} {cfg.dtype} {cfg.model}"] = {}
         for method in methods_for(cfg.source):
             call = method.bind(setting)
             call()

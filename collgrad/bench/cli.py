@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from collgrad.backends import mpi as mpi_launcher  # launcher facts only: mpi4py is imported lazily there
-from collgrad.bench.config import DTYPES, SOURCES, BenchConfig
+from collgrad.bench.config import DTYPES, MODEL_NAMES, SOURCES, BenchConfig
+from collgrad.bench.methods import METHODS
 from collgrad.bench.report import describe, format_report
 from collgrad.bench.run import run_bench
 from collgrad.bench.sweep import plot_sweep, summarize_sweep, sweep_configs
@@ -48,11 +49,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="bf16: with fp32 gradient accumulation")
     parser.add_argument("--offload", action="store_true", help="CPU optimizer offload")
+    parser.add_argument(
+        "--model",
+        choices=MODEL_NAMES,
+        default=d.model,
+        help="gpt2: GPT-2-shaped, mixed tensor sizes (default); vector: equal tensors",
+    )
     parser.add_argument("--tensors", type=int, default=d.tensors)
     parser.add_argument("--elements", type=int, default=d.elements)
     parser.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
     parser.add_argument("--reps", type=int, default=d.reps)
     parser.add_argument("--pairs", type=int, default=d.pairs, help="pairs timed against each plan's floor")
+    parser.add_argument(
+        "--methods",
+        default="",
+        metavar="A,B",
+        help=f"only these methods, comma-separated (default all): {', '.join(m.name for m in METHODS)}",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--sweep", action="store_true", help="also sweep tensors and bytes (slow)")
     parser.add_argument("--png", metavar="PATH", help="with --sweep: write a chart (pip install 'collgrad[plot]')")
@@ -65,11 +78,13 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         source=args.source,
         dtype=args.dtype,
         offload=args.offload,
+        model=args.model,
         tensors=args.tensors,
         elements=args.elements,
         bucket_mb=args.bucket_mb,
         reps=args.reps,
         pairs=args.pairs,
+        methods=tuple(m for m in args.methods.split(",") if m),
     )
 
 

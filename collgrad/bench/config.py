@@ -9,21 +9,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BenchConfig", "SOURCES", "DTYPES", "deepspeed_config"]
+__all__ = ["BenchConfig", "SOURCES", "DTYPES", "MODEL_NAMES", "deepspeed_config"]
 
 #: Where the model's gradients live: a DeepSpeed ZeRO engine (``--stage``) or an FSDP2 ``fully_shard``.
 SOURCES = ("deepspeed", "fsdp2")
 #: The engine's training precision (``--dtype``); bf16 runs with fp32 gradient accumulation.
 DTYPES = ("fp32", "bf16", "fp16")
+#: The model measured (``--model``): GPT-2-shaped (mixed tensor sizes) or ``tensors`` equal tensors.
+MODEL_NAMES = ("gpt2", "vector")
 
 
 @dataclass
 class BenchConfig:
-    """One benchmark run. The defaults are the README's main job (ZeRO-2, fp32, 25 MB of gradient)."""
+    """One benchmark run. The defaults are the README's main job (ZeRO-2, fp32, a GPT-2-shaped model of
+    400 tensors and 25 MB of gradient)."""
 
     stage: int = 2
     dtype: str = "fp32"  # fp32 | bf16 (with fp32 gradient accumulation) | fp16
     offload: bool = False
+    model: str = "gpt2"  # gpt2 (mixed sizes) | vector (equal tensors)
     tensors: int = 400
     elements: int = 6_553_600
     bucket_mb: float = 25.0

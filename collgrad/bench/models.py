@@ -7,6 +7,7 @@ ranks that build a DeepSpeed engine, after ``DS_ACCELERATOR`` is in their enviro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,7 +18,7 @@ from torch import nn
 from collgrad import _compat
 from collgrad.bench.config import BenchConfig, deepspeed_config
 
-__all__ = ["VectorModel", "Subject", "build_subject", "accelerator_device"]
+__all__ = ["VectorModel", "GPT2Model", "MODELS", "build_model", "Subject", "build_subject", "accelerator_device"]
 
 
 class VectorModel(nn.Module):
@@ -36,6 +37,89 @@ class VectorModel(nn.Module):
         for w in self.weights:
             h = h * w
         return h.float().pow(2).mean()
+
+    def example(self, generator: torch.Generator) -> torch.Tensor:
+        """An input batch for ``forward``."""
+        return torch.rand(2, self.width, generator=generator)
+
+
+class _Block(nn.Module):
+    """A GPT-2 block: pre-norm causal self-attention and a 4x MLP, every projection with a bias."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(width)
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.c_proj = nn.Linear(width, width)
+        self.ln_2 = nn.LayerNorm(width)
+        self.c_fc = nn.Linear(width, 4 * width)
+        self.mlp_proj = nn.Linear(4 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        q, k, v = self.c_attn(self.ln_1(h)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.c_proj(a.transpose(1, 2).reshape(b, t, d))
+        return h + self.mlp_proj(nn.functional.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
+
+
+class GPT2Model(nn.Module):
+    """A GPT-2-shaped stack of about ``tensors`` parameters and ``elements`` elements: token and position
+    embeddings, ``layers`` blocks of 12 tensors (two layer norms, attention and MLP weights with their
+    biases), a final layer norm, and a head tied to the token embedding. Sizes mix as in real models: a
+    few large matrices (``3d x d``, ``4d x d``, the embeddings) beside many ``d``-element biases and norms.
+
+    The shape is solved from the two targets: ``layers = (tensors - 4) // 12`` and the width ``d`` the
+    nearest that gives ``elements`` (vocabulary ``32 d``, positions ``4 d``), so ``--tensors`` and
+    ``--elements`` move it like the equal-tensor model (the count is a multiple of 12, plus 4).
+    """
+
+    VOCAB_PER_WIDTH = 32
+    POSITIONS_PER_WIDTH = 4
+
+    def __init__(self, tensors: int, elements: int) -> None:
+        super().__init__()
+        layers = max(1, (tensors - 4) // 12)
+        self.width = d = self.solve_width(layers, elements)
+        heads = next(h for h in range(max(1, d // 64), 0, -1) if d % h == 0)
+        with torch.random.fork_rng(devices=[]):  # the same weights on every rank; the caller's RNG untouched
+            torch.manual_seed(0)
+            self.wte = nn.Embedding(self.VOCAB_PER_WIDTH * d, d)
+            self.wpe = nn.Embedding(self.POSITIONS_PER_WIDTH * d, d)
+            self.h = nn.ModuleList([_Block(d, heads) for _ in range(layers)])
+            self.ln_f = nn.LayerNorm(d)
+
+    @classmethod
+    def solve_width(cls, layers: int, elements: int) -> int:
+        """The width ``d`` whose model is nearest ``elements``: ``layers (12 d^2 + 13 d)`` in the blocks,
+        ``(32 + 4) d^2`` in the embeddings, ``2 d`` in the final norm. Pure."""
+        a = 12 * layers + cls.VOCAB_PER_WIDTH + cls.POSITIONS_PER_WIDTH
+        b = 13 * layers + 2
+        return max(4, round((-b + math.sqrt(b * b + 4 * a * elements)) / (2 * a)))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        h = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for block in self.h:
+            h = block(h)
+        logits = self.ln_f(h) @ self.wte.weight.t()  # the tied head
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), idx[:, 1:].flatten())
+
+    def example(self, generator: torch.Generator) -> torch.Tensor:
+        """A batch of 2 sequences of token ids for ``forward``."""
+        t = min(64, self.wpe.num_embeddings)
+        return torch.randint(self.wte.num_embeddings, (2, t), generator=generator)
+
+
+#: ``--model``: the benchmark's models by name; ``gpt2`` (mixed sizes, the default) or ``vector``
+#: (``tensors`` equal tensors, the sweep's clean tensors axis).
+MODELS: dict[str, type[GPT2Model] | type[VectorModel]] = {"gpt2": GPT2Model, "vector": VectorModel}
+
+
+def build_model(cfg: BenchConfig) -> GPT2Model | VectorModel:
+    """``cfg.model`` at ``cfg.tensors`` and ``cfg.elements``. The same weights on every rank."""
+    return MODELS[cfg.model](cfg.tensors, cfg.elements)
 
 
 @dataclass
@@ -85,11 +169,11 @@ def _deepspeed(cfg: BenchConfig) -> Subject:
     itself (``DS_ACCELERATOR``, else its own detection): the engine's device is the device measured."""
     from collgrad.grads.sources import deepspeed as ds  # the adapter: collgrad's one door to DeepSpeed
 
-    model = VectorModel(cfg.tensors, cfg.elements)
+    model = build_model(cfg)
     engine = ds.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-4), deepspeed_config(cfg))
-    dtype = next(engine.module.parameters()).dtype
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.rand(2, model.width, generator=gen).to(device=engine.device, dtype=dtype)
+    x = model.example(torch.Generator().manual_seed(dist.get_rank())).to(engine.device)
+    if x.is_floating_point():
+        x = x.to(next(engine.module.parameters()).dtype)
     engine.backward(engine(x))
     params = [p for p in engine.module.parameters() if p.requires_grad]
     return Subject(
@@ -112,9 +196,9 @@ def _fsdp2(cfg: BenchConfig) -> Subject:
     from collgrad.grads.sources import fsdp2  # collgrad's one door to FSDP2
 
     device = accelerator_device()
-    plain = VectorModel(cfg.tensors, cfg.elements).to(device)
+    plain = build_model(cfg).to(device)
     model = fsdp2.shard_whole(plain, device.type, dist.get_world_size())
-    x = torch.rand(2, plain.width, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
+    x = plain.example(torch.Generator().manual_seed(dist.get_rank())).to(device)
     model(x).backward()
     params = [p for p in model.parameters() if p.requires_grad]
 

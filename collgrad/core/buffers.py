@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence, Tuple
 
 import torch
 
-__all__ = ["adjacent_view", "flat_alias", "Pieces", "PiecesCache", "SameTensors"]
+__all__ = ["adjacent_view", "flat_alias", "Pieces", "PiecesCache", "SameTensors", "main_run", "run_view"]
 
 #: A 1-D view of the storage span some pieces cover, and each piece's offset in it.
 Placed = Tuple[torch.Tensor, Tuple[int, ...]]
@@ -58,7 +58,7 @@ class Pieces:
     list of partition fragments), read by range without first concatenating everything."""
 
     def __init__(self, pieces: Sequence[torch.Tensor]) -> None:
-        self.pieces = [p if p.dim() == 1 else p.reshape(-1) for p in pieces]
+        self.pieces = [p if p.dim() == 1 else p.reshape(-1) for p in pieces]  # views where contiguous
         self.starts = []
         total = 0
         for p in self.pieces:
@@ -195,6 +195,48 @@ class Pieces:
         return view if view is not None else torch.cat(parts)
 
 
+def main_run(pieces: Pieces) -> tuple[int, ...]:
+    """The pieces (indices, in storage order) that lie back to back in one storage over the longest span,
+    ties to the first: all of them when they tile one span (``tiling()``); else, with DeepSpeed's ZeRO-1/2
+    fragments, all but the few a gap or another storage sets apart (a parameter straddling the partition
+    edge keeps its whole size in the buffer; the tail padding is a tensor of its own). Worked out once
+    per placement (kept in ``memo``)."""
+    found: tuple[int, ...] | None = pieces.memo.get("main run")
+    if found is None:
+        found = pieces.memo["main run"] = _main_run(pieces)
+    return found
+
+
+def _main_run(pieces: Pieces) -> tuple[int, ...]:
+    tiled = pieces.tiling()
+    if tiled is not None:
+        return tuple(sorted(range(len(pieces.pieces)), key=lambda k: tiled[1][k]))
+    lying = sorted(
+        (p.untyped_storage().data_ptr(), int(p.storage_offset()), k)
+        for k, p in enumerate(pieces.pieces)
+        if p.is_contiguous() and p.dtype == pieces.dtype and p.numel()
+    )
+    best: list[int] = []
+    run: list[int] = []
+    best_numel = numel = 0
+    end: tuple[int, int] | None = None
+    for storage, offset, k in lying:
+        if (storage, offset) != end:
+            run, numel = [], 0
+        run.append(k)
+        numel += pieces.pieces[k].numel()
+        end = (storage, offset + pieces.pieces[k].numel())
+        if numel > best_numel:
+            best, best_numel = list(run), numel
+    return tuple(best)
+
+
+def run_view(pieces: Pieces, run: Sequence[int]) -> torch.Tensor:
+    """The pieces ``run`` (``main_run``: back to back in storage, in that order) as one 1-D view."""
+    first = pieces.pieces[run[0]]
+    return _storage_view(first, int(first.storage_offset()), sum(pieces.pieces[k].numel() for k in run))
+
+
 class SameTensors:
     """Whether a list of tensors is the one remembered: the same objects, held weakly (nothing is kept
     alive, and a tensor freed and replaced is never taken for the old one), each with its data where it
@@ -234,7 +276,7 @@ class PiecesCache:
         if self._known is not None and self._same.matches(fragments):
             return _from_known(fragments, self._known)
         built = Pieces(fragments)
-        self._known = _known(built) if all(p.dim() == 1 for p in fragments) else None
+        self._known = _known(built)
         self._same.remember(fragments)
         return built
 
@@ -251,7 +293,7 @@ def _known(pieces: Pieces) -> Known:
 def _from_known(fragments: Sequence[torch.Tensor], known: Known) -> Pieces:
     """Pieces of ``fragments``, which lie where ``known`` says: nothing is worked out again."""
     self = Pieces.__new__(Pieces)
-    self.pieces = list(fragments)
+    self.pieces = [p if p.dim() == 1 else p.reshape(-1) for p in fragments]  # as Pieces() flattens them
     self.starts, self._numel, offsets, span_numel, tiled, self.memo = known
     if offsets is None:
         self._placement = self._tiling = None

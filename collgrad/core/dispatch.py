@@ -147,6 +147,7 @@ class Dispatcher:
         bucket_bytes: int | None = None,
         policy: Policy | None = None,
         strided: bool = False,
+        whole: bool = False,
     ) -> Prepared:
         """The plan for ``tensors``, the channel per rule, and the decisions taken. Collective the first
         time a (group, device type) is seen (the registry agrees on capabilities), local afterwards.
@@ -154,7 +155,11 @@ class Dispatcher:
         ``strided`` (all-gathers only): the tensors are views the group's backend lays out itself
         (``Capabilities.strided_gather``): the coalesced primitive, each tensor whole in one bucket
         (a bucket holds whole tensors up to ``bucket_bytes``, a larger one alone), handed over as
-        they are. NoPrimitiveError, on every rank alike, where the group did not agree on that."""
+        they are. NoPrimitiveError, on every rank alike, where the group did not agree on that.
+
+        ``whole``: the agreed primitive, but no tensor is cut either (a bucket holds whole tensors up to
+        ``bucket_bytes``, a larger one alone): each tensor is gathered straight into its output when it
+        is alone in its bucket (``bucket_bytes=1``: every tensor alone, one collective each)."""
         world = group.size()
         cap_bytes = checked_bucket_bytes(bucket_bytes)
         specs = tuple(TensorSpec(t.numel(), t.dtype, str(t.device)) for t in tensors)
@@ -164,12 +169,12 @@ class Dispatcher:
         for spec in specs:
             key = (spec.device, spec.dtype)
             if key not in rules:
-                # strided: tensors are never cut, so the largest must fit the primitive's largest message
-                whole = max(t.numel for t in specs if (t.device, t.dtype) == key) if strided else 0
-                rule, channel, decision = _rule(self.registry, op, spec, group, cap_bytes, policy, whole)
+                # never cut: the largest tensor must fit the primitive's largest message
+                widest = max(t.numel for t in specs if (t.device, t.dtype) == key) if strided or whole else 0
+                rule, channel, decision = _rule(self.registry, op, spec, group, cap_bytes, policy, widest, strided)
                 rules[key], channels[rule] = rule, channel
                 decisions.append(decision)
-        plan = planner.plan_buckets(op, specs, rules, world, whole=strided)
+        plan = planner.plan_buckets(op, specs, rules, world, whole=strided or whole)
         plan.validate()
         return Prepared(plan, channels, tuple(decisions), strided)
 
@@ -206,12 +211,18 @@ class Dispatcher:
 
 
 def _rule(
-    registry: Registry, op: Op, spec: TensorSpec, group: ProcessGroup, cap_bytes: int, policy: Policy | None, whole: int
+    registry: Registry,
+    op: Op,
+    spec: TensorSpec,
+    group: ProcessGroup,
+    cap_bytes: int,
+    policy: Policy | None,
+    whole: int,
+    strided: bool,
 ) -> tuple[BucketRule, Channel, Decision]:
-    """How tensors of ``spec``'s device and dtype travel: the agreed choice, or, for strided tensors
-    (``whole``: the largest of them, never cut), the coalesced primitive the group agreed lays
-    strided outputs out; its channel and the record."""
-    strided = whole > 0
+    """How tensors of ``spec``'s device and dtype travel: the agreed choice, or, for ``strided`` tensors,
+    the coalesced primitive the group agreed lays strided outputs out; its channel and the record.
+    ``whole``: the largest tensor where tensors are never cut (0 where they may be)."""
     device_type = torch.device(spec.device).type
     links = registry.links(device_type, group, policy)
     caps = links.capabilities
@@ -238,7 +249,7 @@ def _rule(
         why = choice.why()
     if whole > limit:
         raise NoPrimitiveError(
-            f"rank {dist.get_rank()}: a strided {spec.dtype} tensor of {whole} elements is larger than the "
+            f"rank {dist.get_rank()}: a {spec.dtype} tensor of {whole} elements, never cut, is larger than the "
             f"largest message {primitive.value} over {backend} takes ({limit}); gather it in parts"
         )
     capacity = planner.bucket_capacity(op, cap_bytes, wire, group.size(), limit)

@@ -27,7 +27,7 @@ from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Prepared
 from collgrad.grads.plan import GradCall, GradPlan
 from collgrad.grads.stat_blocks import Arranged
-from collgrad.grads.steps import CopyPlan, Cut, ReduceStep, SlicesStep
+from collgrad.grads.steps import CopyPlan, Cut, ReduceStep, Sent, SlicesStep
 
 __all__ = ["Lru", "ShapePlans", "PlanCache", "Placements", "HeldCopies", "WriteRow", "WritePlan", "MAX_SHAPES"]
 
@@ -83,8 +83,8 @@ class ShapePlans:
     gradient_plan: GradPlan | None = None
     #: (group index, op, dtype) -> the agreed primitive under this shape's policy
     primitives: dict[tuple[int, Op, torch.dtype], Primitive | None] = field(default_factory=dict)
-    #: (entry point, step, bucket bytes, strided) -> the dispatcher's bucket plan
-    bucket_plans: dict[tuple[str, Hashable, int, bool], Prepared] = field(default_factory=dict)
+    #: (entry point, step, bucket bytes, strided, whole) -> the dispatcher's bucket plan
+    bucket_plans: dict[tuple[str, Hashable, int, bool, bool], Prepared] = field(default_factory=dict)
     #: (group index, batch, dtype of this rank's buffer) -> a sliced gather step
     slices_steps: dict[tuple[int, tuple[int, ...], torch.dtype], SlicesStep] = field(default_factory=dict)
     #: (group index, batch, rank in group) -> an all-reduce step
@@ -95,11 +95,13 @@ class ShapePlans:
 
 class Placements:
     """ZeRO-1/2: this rank's pieces as sent when the placements were exchanged, per parameter its runs
-    in the gathered buffer, and the cuts derived from them by batch (dropped with them)."""
+    in the gathered buffer, the least main run any rank sends (``head``: every rank sends that much as
+    it lies), and the cuts derived from them by batch (dropped with them)."""
 
-    def __init__(self, pieces: tuple[tuple[int, int, int], ...], where: list[list[tuple[int, int]]]) -> None:
+    def __init__(self, pieces: Sent, where: list[list[tuple[int, int]]], head: int) -> None:
         self.pieces = pieces
         self.where = where
+        self.head = head
         self.cuts: Lru[tuple[int, ...], Cut] = Lru(MAX_SHAPES)
 
 

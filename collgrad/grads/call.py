@@ -162,18 +162,21 @@ class OpenCall:
         done: Callable[[int], None] | None = None,
         meanwhile: Callable[[], None] | None = None,
         strided: bool = False,
+        whole: bool = False,
     ) -> CallRecord:
         """One dispatcher call for ``step`` of this call, through its cached bucket plan (buckets of
         ``bucket_bytes``, default the call's). Not atomic and not re-checked: the tensors are collgrad's
-        own buffers, and the ranks agreed when the call opened. ``done``, ``meanwhile``, ``strided``:
-        see ``Dispatcher.run`` and ``Dispatcher.prepare``."""
+        own buffers, and the ranks agreed when the call opened. ``done``, ``meanwhile``, ``strided``,
+        ``whole``: see ``Dispatcher.run`` and ``Dispatcher.prepare``."""
         group = _compat.default_group() if group is None else group
         cap = self.call.bucket_bytes if bucket_bytes is None else bucket_bytes
-        key = (self.name, step, cap, strided)
+        key = (self.name, step, cap, strided, whole)
         prepared = self.plans.bucket_plans.get(key)
         if prepared is None:  # the tensors of a step have the same specs every call (from the layout)
             self.cached = False
-            prepared = self.dispatcher.prepare(op, inputs, group, bucket_bytes=cap, policy=self.policy, strided=strided)
+            prepared = self.dispatcher.prepare(
+                op, inputs, group, bucket_bytes=cap, policy=self.policy, strided=strided, whole=whole
+            )
             self.plans.bucket_plans[key] = prepared
         return self.dispatcher.run(prepared, inputs, outputs, group, atomic=False, done=done, meanwhile=meanwhile)
 

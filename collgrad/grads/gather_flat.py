@@ -1,8 +1,19 @@
 """ZeRO-1/2 gather: every rank's partition gathered as it lies in memory, then a view per parameter.
 
-DeepSpeed fills its buffer in backward order, so the partition is sent without a concatenation; the
-gathered buffer *is* the result: each parameter is a view of it (made while it is in flight) or, where
-it straddles ranks or pieces, one concatenation of its runs (``steps.Cut``).
+The gathered buffer *is* the result: each parameter is a view of it (made while it is in flight) or,
+where it straddles ranks or pieces, one concatenation of its runs (``steps.Cut``). What a rank sends
+is its main run of pieces as it lies (DeepSpeed fills its buffer in backward order), then the few
+pieces a gap or another tensor sets apart (``steps.Sent``).
+
+Two ways, as the group agreed:
+
+  laid out   more than one chunk (a rank's pieces apart, or more than a bucket) and the backend lays a
+             coalesced gather out into strided outputs itself (Gloo on CPU): one collective per chunk (``steps.flat_chunks``), whose outputs are the chunk's columns of
+             the result seen as ``world`` rows; the main runs travel as they lie, only the short rest
+             is concatenated, and nothing is staged or copied out by collgrad
+  flat       otherwise: what this rank sends as one tensor (a view where its pieces tile one span,
+             else one concatenation), gathered into the result (in buckets, copied out of a scratch
+             bucket each where there are several)
 """
 
 from __future__ import annotations
@@ -13,21 +24,21 @@ from collgrad.backends import agreement
 from collgrad.backends.ops import Op
 from collgrad.core.buffers import Pieces
 from collgrad.grads.cache import Placements
-from collgrad.grads.placements import CHANGED, placed
-from collgrad.grads.runner import Result, Step, all_converted, shaped
+from collgrad.grads.placements import CHANGED, placed, sent_message
+from collgrad.grads.runner import Result, Step, all_converted, lays_out_strided, shaped
 from collgrad.grads.sources.layout import gathered_runs
-from collgrad.grads.steps import cut_gathered
+from collgrad.grads.steps import cut_gathered, flat_chunks
 
 __all__ = ["gather_flat"]
 
 
 def gather_flat(step: Step) -> Result:
-    """Step ``step`` of a ZeRO-1/2 gather (one collective per bucket)."""
+    """Step ``step`` of a ZeRO-1/2 gather (one collective per bucket, or per chunk)."""
     call, group, buffer, batch = step.call, step.group, step.buffer, step.batch
     assert isinstance(buffer, Pieces)
-    tiling = buffer.tiling()
-    local = tiling[0] if tiling is not None else buffer.whole()
-    full = torch.empty(group.world * group.partition_numel, dtype=group.wire_dtype, device=call.source.device)
+    world, numel = group.world, group.partition_numel
+    device = call.source.device
+    full = torch.empty(world * numel, dtype=group.wire_dtype, device=device)
     held = _placements(step, buffer)  # may exchange placements: before the gather
     cut = held.cuts.get(batch)
     if cut is None:  # kept with the placements it was made from
@@ -41,7 +52,18 @@ def gather_flat(step: Step) -> Result:
             slot = group.params[k]
             out.append((slot.name, shaped(parts[0][runs[0]], slot) if len(runs) == 1 else None))
 
-    step.run(Op.ALL_GATHER, [local.to(call.source.device)], [full], meanwhile=views)
+    message = sent_message(buffer)
+    capacity = max(1, call.call.bucket_bytes // (world * full.element_size()))
+    chunks = flat_chunks(numel, held.head, capacity)
+    if len(chunks) > 1 and lays_out_strided(step):
+        rows = full.view(world, numel)
+        inputs = [message.range(lo, n).to(device).view(1, n) for lo, n in chunks]
+        outputs = [rows[:, lo : lo + n] for lo, n in chunks]
+        # bucket_bytes=1: every chunk a bucket (one collective) of its own (a strided tensor is never
+        # cut, and one larger than a bucket goes alone): two in one call would be concatenated first.
+        step.run(Op.ALL_GATHER, inputs, outputs, bucket_bytes=1, meanwhile=views, strided=True)
+    else:
+        step.run(Op.ALL_GATHER, [message.whole().to(device)], [full], meanwhile=views)
     results: Result = []
     for (name, view), k, runs in zip(out, batch, cut.take):
         if view is None:  # straddles: its runs end to end, now that they have arrived
@@ -52,12 +74,12 @@ def gather_flat(step: Step) -> Result:
 
 def _placements(step: Step, buffer: Pieces) -> Placements:
     """Per parameter, the (offset, numel) runs of the gathered buffer that make it up, from every rank's
-    placement of its pieces: reused if every rank said, in the readiness check, that its cached
-    placements still hold (the same data on every rank of the group, so they all decide alike); else
-    exchanged in one small collective, each rank's row padded to the largest piece count told in the
-    readiness check."""
+    placement of its pieces, and the least main run any rank sends: reused if every rank said, in the
+    readiness check, that its cached placements still hold (the same data on every rank of the group,
+    so they all decide alike); else exchanged in one small collective, each rank's row (its main run,
+    then its pieces) padded to the largest piece count told in the readiness check."""
     call, group = step.call, step.group
-    pieces = placed(buffer)
+    sent = placed(buffer)
     found = call.source.plans.placements.get(group.index)
     if found is not None and all(call.placements.get(r, CHANGED) != CHANGED for r in group.group_ranks):
         return found
@@ -65,8 +87,8 @@ def _placements(step: Step, buffer: Pieces) -> Placements:
         # every rank of the gradient group told its count in the readiness check (the control group
         # covers it): the exchanged rows are as wide on every rank, and none is read short
         assert all(r in call.piece_counts for r in group.group_ranks), "a rank's piece count was not told"
-        width = 3 * max(call.piece_counts[r] for r in group.group_ranks)
-        row = [v for piece in pieces for v in piece]  # (offset in partition, offset sent, numel) each
+        width = 1 + 3 * max(call.piece_counts[r] for r in group.group_ranks)
+        row = [sent.head] + [v for piece in sent.pieces for v in piece]  # (offset in partition, sent, numel)
         pg = call.source.groups.get(group.index)
         assert pg is not None  # a group of more than one rank has a process group
         rows = agreement.exchange(
@@ -76,9 +98,10 @@ def _placements(step: Step, buffer: Pieces) -> Placements:
             what="where gradient pieces lie",
         )
         # A piece's offsets are never negative: a row's pieces end at its first padding.
-        per_rank = [[(r[i], r[i + 1], r[i + 2]) for i in range(0, width, 3) if r[i] != -1] for r in rows]
+        per_rank = [[(r[i], r[i + 1], r[i + 2]) for i in range(1, width, 3) if r[i] != -1] for r in rows]
+        head = min(r[0] for r in rows)
     else:
-        per_rank = [list(pieces)]
-    held = call.source.plans.placements[group.index] = Placements(pieces, gathered_runs(group, per_rank))
+        per_rank, head = [list(sent.pieces)], sent.head
+    held = call.source.plans.placements[group.index] = Placements(sent, gathered_runs(group, per_rank), head)
     call.cached = False
     return held

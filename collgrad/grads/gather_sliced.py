@@ -3,12 +3,15 @@
 
   coalesced   the agreed primitive is coalesced (NCCL, XCCL, or a policy forcing it): per-parameter
               gathers in one call, each straight into its place in the result
-  strided     the agreed primitive is a flat gather and the backend lays a coalesced gather out into
-              strided outputs itself (``Capabilities.strided_gather``, Gloo on CPU): one call whose
-              outputs are strided views of the result, per run of equal slices; no staging, no reorder
-  reordered   otherwise (a policy forcing ``flat`` too): rank-major into a staging buffer kept between
-              calls, in a few chunks, each laid out by one strided copy per run of equal slices as
-              soon as it has arrived, while the next is in flight
+  strided     the agreed primitive is a flat gather, the backend lays a coalesced gather out into
+              strided outputs itself (``Capabilities.strided_gather``, Gloo on CPU), and the step's
+              slices are one run of equal slices (a model of equal layers): one call whose input is
+              this rank's slices as they lie and whose output is a strided view of the result; no
+              staging, no reorder
+  reordered   otherwise (a model's mix of sizes, a policy forcing ``flat``): rank-major into a staging
+              buffer kept between calls, in a few chunks, each laid out by one strided copy per run of
+              equal slices equally spaced (a model's repeated layers) as soon as it has arrived, while
+              the next is in flight
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from collgrad.backends.ops import Op, Primitive
 from collgrad.core.buffers import Pieces
 from collgrad.core.record import CallRecord
-from collgrad.grads.runner import Result, Step, all_converted, shaped
+from collgrad.grads.runner import Result, Step, all_converted, lays_out_strided, shaped
 from collgrad.grads.steps import SlicesStep, slices_step
 
 __all__ = ["gather_sliced"]
@@ -48,21 +51,19 @@ def gather_sliced(step: Step) -> Result:
 
     if call.primitive(group, Op.ALL_GATHER, group.wire_dtype) is Primitive.COALESCED:
         _coalesced(step, plan, local, result, shape)
-    elif _strided(step):
+    elif lays_out_strided(step) and _one_input(plan):
         _laid_out_by_backend(step, plan, local, result, shape)
     else:
         _reordered(step, plan, local, result, shape)
     return all_converted(call, out, result.dtype, group.out_dtype)
 
 
-def _strided(step: Step) -> bool:
-    """Whether this group's gathers hand the backend strided outputs: the agreed choice is a flat
-    gather, and every rank's backend lays a coalesced gather out into strided views itself with the
-    coalesced primitive allowed (a policy forcing ``flat`` or forbidding ``coalesced`` keeps the flat
-    gather and its reorder copy)."""
-    caps = step.call.capabilities(step.group)
-    dtype = step.group.wire_dtype
-    return caps.choice(Op.ALL_GATHER, dtype).primitive is Primitive.FLAT and caps.strided_gather(dtype)
+def _one_input(plan: SlicesStep) -> bool:
+    """Whether the step's slices are one run of equal slices back to back (a model of equal layers):
+    then the backend's layout takes one contiguous input per rank. With several runs (a model's mix of
+    matrices, biases and norms) it would concatenate them first, and that copy plus its copy out cost
+    more than a flat gather and one reorder copy of ours (docs/notes/perf-profile.md)."""
+    return len(plan.strided) <= 1 and all(r.count == 1 or r.stride == r.numel for r in plan.strided)
 
 
 def _coalesced(
@@ -117,14 +118,16 @@ def _reordered(
 
     def reorder(i: int) -> None:
         chunk = plan.chunks[i]
-        rows = outs[i].view(world, chunk.span)
-        for run in chunk.runs:
-            start, n, count = run.start, run.numel, run.count
-            src = rows[:, start - chunk.lo : start - chunk.lo + count * n].view(world, count, n).transpose(0, 1)
-            result[world * start : world * (start + count * n)].view(count, world, n).copy_(src)
+        rows = outs[i]
+        for run in chunk.runs:  # rank-major rows of the chunk -> each parameter's slices end to end
+            start, stride, n, count = run.start, run.stride, run.numel, run.count
+            src = rows.as_strided((world, count, n), (chunk.span, stride, 1), rows.storage_offset() + start - chunk.lo)
+            result.as_strided((world, count, n), (n, world * stride, 1), result.storage_offset() + world * start).copy_(
+                src
+            )
 
-    cap = world * max(chunk.span for chunk in plan.chunks) * local.element_size()  # gathered bytes
-    step.run(Op.ALL_GATHER, ins, outs, bucket_bytes=cap, done=reorder, meanwhile=shape)
+    # whole, bucket_bytes=1: every chunk a bucket of its own, gathered straight into its staging
+    step.run(Op.ALL_GATHER, ins, outs, bucket_bytes=1, whole=True, done=reorder, meanwhile=shape)
 
 
 def _staging(step: Step, numel: int) -> torch.Tensor:

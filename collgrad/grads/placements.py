@@ -8,27 +8,34 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from collgrad.backends.agreement import stable_hash
-from collgrad.core.buffers import Pieces
+from collgrad.core.buffers import Pieces, main_run, run_view
 from collgrad.grads.cache import PlanCache
 from collgrad.grads.sources.layout import GradLayout, Kind
-from collgrad.grads.steps import placed_pieces
+from collgrad.grads.steps import Sent, sent_pieces
 
-__all__ = ["placed", "placement_print", "piece_count", "CHANGED"]
+__all__ = ["placed", "sent_message", "placement_print", "piece_count", "CHANGED"]
 
 #: Told instead of a print: this rank's cached placements no longer hold (or none are cached).
 CHANGED = -1
 
 
-def placed(buffer: Pieces) -> tuple[tuple[int, int, int], ...]:
-    """``buffer``'s pieces as a gather of its partition sends them (``steps.placed_pieces``): sent as they
-    lie when they tile one storage span, else concatenated. Kept with the buffer."""
-    found: tuple[tuple[int, int, int], ...] | None = buffer.memo.get("placed pieces")
+def placed(buffer: Pieces) -> Sent:
+    """How a gather of ``buffer``'s partition sends it (``steps.Sent``): its main run of pieces (``buffers.main_run``) as it lies,
+    then the rest concatenated. Kept with the buffer."""
+    found: Sent | None = buffer.memo.get("placed pieces")
     if found is None:
-        tiling = buffer.tiling()
-        sent = tiling[1] if tiling is not None else buffer.starts
-        found = placed_pieces(buffer.starts, sent, [p.numel() for p in buffer.pieces])
+        found = sent_pieces(buffer.starts, [p.numel() for p in buffer.pieces], main_run(buffer))
         buffer.memo["placed pieces"] = found
     return found
+
+
+def sent_message(buffer: Pieces) -> Pieces:
+    """What a gather of ``buffer``'s partition sends, as pieces in that order: a view of its main run,
+    then the other pieces in the partition's order (``placed``)."""
+    run = main_run(buffer)
+    members = set(run)
+    rest = [p for k, p in enumerate(buffer.pieces) if k not in members]
+    return Pieces([run_view(buffer, run), *rest] if run else rest)
 
 
 def _gathered_as_they_lie(layout: GradLayout, buffers: Sequence[Any]) -> list[tuple[int, Pieces]]:
@@ -59,4 +66,4 @@ def placement_print(layout: GradLayout, plans: PlanCache, buffers: Sequence[Any]
 def piece_count(layout: GradLayout, buffers: Sequence[Any]) -> int:
     """The most pieces this rank holds in any group gathered as its partitions lie: a placements
     exchange pads every rank's row to three numbers per piece of the largest count told."""
-    return max((len(placed(buffer)) for _, buffer in _gathered_as_they_lie(layout, buffers)), default=0)
+    return max((len(placed(buffer).pieces) for _, buffer in _gathered_as_they_lie(layout, buffers)), default=0)

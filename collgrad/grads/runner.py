@@ -7,13 +7,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from collgrad.backends.ops import Op
+from collgrad.backends.ops import Op, Primitive
 from collgrad.core.record import CallRecord
 from collgrad.grads.call import OpenCall
 from collgrad.grads.plan import GroupPlan
 from collgrad.grads.sources.layout import GradGroup, ParamSlot
 
-__all__ = ["Result", "Step", "shaped", "no_history", "converted", "all_converted"]
+__all__ = ["Result", "Step", "lays_out_strided", "shaped", "no_history", "converted", "all_converted"]
 
 #: A step's results: (parameter name, full gradient) each.
 Result = list[tuple[str, torch.Tensor]]
@@ -46,6 +46,7 @@ class Step:
         done: Callable[[int], None] | None = None,
         meanwhile: Callable[[], None] | None = None,
         strided: bool = False,
+        whole: bool = False,
     ) -> None:
         """One dispatcher call for this step (see ``OpenCall.run``): its bucket plan is built once and
         reused across calls; its record joins ``calls``."""
@@ -60,8 +61,18 @@ class Step:
             done=done,
             meanwhile=meanwhile,
             strided=strided,
+            whole=whole,
         )
         self.calls.append(record)
+
+
+def lays_out_strided(step: Step) -> bool:
+    """Whether ``step``'s gathers hand the backend strided outputs: the agreed choice is a flat gather,
+    and every rank's backend lays a coalesced gather out into strided views itself with the coalesced
+    primitive allowed (a policy forcing ``flat`` or forbidding ``coalesced`` keeps the flat gather)."""
+    caps = step.call.capabilities(step.group)
+    dtype = step.group.wire_dtype
+    return caps.choice(Op.ALL_GATHER, dtype).primitive is Primitive.FLAT and caps.strided_gather(dtype)
 
 
 def shaped(grad: torch.Tensor, slot: ParamSlot) -> torch.Tensor:

@@ -3,6 +3,8 @@ partitions as they lie, of where every rank's pieces lie). No tensor, no process
 builds the same steps, and tests need no ranks. The executors (execute.py and the modules it calls)
 only move bytes as these say.
 
+  Sent         ZeRO-1/2 gather: what a rank sends, its main run of pieces first
+  flat_chunks  ZeRO-1/2 gather laid out by the backend: its collectives, the main runs apart
   Cut          ZeRO-1/2 gather: the gathered buffer cut in one ``split``, each parameter's runs
   ReduceStep   all-reduce: the bucket's size, where each owned fragment goes, the gaps to zero
   CopyPlan     all-reduce: owned fragments copied into the bucket, runs of equal ones in one copy
@@ -32,14 +34,14 @@ __all__ = [
     "CopyRows",
     "CopyPlan",
     "copy_plan",
-    "EqualRun",
     "Chunk",
     "StridedRun",
     "SlicesStep",
     "slices_step",
     "chunk_slots",
-    "equal_runs",
-    "placed_pieces",
+    "Sent",
+    "sent_pieces",
+    "flat_chunks",
 ]
 
 #: A ZeRO-3 / FSDP2 gather step goes in this many chunks, so that laying out one chunk overlaps
@@ -156,25 +158,6 @@ def copy_plan(mine: Sequence[tuple[Fragment, int]], spans: Sequence[int | None])
 
 
 @dataclass(frozen=True)
-class EqualRun:
-    """``count`` equally sized slices of ``numel`` elements back to back from ``start`` (relative to the
-    step's ``lo``): laid out parameter-major by one strided copy."""
-
-    start: int
-    numel: int
-    count: int
-
-
-class Chunk(NamedTuple):
-    """Part of a sliced step gathered as one bucket: ``span`` elements from ``lo`` (relative to the
-    step's ``lo``), cut at parameter edges, and its runs of equal slices."""
-
-    lo: int
-    span: int
-    runs: tuple[EqualRun, ...]
-
-
-@dataclass(frozen=True)
 class StridedRun:
     """``count`` equally sized slices (``numel`` each) at a constant distance ``stride`` from ``start``
     (relative to the step's ``lo``): a model's repeated layers, one strided view each side of a gather
@@ -184,6 +167,16 @@ class StridedRun:
     stride: int
     numel: int
     count: int
+
+
+class Chunk(NamedTuple):
+    """Part of a sliced step gathered as one bucket: ``span`` elements from ``lo`` (relative to the
+    step's ``lo``), cut at parameter edges, and its slices as runs of equal slices equally spaced (a
+    model's repeated layers), each laid out parameter-major by one strided copy."""
+
+    lo: int
+    span: int
+    runs: tuple[StridedRun, ...]
 
 
 class SlicesStep(NamedTuple):
@@ -210,12 +203,13 @@ def slices_step(group: GradGroup, batch: tuple[int, ...], element_size: int) -> 
     span = slots[-1].offset + slots[-1].slice_numel - lo
     count = max(1, min(PIPELINE_CHUNKS, span * element_size // MIN_CHUNK_BYTES))
     chunks = []
+    slices = tuple(Fragment(k, 0, s.offset - lo, s.slice_numel) for k, s in enumerate(slots) if s.slice_numel)
     for c_lo, c_span, members in chunk_slots(slots, lo, count):
-        runs = equal_runs([slots[j] for j in members])
-        chunks.append(Chunk(c_lo, c_span, tuple(EqualRun(r[0].offset - lo, r[0].slice_numel, len(r)) for r in runs)))
+        within = set(members)
+        inside = tuple(f for f in slices if f.param in within)
+        chunks.append(Chunk(c_lo, c_span, _strided(inside)))
     ends = [s.offset for s in slots[1:]] + [lo + span]
     gathered = tuple(group.world * (end - s.offset) for s, end in zip(slots, ends))
-    slices = tuple(Fragment(k, 0, s.offset - lo, s.slice_numel) for k, s in enumerate(slots) if s.slice_numel)
     return SlicesStep(
         lo,
         span,
@@ -223,8 +217,13 @@ def slices_step(group: GradGroup, batch: tuple[int, ...], element_size: int) -> 
         gathered,
         tuple(k for k, (s, g) in enumerate(zip(slots, gathered)) if g != s.numel or len(s.shape) != 1),
         tuple(chunks),
-        tuple(StridedRun(r.local_offset, r.stride, r.numel, len(r.frags)) for r in strided_runs(slices)),
+        _strided(slices),
     )
+
+
+def _strided(slices: tuple[Fragment, ...]) -> tuple[StridedRun, ...]:
+    """``slices`` (offsets relative to the step's ``lo``) as runs of equal slices equally spaced."""
+    return tuple(StridedRun(r.local_offset, r.stride, r.numel, len(r.frags)) for r in strided_runs(slices))
 
 
 def chunk_slots(slots: Sequence[ParamSlot], lo: int, count: int) -> list[tuple[int, int, list[int]]]:
@@ -244,21 +243,41 @@ def chunk_slots(slots: Sequence[ParamSlot], lo: int, count: int) -> list[tuple[i
     return chunks
 
 
-def equal_runs(slots: Sequence[ParamSlot]) -> list[list[ParamSlot]]:
-    """``slots`` (back to back in a sliced buffer) cut into runs of equal slice size, each contiguous."""
-    runs: list[list[ParamSlot]] = []
-    for s in slots:
-        if runs and runs[-1][-1].slice_numel == s.slice_numel and runs[-1][-1].offset + s.slice_numel == s.offset:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
-    return runs
+class Sent(NamedTuple):
+    """How a rank sends its partition in a ZeRO-1/2 gather: first ``head`` elements that lie back to back
+    in its memory (its ``buffers.main_run``, sent as they lie), then the rest of its pieces end to end
+    (concatenated: a parameter straddling the partition edge, the tail padding). ``pieces``: each
+    piece as (offset in the partition, offset in what is sent, numel), in the partition's order."""
+
+    head: int
+    pieces: tuple[tuple[int, int, int], ...]
 
 
-def placed_pieces(
-    starts: Sequence[int], sent: Sequence[int], numels: Sequence[int]
-) -> tuple[tuple[int, int, int], ...]:
-    """A rank's pieces as a gather of its partition sends them: (offset in the partition, offset in
-    what is sent, numel) each. ``sent``: where each piece starts in what is sent (its offset in the
-    storage span where the pieces tile one, else its offset in their concatenation: ``starts``)."""
-    return tuple(zip(starts, sent, numels))
+def sent_pieces(starts: Sequence[int], numels: Sequence[int], run: Sequence[int]) -> Sent:
+    """The ``Sent`` of pieces starting at ``starts`` (in the partition) of ``numels`` elements whose
+    main run is the pieces ``run`` (indices, in storage order)."""
+    sent = [0] * len(starts)
+    at = 0
+    for k in run:
+        sent[k], at = at, at + numels[k]
+    head, members = at, set(run)
+    for k in range(len(starts)):
+        if k not in members:
+            sent[k], at = at, at + numels[k]
+    return Sent(head, tuple(zip(starts, sent, numels)))
+
+
+def flat_chunks(partition: int, head: int, capacity: int) -> tuple[tuple[int, int], ...]:
+    """How a ZeRO-1/2 gather whose outputs the backend lays out strided goes: (offset, numel) in what
+    each rank sends, one collective each, at most ``capacity`` elements. ``head``: what every rank sends
+    as it lies in memory (the least of the ranks' heads), cut apart from the rest so that no rank copies
+    it (a collective's input is one contiguous tensor per rank); the rest, which some rank concatenates,
+    is short (a straddling parameter's part, the padding). Empty chunks are left out."""
+    if capacity <= 0:
+        raise ValueError(f"capacity must be positive, got {capacity}")
+    head = max(0, min(head, partition))
+
+    def cut(lo: int, hi: int) -> list[tuple[int, int]]:
+        return [(a, min(capacity, hi - a)) for a in range(lo, hi, capacity)]
+
+    return tuple(cut(0, head) + cut(head, partition))

@@ -27,7 +27,8 @@ def test_bench_runs_and_reports_every_method(tmp_path):
     out = tmp_path / "bench.json"
     root = pathlib.Path(__file__).resolve().parents[2]  # this source tree, as pytest's own imports
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(root))
-    args = ["--tensors", "24", "--elements", "24000", "--reps", "2", "--pairs", "3", "--stage", "3"]
+    # the default model (GPT-2-shaped): two blocks of 12 tensors, embeddings and a final norm
+    args = ["--tensors", "28", "--elements", "30000", "--reps", "2", "--pairs", "3", "--stage", "3"]
     proc = subprocess.run(
         [sys.executable, "-m", "collgrad", "bench", *args, "--json", str(out)],
         capture_output=True,
@@ -38,7 +39,8 @@ def test_bench_runs_and_reports_every_method(tmp_path):
     assert proc.returncode == 0, stderr[-3000:]
     report = json.loads(out.read_text())
     assert list(report["methods"]) == ROWS
-    assert report["params"] == 24 and report["world"] == 2 and report["element_size"] == 4
+    assert report["config"]["model"] == "gpt2" and report["params"] == 28
+    assert report["world"] == 2 and report["element_size"] == 4
     for name, row in report["methods"].items():
         assert COLUMNS | {"collectives", "bytes"} <= set(row), name
         assert all(math.isfinite(row[c]) for c in COLUMNS) and row["call_ms"] > 0, name
@@ -61,19 +63,21 @@ def test_each_row_reports_what_torch_received():
     # is observed in the FSDP2 test). ZeRO-1 bf16 with fp32 accumulation is BF16_Optimizer: every rank
     # holds every gradient, nothing to send.
     configs = [
-        BenchConfig(stage=stage, dtype=dtype, tensors=24, elements=24 * 330)
+        BenchConfig(stage=stage, dtype=dtype, model="vector", tensors=24, elements=24 * 330)
         for stage, dtype in ((2, "fp32"), (3, "fp32"), (1, "bf16"))
     ]
+    configs.append(BenchConfig(stage=1, tensors=28, elements=30000))  # the default model: mixed sizes
     by_config = run_local(observe, 2, configs, env={"DS_ACCELERATOR": "cpu"}, timeout=600)[0]
+    assert "deepspeed stage 1 fp32 gpt2" in by_config
     for config, rows in by_config.items():
         assert list(rows) == ROWS, config
         for name, row in rows.items():
             assert row["reported"] == row["seen"], (config, name)
             if row["plan_cached"] is not None:
                 assert row["plan_cached"] == (row["planned"] == 0), (config, name)
-    for config in ("deepspeed stage 2 fp32", "deepspeed stage 3 fp32"):
+    for config in ("deepspeed stage 2 fp32 vector", "deepspeed stage 3 fp32 vector"):
         seen = {name: row["seen"] for name, row in by_config[config].items()}
         assert seen["collgrad_all_gather"][0] == 1 and seen["collgrad_per_tensor"][0] == 24
         assert seen["deepspeed_loop"][0] == 24 and seen["collgrad_set"] == (0, 0)
         assert seen["collgrad_stats"] == (1, 24 * 24 + 8)  # 3 float64 per parameter, a flag
-    assert all(row["seen"] == (0, 0) for name, row in by_config["deepspeed stage 1 bf16"].items() if "collgrad" in name)
+    assert all(row["seen"] == (0, 0) for name, row in by_config["deepspeed stage 1 bf16 vector"].items() if "collgrad" in name)

@@ -301,11 +301,41 @@ def test_copy_false_hands_out_the_optimizers_own_tensors_only_where_a_rank_holds
 
 
 @pytest.mark.parametrize("config", [c for c, v in CONFIGS.items() if v[0] == 3])
-def test_zero3_gathers_are_laid_out_by_gloo_unless_a_policy_says_flat(results, config):
-    # Gloo copies a coalesced gather out into strided views: each rank's slices land parameter-major
-    # (no reorder copy); forcing flat keeps the flat gather and collgrad's reorder. Same values either way.
+def test_zero3_gathers_of_a_mix_of_sizes_are_flat_and_laid_out_by_collgrad(results, config):
+    # A mix of sizes is many runs of equal slices: Gloo's own layout would concatenate them first, so the
+    # gather is flat and collgrad lays it out (forcing flat: the same). Same values either way.
     for entry in results[1]:
         e = entry[config]
         assert e["plans_agree"]
-        assert e["gather_primitives"]["all_gather"] == ["coalesced"], e["gather_primitives"]
+        assert e["gather_primitives"]["all_gather"] == ["flat"], e["gather_primitives"]
         assert e["gather_primitives"]["flat"] == ["flat"], e["gather_primitives"]
+
+
+def _equal_layers(rank, world):
+    from deepspeed.utils import safe_get_full_grad
+    from torch import nn
+
+    import collgrad
+    from tests.deepspeed import models
+
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(6)))  # one run of equal slices
+        eng = models.engine(models.config(stage), model)
+        x = torch.rand(4, 16, generator=torch.Generator().manual_seed(rank))
+        eng.backward(eng(x).pow(2).mean())
+        got = collgrad.safe_get_full_model_grads(eng)
+        primitives = {str(b.primitive) for g in got.record.groups for c in g.calls for b in c.buckets}
+        equal = all(torch.equal(got[n], safe_get_full_grad(p)) for n, p in eng.module.named_parameters())
+        out[stage] = (sorted(primitives), equal, got.record.collectives)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_equal_layers_are_laid_out_by_gloo_itself(world):
+    # ZeRO-3: one run of equal slices, one coalesced gather whose strided output Gloo lays out parameter-
+    # major in the copy it makes anyway. ZeRO-1/2: every rank's partition as it lies, one collective.
+    for res in run_ranks(_equal_layers, world, timeout=300):
+        assert res[3] == (["coalesced"], True, 1), res
+        assert res[2] == (["flat"], True, 1), res

@@ -22,7 +22,7 @@ ROWS = FSDP2_ROWS
 def test_bench_fsdp2_runs_and_reports_every_method(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    args = ["--source", "fsdp2", "--tensors", "24", "--elements", "24000", "--reps", "2", "--pairs", "3"]
+    args = ["--source", "fsdp2", "--tensors", "28", "--elements", "30000", "--reps", "2", "--pairs", "3"]  # GPT-2-shaped
     args += ["--json", str(out)]
     proc = subprocess.run(
         [sys.executable, "-m", "collgrad", "bench", *args], capture_output=True, text=True, timeout=300, env=env
@@ -39,8 +39,8 @@ def test_each_row_reports_what_torch_received():
     # Parameters of 331 elements: fully_shard pads each shard to 166, so a rank's share of the
     # per-parameter all-gather is not half the model. full_tensor() issues functional collectives,
     # which only the dispatcher sees (tests.bench_observed).
-    cfg = BenchConfig(source="fsdp2", tensors=24, elements=24 * 331)
-    rows = run_local(observe, 2, [cfg], timeout=600)[0]["fsdp2 stage 2 fp32"]
+    cfg = BenchConfig(source="fsdp2", model="vector", tensors=24, elements=24 * 331)
+    rows = run_local(observe, 2, [cfg], timeout=600)[0]["fsdp2 stage 2 fp32 vector"]
     assert list(rows) == ROWS
     for name, row in rows.items():
         assert row["reported"] == row["seen"], name

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from collgrad.bench import cli, memory
-from collgrad.bench.config import BenchConfig, deepspeed_config
+from collgrad.bench.config import MODEL_NAMES, BenchConfig, deepspeed_config
 from collgrad.bench.methods import METHODS, Reading, Setting, floors, methods_for, versus
-from collgrad.bench.models import Subject
+from collgrad.bench.models import MODELS, GPT2Model, Subject, build_model
 from collgrad.bench.report import describe, format_report, ratios
 from collgrad.bench.sweep import SWEEP_AXES, summarize_sweep, sweep_configs
 from tests.bench_observed import DEEPSPEED_ROWS, FSDP2_ROWS
@@ -244,6 +244,8 @@ def test_options_and_their_defaults():
     assert cli.config_from(args) == BenchConfig(stage=3, source="fsdp2", dtype="bf16", reps=2, pairs=3)
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "fp8"])
+    args = parser.parse_args(["--model", "vector", "--methods", "raw_all_gather,collgrad_all_gather"])
+    assert cli.config_from(args) == BenchConfig(model="vector", methods=("raw_all_gather", "collgrad_all_gather"))
 
 
 def test_the_environment_is_read_and_what_local_ranks_need_is_returned():
@@ -318,3 +320,31 @@ def test_device_memory_uses_the_device_module_of_the_device_type():
         meter = memory.DeviceMemory(torch.device(device_type, 0))
         assert meter._module is module
         assert meter.measured == (module is not None and all(hasattr(module, n) for n in memory._CALLS))
+
+
+# The models measured
+
+
+def test_the_default_model_is_gpt2_shaped_with_mixed_sizes_and_every_parameter_gets_a_gradient():
+    cfg = BenchConfig()
+    assert cfg.model == "gpt2"
+    model = build_model(cfg)
+    sizes = [p.numel() for p in model.parameters()]
+    assert len(sizes) == cfg.tensors and abs(sum(sizes) - cfg.elements) < 0.01 * cfg.elements
+    # a few large matrices beside many biases and norms: most tensors are under 1% of the largest
+    assert len(set(sizes)) >= 6 and max(sizes) >= 1000 * min(sizes)
+    assert sum(n < max(sizes) // 100 for n in sizes) > len(sizes) // 2
+    assert model.wte.weight.numel() == max(sizes)  # the token embedding, also the (tied) head
+    model(model.example(torch.Generator().manual_seed(0))).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_models_follow_the_tensor_and_element_counts():
+    for tensors, elements in ((400, 6_553_600), (4000, 6_553_600), (400, 65_536_000), (40, 100_000)):
+        layers = (tensors - 4) // 12
+        d = GPT2Model.solve_width(layers, elements)
+        numel = layers * (12 * d * d + 13 * d) + 36 * d * d + 2 * d
+        assert abs(numel - elements) < 0.05 * elements + 50 * d, (tensors, elements)
+    vector = build_model(BenchConfig(model="vector", tensors=10, elements=1000))
+    assert [p.numel() for p in vector.parameters()] == [100] * 10
+    assert MODELS.keys() == set(MODEL_NAMES)

@@ -108,3 +108,19 @@ def test_span_offset_is_where_a_range_lies_in_the_storage_span():
     assert pieces.span_offset(0, 4) == 6 and pieces.span_offset(5, 2) == 3 and pieces.span_offset(8, 2) == 0
     assert pieces.span_offset(3, 2) is None  # straddles two pieces
     assert Pieces([flat[0:2], torch.arange(3.0)]).span_offset(0, 1) is None  # two storages: no span
+
+
+def test_the_main_run_is_the_longest_back_to_back_stretch_and_its_view_aliases_it():
+    from collgrad.core.buffers import main_run, run_view
+
+    storage, pad = torch.arange(20.0), torch.zeros(3)
+    # DeepSpeed's ZeRO-2 fragments: back to front in one buffer, a straddler at the front of its whole
+    # slot (a gap after it), the tail padding a tensor of its own
+    pieces = Pieces([storage[14:20], storage[8:14], storage[0:2], pad])
+    run = main_run(pieces)
+    assert run == (1, 0)  # 8..20, in storage order
+    view = run_view(pieces, run)
+    assert view.data_ptr() == storage[8:].data_ptr() and torch.equal(view, storage[8:20])
+    tiled = Pieces([storage[5:10], storage[0:5]])
+    assert main_run(tiled) == (1, 0) and torch.equal(run_view(tiled, main_run(tiled)), storage[:10])
+    assert main_run(Pieces([torch.zeros(4), torch.zeros(2)])) == (0,)  # no two back to back: the longest

@@ -19,9 +19,10 @@ from collgrad.grads.steps import (
     chunk_slots,
     copy_plan,
     cut_gathered,
-    equal_runs,
-    placed_pieces,
+    Sent,
+    flat_chunks,
     reduce_step,
+    sent_pieces,
     slices_step,
 )
 
@@ -127,38 +128,72 @@ def test_slices_step_chunks_cover_the_span_and_runs_are_equal_and_contiguous(siz
     if step.span * element < 2 * MIN_CHUNK_BYTES:
         assert len(step.chunks) == 1  # small steps stay one collective
     at = 0
-    for chunk in step.chunks:  # back to back, in order, at parameter edges
+    for chunk in step.chunks:  # back to back, in order, at parameter edges; its runs cover it once
         assert chunk.lo == at and chunk.span > 0
-        run_at = chunk.lo
-        for run in chunk.runs:
-            assert run.start == run_at and run.count >= 1
-            run_at += run.count * run.numel
-        assert run_at == chunk.lo + chunk.span
+        assert _covered(chunk.runs) == set(range(chunk.lo, chunk.lo + chunk.span))
         at += chunk.span
     assert at == step.span
-    covered = Counter()
-    for run in step.strided:
-        for i in range(run.count):
-            covered.update(range(run.start + i * run.stride, run.start + i * run.stride + run.numel))
-    assert set(covered) == set(range(step.span)) and all(v == 1 for v in covered.values())
+    assert _covered(step.strided) == set(range(step.span))
     for k, (slot, gathered) in enumerate(zip(slots, step.gathered)):
         assert gathered >= slot.numel
         assert (k in step.trimmed) == (gathered != slot.numel)
 
 
+def _covered(runs) -> set[int]:
+    """The elements ``runs`` (strided runs of equal slices) cover, each checked to be covered once."""
+    covered = Counter()
+    for run in runs:
+        assert run.count >= 1 and (run.count == 1 or run.stride >= run.numel)
+        for i in range(run.count):
+            covered.update(range(run.start + i * run.stride, run.start + i * run.stride + run.numel))
+    assert all(v == 1 for v in covered.values())
+    return set(covered)
+
+
 @settings(deadline=None)
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(1, 5))
-def test_chunks_and_equal_runs(sizes, count):
+def test_chunks_cover_the_slots_in_order(sizes, count):
     group = _sliced([max(1, n) for n in sizes], 2)
     slots = list(group.params)
     chunks = chunk_slots(slots, 0, count)
     assert [j for _, _, members in chunks for j in members] == list(range(len(slots)))
     assert sum(span for _, span, _ in chunks) == group.partition_numel
-    runs = equal_runs(slots)
-    assert [s for run in runs for s in run] == slots
-    for run in runs:
-        assert len({s.slice_numel for s in run}) == 1
-        assert all(b.offset == a.offset + a.slice_numel for a, b in zip(run, run[1:]))
+
+
+def test_a_mixed_model_s_slices_go_in_a_few_strided_runs():
+    # four layers of (weight 8, bias 2, norm 2): three runs across the layers, not one per slice
+    group = _sliced([16, 4, 4] * 4, 2)
+    step = slices_step(group, tuple(range(12)), 4)
+    assert len(step.strided) == 3 and {r.count for r in step.strided} == {4}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=8), st.data())
+def test_sent_pieces_put_the_main_run_first_then_the_rest_in_order(numels, data):
+    starts = [sum(numels[:k]) for k in range(len(numels))]
+    run = tuple(data.draw(st.permutations(range(len(numels))))[: data.draw(st.integers(0, len(numels)))])
+    sent = sent_pieces(starts, numels, run)
+    assert isinstance(sent, Sent) and sent.head == sum(numels[k] for k in run)
+    assert [p[0] for p in sent.pieces] == starts and [p[2] for p in sent.pieces] == numels
+    at = 0
+    for k in run:  # the run, in its order
+        assert sent.pieces[k][1] == at
+        at += numels[k]
+    for k in range(len(numels)):  # then the others, in the partition's order
+        if k not in run:
+            assert sent.pieces[k][1] == at
+            at += numels[k]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 500), st.integers(0, 600), st.integers(1, 200))
+def test_flat_chunks_cover_the_partition_with_the_head_apart(partition, head, capacity):
+    chunks = flat_chunks(partition, head, capacity)
+    head = min(head, partition)
+    assert [lo for lo, _ in chunks] == sorted(lo for lo, _ in chunks)
+    assert sum(n for _, n in chunks) == partition and all(0 < n <= capacity for _, n in chunks)
+    assert all(a + n == b for (a, n), (b, _) in zip(chunks, chunks[1:])) and chunks[0][0] == 0
+    assert all(lo + n <= head or lo >= head for lo, n in chunks)  # no chunk crosses the head's end
 
 
 @settings(max_examples=300, deadline=None)
@@ -170,9 +205,9 @@ def test_cut_sizes_sum_to_the_buffer_and_take_each_parameters_runs(sizes, world,
         p = group.partition_numel
         if p > 1 and data.draw(st.booleans()):
             cut = data.draw(st.integers(1, p - 1))
-            placements.append(list(placed_pieces([0, cut], [p - cut, 0], [cut, p - cut])))
+            placements.append(list(sent_pieces([0, cut], [cut, p - cut], (1, 0)).pieces))
         else:
-            placements.append(list(placed_pieces([0], [0], [p])))
+            placements.append(list(sent_pieces([0], [p], (0,)).pieces))
     where = gathered_runs(group, placements)
     batch = _batch(len(group.params), data)
     numel = world * group.partition_numel
@@ -209,8 +244,8 @@ def test_what_a_rank_tells_of_its_pieces_in_the_readiness_check():
     plans = PlanCache()
     assert piece_count(layout, [buffer]) == 2
     assert placement_print(layout, plans, [buffer]) == CHANGED  # nothing cached: exchange
-    plans.placements[group.index] = Placements(placed(buffer), [])
+    plans.placements[group.index] = Placements(placed(buffer), [], 0)
     told = placement_print(layout, plans, [buffer])
     assert told != CHANGED and told == placement_print(layout, plans, [buffer])
-    plans.placements[group.index] = Placements(((0, 0, 4),), [])  # cached for pieces that lay elsewhere
+    plans.placements[group.index] = Placements(Sent(4, ((0, 0, 4),)), [], 4)  # cached for pieces that lay elsewhere
     assert placement_print(layout, plans, [buffer]) == CHANGED
