@@ -185,6 +185,31 @@ def _entry(fn, rank, world, store_path, backend, env, args, results) -> None:
         results.put((rank, False, traceback.format_exc()))
 
 
+#: After a rank died without a word, how long the others get to finish (or report) before they are killed.
+_GRACE_S = 10.0
+
+
+def _exited_silently(procs: list[Any], results: Any, done: dict[int, Any], failed: dict[int, str]) -> bool:
+    """Record, as failed, every rank whose process ended without reporting (killed by a signal, a crash in
+    native code, ``os._exit``): it never will, and waiting for it would hold the caller to the deadline.
+    What an exited rank put on the queue before it ended is read first."""
+    gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in done and r not in failed]
+    if not gone:
+        return False
+    while True:  # a rank flushes its result before it exits: read what is there
+        try:
+            rank, ok, value = results.get(timeout=0.5)
+        except queue_mod.Empty:
+            break
+        (done if ok else failed)[rank] = value
+    silent = [r for r in gone if r not in done and r not in failed]
+    for r in silent:
+        code = procs[r].exitcode
+        why = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        failed[r] = f"rank {r} {why} without reporting a result or an error"
+    return bool(silent)
+
+
 def run_local(
     fn: Callable[..., Any],
     world_size: int,
@@ -201,9 +226,10 @@ def run_local(
     set on every rank and ``rank_env[r]`` on rank r only. Gloo-only ranks are forked from a server
     that imported torch (and deepspeed on its CPU accelerator) once per process; other backends
     start a fresh interpreter per rank. Ranks that raise make this raise RankError with every failed
-    rank's traceback; ranks not done within ``timeout`` seconds of the start (one deadline for the
-    whole run) are killed, and a RankError naming them (or a TimeoutError, if no rank failed) is
-    raised, so a hang never outlives the call.
+    rank's traceback; a rank whose process ends without a word (a crash in native code, a signal)
+    fails too, and the others get a few seconds before they are killed; ranks not done within
+    ``timeout`` seconds of the start (one deadline for the whole run) are killed, and a RankError
+    naming them (or a TimeoutError, if no rank failed) is raised, so a hang never outlives the call.
     """
     base_env = dict(os.environ)
     base_env.setdefault("OMP_NUM_THREADS", "1")
@@ -224,11 +250,14 @@ def run_local(
         failed: dict[int, str] = {}
         deadline = time.monotonic() + timeout  # one deadline for the whole run, not one per rank
         try:
-            while len(done) + len(failed) < world_size:
+            while len(done) + len(failed) < world_size and time.monotonic() < deadline:
                 try:
-                    rank, ok, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
+                    rank, ok, value = results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                 except queue_mod.Empty:
-                    break
+                    if _exited_silently(procs, results, done, failed):
+                        # the others may wait on it in a collective: a short grace, then they are killed
+                        deadline = min(deadline, time.monotonic() + _GRACE_S)
+                    continue
                 (done if ok else failed)[rank] = value
         finally:
             for proc in procs:

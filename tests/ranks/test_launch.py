@@ -1,5 +1,6 @@
 """run_local's start method: ranks forked from a preloaded server get the caller's environment at the
-call, and a server that cannot start (a preloaded module raising on import) leaves every run to spawn."""
+call, a server that cannot start (a preloaded module raising on import) leaves every run to spawn, and a
+rank that dies without a word fails the run at once."""
 
 from __future__ import annotations
 
@@ -34,3 +35,27 @@ def test_a_server_that_cannot_start_leaves_runs_to_spawn(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[2, 3] False", out.stdout
+
+
+def _crash(rank, world):
+    import signal
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # no traceback, no result: as a crash in native code ends
+    dist.barrier()  # rank 0 waits on it in a collective
+
+
+def test_a_rank_that_dies_without_a_word_fails_the_run_in_seconds_not_at_the_deadline():
+    import time
+
+    import pytest
+
+    from collgrad.launch import RankError
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as err:
+        run_ranks(_crash, 2, timeout=300)
+    assert time.monotonic() - start < 60
+    assert "rank 1 killed by signal 9" in str(err.value)
