@@ -70,8 +70,8 @@ class GPT2Model(nn.Module):
     biases), a final layer norm, and a head tied to the token embedding. Sizes mix as in real models: a
     few large matrices (``3d x d``, ``4d x d``, the embeddings) beside many ``d``-element biases and norms.
 
-    The shape is solved from the two targets: ``layers = (tensors - 4) // 12`` and the width ``d`` the
-    nearest that gives ``elements`` (vocabulary ``32 d``, positions ``4 d``), so ``--tensors`` and
+    The shape is solved from the two targets: ``layers = (tensors - 4) // 12`` and the widest ``d`` that
+    holds at most ``elements`` (vocabulary ``32 d``, positions ``4 d``), so ``--tensors`` and
     ``--elements`` move it like the equal-tensor model (the count is a multiple of 12, plus 4).
     """
 
@@ -91,12 +91,22 @@ class GPT2Model(nn.Module):
             self.ln_f = nn.LayerNorm(d)
 
     @classmethod
+    def numel(cls, layers: int, width: int) -> int:
+        """Elements of the model: ``layers (12 d^2 + 13 d)`` in the blocks, ``(32 + 4) d^2`` in the
+        embeddings, ``2 d`` in the final norm. Pure."""
+        d = width
+        return layers * (12 * d * d + 13 * d) + (cls.VOCAB_PER_WIDTH + cls.POSITIONS_PER_WIDTH) * d * d + 2 * d
+
+    @classmethod
     def solve_width(cls, layers: int, elements: int) -> int:
-        """The width ``d`` whose model is nearest ``elements``: ``layers (12 d^2 + 13 d)`` in the blocks,
-        ``(32 + 4) d^2`` in the embeddings, ``2 d`` in the final norm. Pure."""
+        """The widest ``d`` (at least 4) whose model holds at most ``elements``: the same bytes as the
+        equal-tensor model at most, so the two fill the same buckets. Pure."""
         a = 12 * layers + cls.VOCAB_PER_WIDTH + cls.POSITIONS_PER_WIDTH
         b = 13 * layers + 2
-        return max(4, round((-b + math.sqrt(b * b + 4 * a * elements)) / (2 * a)))
+        d = max(4, int((-b + math.sqrt(b * b + 4 * a * elements)) / (2 * a)) + 1)
+        while d > 4 and cls.numel(layers, d) > elements:
+            d -= 1
+        return d
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

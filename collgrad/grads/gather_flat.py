@@ -27,7 +27,7 @@ from collgrad.grads.cache import Placements
 from collgrad.grads.placements import CHANGED, placed, sent_message
 from collgrad.grads.runner import Result, Step, all_converted, lays_out_strided, shaped
 from collgrad.grads.sources.layout import gathered_runs
-from collgrad.grads.steps import cut_gathered, flat_chunks
+from collgrad.grads.steps import COPY_FOR_A_COLLECTIVE, cut_gathered, flat_chunks
 
 __all__ = ["gather_flat"]
 
@@ -54,7 +54,7 @@ def gather_flat(step: Step) -> Result:
 
     message = sent_message(buffer)
     capacity = max(1, call.call.bucket_bytes // (world * full.element_size()))
-    chunks = flat_chunks(numel, held.head, capacity)
+    chunks = flat_chunks(numel, held.head, capacity, COPY_FOR_A_COLLECTIVE // full.element_size())
     if len(chunks) > 1 and lays_out_strided(step):
         rows = full.view(world, numel)
         inputs = [message.range(lo, n).to(device).view(1, n) for lo, n in chunks]

@@ -330,7 +330,7 @@ def test_the_default_model_is_gpt2_shaped_with_mixed_sizes_and_every_parameter_g
     assert cfg.model == "gpt2"
     model = build_model(cfg)
     sizes = [p.numel() for p in model.parameters()]
-    assert len(sizes) == cfg.tensors and abs(sum(sizes) - cfg.elements) < 0.01 * cfg.elements
+    assert len(sizes) == cfg.tensors and 0.98 * cfg.elements < sum(sizes) <= cfg.elements
     # a few large matrices beside many biases and norms: most tensors are under 1% of the largest
     assert len(set(sizes)) >= 6 and max(sizes) >= 1000 * min(sizes)
     assert sum(n < max(sizes) // 100 for n in sizes) > len(sizes) // 2
@@ -344,7 +344,7 @@ def test_the_models_follow_the_tensor_and_element_counts():
         layers = (tensors - 4) // 12
         d = GPT2Model.solve_width(layers, elements)
         numel = layers * (12 * d * d + 13 * d) + 36 * d * d + 2 * d
-        assert abs(numel - elements) < 0.05 * elements + 50 * d, (tensors, elements)
+        assert numel == GPT2Model.numel(layers, d) <= elements < GPT2Model.numel(layers, d + 1), (tensors, elements)
     vector = build_model(BenchConfig(model="vector", tensors=10, elements=1000))
     assert [p.numel() for p in vector.parameters()] == [100] * 10
     assert MODELS.keys() == set(MODEL_NAMES)
