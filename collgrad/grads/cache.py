@@ -27,7 +27,7 @@ from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Prepared
 from collgrad.grads.plan import GradCall, GradPlan
 from collgrad.grads.stat_blocks import Arranged
-from collgrad.grads.steps import CopyPlan, Cut, ReduceStep, Sent, SlicesStep
+from collgrad.grads.steps import CopyPlan, ReduceStep, Sent, SlicesStep, ViewRun
 
 __all__ = ["Lru", "ShapePlans", "PlanCache", "Placements", "HeldCopies", "WriteRow", "WritePlan", "MAX_SHAPES"]
 
@@ -96,13 +96,13 @@ class ShapePlans:
 class Placements:
     """ZeRO-1/2: this rank's pieces as sent when the placements were exchanged, per parameter its runs
     in the gathered buffer, the least main run any rank sends (``head``: every rank sends that much as
-    it lies), and the cuts derived from them by batch (dropped with them)."""
+    it lies), and the results' views derived from them by batch (dropped with them)."""
 
     def __init__(self, pieces: Sent, where: list[list[tuple[int, int]]], head: int) -> None:
         self.pieces = pieces
         self.where = where
         self.head = head
-        self.cuts: Lru[tuple[int, ...], Cut] = Lru(MAX_SHAPES)
+        self.views: Lru[tuple[int, ...], tuple[ViewRun, ...]] = Lru(MAX_SHAPES)
 
 
 class WriteRow(NamedTuple):

@@ -1,7 +1,7 @@
 """ZeRO-1/2 gather: every rank's partition gathered as it lies in memory, then a view per parameter.
 
 The gathered buffer *is* the result: each parameter is a view of it (made while it is in flight) or,
-where it straddles ranks or pieces, one concatenation of its runs (``steps.Cut``). What a rank sends
+where it straddles ranks or pieces, one concatenation of its runs (``steps.flat_views``). What a rank sends
 is its main run of pieces as it lies (DeepSpeed fills its buffer in backward order), then the few
 pieces a gap or another tensor sets apart (``steps.Sent``).
 
@@ -25,9 +25,9 @@ from collgrad.backends.ops import Op
 from collgrad.core.buffers import Pieces
 from collgrad.grads.cache import Placements
 from collgrad.grads.placements import CHANGED, placed, sent_message
-from collgrad.grads.runner import Result, Step, all_converted, lays_out_strided, shaped
+from collgrad.grads.runner import Result, Step, all_converted, lays_out_strided, viewed
 from collgrad.grads.sources.layout import gathered_runs
-from collgrad.grads.steps import COPY_FOR_A_COLLECTIVE, cut_gathered, flat_chunks
+from collgrad.grads.steps import COPY_FOR_A_COLLECTIVE, flat_chunks, flat_views
 
 __all__ = ["gather_flat"]
 
@@ -40,17 +40,13 @@ def gather_flat(step: Step) -> Result:
     device = call.source.device
     full = torch.empty(world * numel, dtype=group.wire_dtype, device=device)
     held = _placements(step, buffer)  # may exchange placements: before the gather
-    cut = held.cuts.get(batch)
-    if cut is None:  # kept with the placements it was made from
-        cut = held.cuts.put(batch, cut_gathered(held.where, batch, full.numel()))
-    out: list[tuple[str, torch.Tensor | None]] = []  # (name, None) for a parameter that straddles
-    parts: list[tuple[torch.Tensor, ...]] = []
+    runs = held.views.get(batch)
+    if runs is None:  # kept with the placements they were made from
+        runs = held.views.put(batch, flat_views(held.where, batch, [p.shape for p in group.params]))
+    made: list[torch.Tensor | None] = []
 
-    def views() -> None:
-        parts.append(full.split_with_sizes(list(cut.sizes)))  # every run of every parameter as a view, in one call
-        for k, runs in zip(batch, cut.take):
-            slot = group.params[k]
-            out.append((slot.name, shaped(parts[0][runs[0]], slot) if len(runs) == 1 else None))
+    def views() -> None:  # every result that lies in one run, as a view, a call per run of them
+        made.extend(viewed(full, runs, len(batch)))
 
     message = sent_message(buffer)
     capacity = max(1, call.call.bucket_bytes // (world * full.element_size()))
@@ -65,10 +61,11 @@ def gather_flat(step: Step) -> Result:
     else:
         step.run(Op.ALL_GATHER, [message.whole().to(device)], [full], meanwhile=views)
     results: Result = []
-    for (name, view), k, runs in zip(out, batch, cut.take):
+    for k, view in zip(batch, made):
+        slot = group.params[k]
         if view is None:  # straddles: its runs end to end, now that they have arrived
-            view = shaped(torch.cat([parts[0][r] for r in runs]), group.params[k])
-        results.append((name, view))
+            view = torch.cat([full[at : at + n] for at, n in held.where[k]]).view(slot.shape)
+        results.append((slot.name, view))
     return all_converted(call, results, full.dtype, group.out_dtype)
 
 

@@ -23,7 +23,7 @@ import torch
 from collgrad.backends.ops import Op, Primitive
 from collgrad.core.buffers import Pieces
 from collgrad.core.record import CallRecord
-from collgrad.grads.runner import Result, Step, all_converted, lays_out_strided, shaped
+from collgrad.grads.runner import Result, Step, all_converted, lays_out_strided, viewed
 from collgrad.grads.steps import SlicesStep, slices_step
 
 __all__ = ["gather_sliced"]
@@ -43,11 +43,9 @@ def gather_sliced(step: Step) -> Result:
     out: Result = []
 
     def shape() -> None:  # each parameter's view of the result, made while its data is in flight
-        parts = result.split_with_sizes(list(plan.gathered))
-        out.extend(zip(plan.names, parts))
-        for k in plan.trimmed:  # padded (ZeRO-3's last slices), or not 1-D
-            slot = group.params[batch[k]]
-            out[k] = (slot.name, shaped(parts[k][: slot.numel], slot))
+        made = viewed(result, plan.views, len(plan.names))
+        out.extend((name, view) for name, view in zip(plan.names, made) if view is not None)
+        assert len(out) == len(plan.names), "a parameter without its view"
 
     if call.primitive(group, Op.ALL_GATHER, group.wire_dtype) is Primitive.COALESCED:
         _coalesced(step, plan, local, result, shape)

@@ -12,7 +12,7 @@ import torch
 from collgrad.backends.ops import Op, Primitive
 from collgrad.core.buffers import Pieces
 from collgrad.grads.cache import HeldCopies
-from collgrad.grads.runner import Result, Step, all_converted, shaped
+from collgrad.grads.runner import Result, Step, all_converted, viewed
 from collgrad.grads.sources.base import rank_in
 from collgrad.grads.sources.layout import Fragment
 from collgrad.grads.steps import CopyRows, copy_plan, reduce_step
@@ -42,16 +42,20 @@ def all_reduce(step: Step) -> Result:
         mine = tuple((Fragment(f.param, f.param_offset, f.local_offset - lo, f.numel), at) for f, at in mine)
         buffer = Pieces([part.to(device)])
     _fill(step, (*key, moved), result, buffer, mine)
-    views = list(result.split_with_sizes([group.params[k].numel for k in batch]))  # back to back, in batch order
     # The bucket as one tensor (one collective, no per-tensor bookkeeping), unless the registry sends
-    # one collective per tensor for this group (then it needs the per-parameter views).
+    # one collective per tensor for this group (then it needs the per-parameter views first).
     per_tensor = call.primitive(group, Op.ALL_REDUCE, group.out_dtype) is Primitive.PER_TENSOR
     out: Result = []
 
-    def shape() -> None:  # made while the sum is in flight
-        out.extend((group.params[k].name, shaped(view, group.params[k])) for k, view in zip(batch, views))
+    def shape() -> None:  # made while the sum is in flight (or before, for one collective per tensor)
+        if not out:
+            made = viewed(result, plan.views, len(batch))
+            out.extend((group.params[k].name, view) for k, view in zip(batch, made) if view is not None)
+            assert len(out) == len(batch), "a parameter without its view"
 
-    step.run(Op.ALL_REDUCE, views if per_tensor else [result], None, meanwhile=shape)
+    if per_tensor:
+        shape()
+    step.run(Op.ALL_REDUCE, [view.view(-1) for _, view in out] if per_tensor else [result], None, meanwhile=shape)
     return all_converted(call, out, result.dtype, group.out_dtype)
 
 

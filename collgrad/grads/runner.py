@@ -12,8 +12,9 @@ from collgrad.core.record import CallRecord
 from collgrad.grads.call import OpenCall
 from collgrad.grads.plan import GroupPlan
 from collgrad.grads.sources.layout import GradGroup, ParamSlot
+from collgrad.grads.steps import ViewRun
 
-__all__ = ["Result", "Step", "lays_out_strided", "shaped", "no_history", "converted", "all_converted"]
+__all__ = ["Result", "Step", "viewed", "lays_out_strided", "shaped", "no_history", "converted", "all_converted"]
 
 #: A step's results: (parameter name, full gradient) each.
 Result = list[tuple[str, torch.Tensor]]
@@ -64,6 +65,25 @@ class Step:
             whole=whole,
         )
         self.calls.append(record)
+
+
+def viewed(buffer: torch.Tensor, runs: Sequence[ViewRun], count: int) -> list[torch.Tensor | None]:
+    """The views ``runs`` say, of 1-D ``buffer``, by position (None where no run has one): a call per run
+    (``as_strided``, then ``unbind``: ~0.5 us a view, against ~2 us for a split and a view each). Reads
+    no data."""
+    out: list[torch.Tensor | None] = [None] * count
+    base = buffer.storage_offset()
+    for run in runs:
+        strides = [1] * len(run.shape)
+        for i in range(len(run.shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * run.shape[i + 1]
+        if len(run.positions) == 1:
+            out[run.positions[0]] = buffer.as_strided(run.shape, strides, base + run.start)
+            continue
+        rows = buffer.as_strided((len(run.positions), *run.shape), (run.stride, *strides), base + run.start)
+        for k, view in zip(run.positions, rows.unbind(0)):
+            out[k] = view
+    return out
 
 
 def lays_out_strided(step: Step) -> bool:

@@ -5,7 +5,7 @@ only move bytes as these say.
 
   Sent         ZeRO-1/2 gather: what a rank sends, its main run of pieces first
   flat_chunks  ZeRO-1/2 gather laid out by the backend: its collectives, the main runs apart
-  Cut          ZeRO-1/2 gather: the gathered buffer cut in one ``split``, each parameter's runs
+  flat_views   ZeRO-1/2 gather: the results' views of the gathered buffer, a call per run of them
   ReduceStep   all-reduce: the bucket's size, where each owned fragment goes, the gaps to zero
   CopyPlan     all-reduce: owned fragments copied into the bucket, runs of equal ones in one copy
   SlicesStep   ZeRO-3 / FSDP2 gather: chunks, runs of equal slices, and the result's cuts
@@ -28,8 +28,7 @@ __all__ = [
     "PIPELINE_CHUNKS",
     "COPY_FOR_A_COLLECTIVE",
     "MIN_CHUNK_BYTES",
-    "Cut",
-    "cut_gathered",
+    "flat_views",
     "ReduceStep",
     "reduce_step",
     "CopyRows",
@@ -40,6 +39,8 @@ __all__ = [
     "SlicesStep",
     "slices_step",
     "chunk_slots",
+    "ViewRun",
+    "view_runs",
     "Sent",
     "sent_pieces",
     "flat_chunks",
@@ -59,31 +60,11 @@ COPY_FOR_A_COLLECTIVE = 1 << 20
 Where = Sequence[Sequence[tuple[int, int]]]
 
 
-class Cut(NamedTuple):
-    """How a gathered buffer of partitions as they lie is cut in one ``split``: ``sizes`` (the runs and
-    the gaps between them, in buffer order, summing to the buffer's size) and, per parameter of the
-    batch, the positions of its runs among the pieces (several: it straddles ranks or pieces)."""
-
-    sizes: tuple[int, ...]
-    take: tuple[tuple[int, ...], ...]
-
-
-def cut_gathered(where: Where, batch: tuple[int, ...], numel: int) -> Cut:
-    """The ``Cut`` of a gathered buffer of ``numel`` elements for the parameters ``batch`` (indices into
-    ``where``)."""
-    runs = sorted((at, n, k, i) for k in batch for i, (at, n) in enumerate(where[k]))
-    sizes: list[int] = []
-    index: dict[tuple[int, int], int] = {}
-    at = 0
-    for lo, n, k, i in runs:
-        if lo > at:
-            sizes.append(lo - at)
-        index[(k, i)] = len(sizes)
-        sizes.append(n)
-        at = lo + n
-    if at < numel:
-        sizes.append(numel - at)
-    return Cut(tuple(sizes), tuple(tuple(index[(k, i)] for i in range(len(where[k]))) for k in batch))
+def flat_views(where: Where, batch: tuple[int, ...], shapes: Sequence[tuple[int, ...]]) -> tuple[ViewRun, ...]:
+    """The views of a gathered buffer of partitions as they lie for the parameters ``batch`` (indices into
+    ``where`` and ``shapes``), by position in the batch: one per parameter that lies in one run; none for
+    one that straddles ranks or pieces (its runs are concatenated)."""
+    return view_runs([(where[k][0][0], shapes[k]) if len(where[k]) == 1 else None for k in batch])
 
 
 class ReduceStep(NamedTuple):
@@ -94,6 +75,8 @@ class ReduceStep(NamedTuple):
     total: int
     mine: tuple[tuple[Fragment, int], ...]
     gaps: tuple[tuple[int, int], ...]
+    #: the results' views of the bucket, by position in the batch
+    views: tuple[ViewRun, ...]
 
 
 def reduce_step(group: GradGroup, batch: tuple[int, ...], rank: int) -> ReduceStep:
@@ -112,7 +95,8 @@ def reduce_step(group: GradGroup, batch: tuple[int, ...], rank: int) -> ReduceSt
         at = max(at, lo + f.numel)
     if at < total:
         gaps.append((at, total - at))
-    return ReduceStep(total, mine, tuple(gaps))
+    views = view_runs([(where[k], group.params[k].shape) for k in batch])
+    return ReduceStep(total, mine, tuple(gaps), views)
 
 
 @dataclass(frozen=True)
@@ -194,8 +178,8 @@ class SlicesStep(NamedTuple):
     span: int
     names: tuple[str, ...]
     gathered: tuple[int, ...]
-    #: positions in the batch whose result needs cutting (padding) or a view in the parameter's shape
-    trimmed: tuple[int, ...]
+    #: the results' views of the result buffer (a parameter's first ``numel`` of its gathered elements)
+    views: tuple[ViewRun, ...]
     chunks: tuple[Chunk, ...]
     strided: tuple[StridedRun, ...]
 
@@ -220,7 +204,7 @@ def slices_step(group: GradGroup, batch: tuple[int, ...], element_size: int) -> 
         span,
         tuple(s.name for s in slots),
         gathered,
-        tuple(k for k, (s, g) in enumerate(zip(slots, gathered)) if g != s.numel or len(s.shape) != 1),
+        view_runs([(group.world * (s.offset - lo), s.shape) for s in slots]),
         tuple(chunks),
         _strided(slices),
     )
@@ -246,6 +230,36 @@ def chunk_slots(slots: Sequence[ParamSlot], lo: int, count: int) -> list[tuple[i
             chunks.append((start, end - start, members))
             start, members = end, []
     return chunks
+
+
+class ViewRun(NamedTuple):
+    """Results of one shape at a constant distance in a buffer: ``count`` views of ``shape``, the i-th at
+    ``start + i * stride``, made in one call (``as_strided`` then ``unbind``); ``positions``: whose they
+    are, in the order made."""
+
+    start: int
+    stride: int
+    shape: tuple[int, ...]
+    positions: tuple[int, ...]
+
+
+def view_runs(items: Sequence[tuple[int, tuple[int, ...]] | None]) -> tuple[ViewRun, ...]:
+    """``items[k]``: where result k starts in a buffer and its shape (None: made otherwise, e.g. one that
+    straddles); grouped into ``ViewRun``s, a model's repeated layers a run per kind of tensor, so making
+    the views costs a call per run rather than per result."""
+    by_shape: dict[tuple[int, ...], list[Fragment]] = {}
+    for k, item in enumerate(items):
+        if item is not None:
+            start, shape = item
+            numel = 1
+            for n in shape:
+                numel *= n
+            by_shape.setdefault(tuple(shape), []).append(Fragment(k, 0, start, numel))
+    runs = []
+    for shape, frags in by_shape.items():
+        for run in strided_runs(tuple(frags)):
+            runs.append(ViewRun(run.local_offset, run.stride, shape, tuple(frags[i].param for i in run.frags)))
+    return tuple(sorted(runs))
 
 
 class Sent(NamedTuple):

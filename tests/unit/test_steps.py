@@ -1,4 +1,4 @@
-"""The steps of a gradient plan without any process group: cuts tile the gathered buffer, every element
+"""The steps of a gradient plan without any process group: views cover the gathered buffer, every element
 lands exactly once, chunks cover the span in order, runs are equal-sized and contiguous, copy plans
 place each fragment where the reduce step says, and the plan cache stays within its bound."""
 
@@ -18,7 +18,8 @@ from collgrad.grads.steps import (
     PIPELINE_CHUNKS,
     chunk_slots,
     copy_plan,
-    cut_gathered,
+    flat_views,
+    view_runs,
     Sent,
     flat_chunks,
     reduce_step,
@@ -134,9 +135,26 @@ def test_slices_step_chunks_cover_the_span_and_runs_are_equal_and_contiguous(siz
         at += chunk.span
     assert at == step.span
     assert _covered(step.strided) == set(range(step.span))
-    for k, (slot, gathered) in enumerate(zip(slots, step.gathered)):
-        assert gathered >= slot.numel
-        assert (k in step.trimmed) == (gathered != slot.numel)
+    starts = [sum(step.gathered[:k]) for k in range(len(slots))]
+    assert all(gathered >= slot.numel for slot, gathered in zip(slots, step.gathered))
+    assert _view_starts(step.views, len(slots)) == [(at, s.shape) for at, s in zip(starts, slots)]
+
+
+def _view_starts(runs, count: int) -> list:
+    """Where each position's view starts and its shape, from view runs; each position at most once."""
+    out: list = [None] * count
+    for run in runs:
+        for i, k in enumerate(run.positions):
+            assert out[k] is None
+            out[k] = (run.start + i * run.stride, run.shape)
+    return out
+
+
+def test_view_runs_group_equal_shapes_at_a_constant_distance():
+    items = [(0, (4, 4)), (16, (4,)), (20, (4, 4)), (36, (4,)), (40, (4, 4)), None, (60, (2, 8))]
+    runs = view_runs(items)
+    assert _view_starts(runs, len(items)) == items
+    assert len(runs) == 3  # the three 4x4 at 20 apart, the two 4-vectors, the 2x8
 
 
 def _covered(runs) -> set[int]:
@@ -209,3 +227,59 @@ def test_the_default_bench_partition_goes_in_two_collectives_not_three():
     chunks = flat_chunks(partition, 3_292_095, capacity, (1 << 20) // 4)
     assert chunks == ((0, capacity), (capacity, partition - capacity))
     assert flat_chunks(partition, 3_292_095, capacity) == ((0, capacity), (capacity, 15_295), (3_292_095, 2_277))
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes, st.integers(2, 4), st.data())
+def test_flat_views_give_each_parameter_lying_in_one_run_its_place_and_shape(sizes, world, data):
+    group = _flat([max(1, n) for n in sizes], world)
+    placements = []
+    for _ in range(world):  # each rank's partition as one piece, or two pieces sent back to front
+        p = group.partition_numel
+        if p > 1 and data.draw(st.booleans()):
+            cut = data.draw(st.integers(1, p - 1))
+            placements.append(list(sent_pieces([0, cut], [cut, p - cut], (1, 0)).pieces))
+        else:
+            placements.append(list(sent_pieces([0], [p], (0,)).pieces))
+    where = gathered_runs(group, placements)
+    batch = _batch(len(group.params), data)
+    shapes = [p.shape for p in group.params]
+    numel = world * group.partition_numel
+    for k in range(len(group.params)):  # every element of every parameter once, within the buffer
+        assert sum(n for _, n in where[k]) == group.params[k].numel
+        assert all(0 <= at and at + n <= numel for at, n in where[k])
+        held = sum(f.numel for r in range(world) for f in owned_fragments(group, r) if f.param == k)
+        assert held == group.params[k].numel
+    got = _view_starts(flat_views(where, batch, shapes), len(batch))
+    assert got == [(where[k][0][0], shapes[k]) if len(where[k]) == 1 else None for k in batch]
+
+
+def test_the_plan_cache_keeps_at_most_its_bound_of_call_shapes():
+    cache = PlanCache()
+    first = cache.shape(GradCall("auto", 1, False), None)
+    assert cache.shape(GradCall("auto", 1, False), None) is first
+    for cap in range(2, 2 + 3 * MAX_SHAPES):  # a caller sweeping bucket_bytes
+        cache.shape(GradCall("auto", cap, False), None)
+        assert cache.shapes <= MAX_SHAPES
+    assert cache.shape(GradCall("auto", 1, False), None) is not first  # dropped, rebuilt on a miss
+
+
+def test_what_a_rank_tells_of_its_pieces_in_the_readiness_check():
+    from collgrad.core.buffers import Pieces
+    from collgrad.grads.cache import Placements
+    from collgrad.grads.placements import CHANGED, piece_count, placed, placement_print
+    from collgrad.grads.sources.layout import GradLayout
+
+    group = _flat([3, 5], 2)
+    layout = GradLayout("test", (group,), ("p0", "p1"))
+    storage = torch.zeros(group.partition_numel)
+    buffer = Pieces([storage[2:], storage[:2]])  # two pieces lying back to front in one storage
+    plans = PlanCache()
+    assert piece_count(layout, [buffer]) == 2
+    assert placed(buffer) == Sent(4, ((0, 2, 2), (2, 0, 2)))  # tiled: sent as they lie, one run
+    assert placement_print(layout, plans, [buffer]) == CHANGED  # nothing cached: exchange
+    plans.placements[group.index] = Placements(placed(buffer), [], 4)
+    told = placement_print(layout, plans, [buffer])
+    assert told != CHANGED and told == placement_print(layout, plans, [buffer])
+    plans.placements[group.index] = Placements(Sent(4, ((0, 0, 4),)), [], 4)  # cached for pieces that lay elsewhere
+    assert placement_print(layout, plans, [buffer]) == CHANGED
