@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import weakref
 from typing import Any, Callable, Iterator, Literal, Sequence, Tuple
 
@@ -53,18 +54,19 @@ def _storage_view(tensor: torch.Tensor, offset: int, numel: int) -> torch.Tensor
     return tensor.new_empty(0).set_(tensor.untyped_storage(), offset, (numel,), (1,))
 
 
+def _flattened(piece: torch.Tensor) -> torch.Tensor:
+    return piece if piece.dim() == 1 else piece.reshape(-1)  # a view where contiguous
+
+
 class Pieces:
     """A rank's local gradient buffer held as pieces that are logically back to back (DeepSpeed's
     list of partition fragments), read by range without first concatenating everything."""
 
     def __init__(self, pieces: Sequence[torch.Tensor]) -> None:
-        self.pieces = [p if p.dim() == 1 else p.reshape(-1) for p in pieces]  # views where contiguous
-        self.starts = []
-        total = 0
-        for p in self.pieces:
-            self.starts.append(total)
-            total += p.numel()
-        self._numel = total
+        self.given = list(pieces)
+        self._flat: list[torch.Tensor] | None = None
+        sizes = [p.numel() for p in self.given]
+        self.starts, self._numel = [0, *itertools.accumulate(sizes)][:-1], sum(sizes)
         # Computed on first use (or known from a PiecesCache: the same fragment tensors lie where they lay)
         self._placement: Placed | None | Literal[False] = False  # False: not worked out yet
         self._tiling: Placed | None | Literal[False] = False
@@ -72,16 +74,27 @@ class Pieces:
         #: PiecesCache builds for the same fragments: computed once while they stay.
         self.memo: dict[Any, Any] = {}
 
+    @property
+    def pieces(self) -> list[torch.Tensor]:
+        """The pieces as 1-D tensors (views where contiguous), flattened on first use."""
+        if self._flat is None:
+            self._flat = [_flattened(p) for p in self.given]
+        return self._flat
+
+    def piece(self, k: int) -> torch.Tensor:
+        """Piece ``k`` as a 1-D tensor, without flattening the others."""
+        return self._flat[k] if self._flat is not None else _flattened(self.given[k])
+
     def numel(self) -> int:
         return self._numel
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.pieces[0].dtype
+        return self.given[0].dtype
 
     @property
     def device(self) -> torch.device:
-        return self.pieces[0].device
+        return self.given[0].device
 
     def _spans(self, offset: int, numel: int) -> Iterator[tuple[torch.Tensor, int]]:
         """The parts of the pieces that elements ``[offset, offset + numel)`` cover, in order, each with
@@ -113,15 +126,15 @@ class Pieces:
         return self._placement
 
     def _place(self) -> Placed | None:
-        first = self.pieces[0]
+        first = self.given[0]
         storage = first.untyped_storage().data_ptr()
         offsets = []
-        for p in self.pieces:
+        for p in self.given:
             if not p.is_contiguous() or p.dtype != first.dtype or p.untyped_storage().data_ptr() != storage:
                 return None
             offsets.append(int(p.storage_offset()))
         lo = min(offsets)
-        hi = max(o + p.numel() for o, p in zip(offsets, self.pieces))
+        hi = max(o + p.numel() for o, p in zip(offsets, self.given))
         span = _storage_view(first, lo, hi - lo)
         return span, tuple(o - lo for o in offsets)
 
@@ -133,7 +146,7 @@ class Pieces:
         if key not in self.memo:
             placed = self.placement()
             found = None
-            if placed is not None and 0 <= first <= last < len(self.pieces):
+            if placed is not None and 0 <= first <= last < len(self.given):
                 offsets = placed[1]
                 shift = offsets[first] - self.starts[first]
                 if all(offsets[k] - self.starts[k] == shift for k in range(first + 1, last + 1)):
@@ -149,7 +162,7 @@ class Pieces:
         if placed is None:
             return None
         j = bisect.bisect_right(self.starts, offset) - 1
-        if offset + numel > self.starts[j] + self.pieces[j].numel():
+        if offset + numel > self.starts[j] + self.given[j].numel():
             return None
         return placed[1][j] + offset - self.starts[j]
 
@@ -167,7 +180,7 @@ class Pieces:
             return None
         span, offsets = placed
         end = 0
-        for offset, piece in sorted(zip(offsets, self.pieces), key=lambda t: t[0]):
+        for offset, piece in sorted(zip(offsets, self.given), key=lambda t: t[0]):
             if offset != end:
                 return None
             end += piece.numel()
@@ -180,11 +193,11 @@ class Pieces:
     def range(self, offset: int, numel: int) -> torch.Tensor:
         """Elements ``[offset, offset + numel)``: a view when they lie in one piece (or in adjacent
         ones), else a copy of just that range."""
-        if offset == 0 and numel == self._numel and len(self.pieces) == 1:
-            return self.pieces[0]
+        if offset == 0 and numel == self._numel and len(self.given) == 1:
+            return self.piece(0)
         j = bisect.bisect_right(self.starts, offset) - 1
-        if j >= 0 and self.starts[j] == offset and self.pieces[j].numel() == numel:
-            return self.pieces[j]  # exactly one piece (DeepSpeed's ZeRO-1/2 list: one per fragment)
+        if j >= 0 and self.starts[j] == offset and self.given[j].numel() == numel:
+            return self.piece(j)  # exactly one piece (DeepSpeed's ZeRO-1/2 list: one per fragment)
         at = self._in_order(max(j, 0), bisect.bisect_left(self.starts, offset + numel) - 1)
         if at is not None:  # pieces back to back in their storage (ZeRO-3's slices): the span's view
             return self.placement()[0][at + offset - self.starts[max(j, 0)] :][:numel]  # type: ignore[index]
@@ -210,10 +223,10 @@ def main_run(pieces: Pieces) -> tuple[int, ...]:
 def _main_run(pieces: Pieces) -> tuple[int, ...]:
     tiled = pieces.tiling()
     if tiled is not None:
-        return tuple(sorted(range(len(pieces.pieces)), key=lambda k: tiled[1][k]))
+        return tuple(sorted(range(len(pieces.given)), key=lambda k: tiled[1][k]))
     lying = sorted(
         (p.untyped_storage().data_ptr(), int(p.storage_offset()), k)
-        for k, p in enumerate(pieces.pieces)
+        for k, p in enumerate(pieces.given)
         if p.is_contiguous() and p.dtype == pieces.dtype and p.numel()
     )
     best: list[int] = []
@@ -224,8 +237,8 @@ def _main_run(pieces: Pieces) -> tuple[int, ...]:
         if (storage, offset) != end:
             run, numel = [], 0
         run.append(k)
-        numel += pieces.pieces[k].numel()
-        end = (storage, offset + pieces.pieces[k].numel())
+        numel += pieces.given[k].numel()
+        end = (storage, offset + pieces.given[k].numel())
         if numel > best_numel:
             best, best_numel = list(run), numel
     return tuple(best)
@@ -233,8 +246,11 @@ def _main_run(pieces: Pieces) -> tuple[int, ...]:
 
 def run_view(pieces: Pieces, run: Sequence[int]) -> torch.Tensor:
     """The pieces ``run`` (``main_run``: back to back in storage, in that order) as one 1-D view."""
-    first = pieces.pieces[run[0]]
-    return _storage_view(first, int(first.storage_offset()), sum(pieces.pieces[k].numel() for k in run))
+    first = pieces.given[run[0]]
+    found: int | None = pieces.memo.get(("run numel", run[0], len(run)))
+    if found is None:
+        found = pieces.memo[("run numel", run[0], len(run))] = sum(pieces.given[k].numel() for k in run)
+    return _storage_view(first, int(first.storage_offset()), found)
 
 
 class SameTensors:
@@ -293,12 +309,12 @@ def _known(pieces: Pieces) -> Known:
 def _from_known(fragments: Sequence[torch.Tensor], known: Known) -> Pieces:
     """Pieces of ``fragments``, which lie where ``known`` says: nothing is worked out again."""
     self = Pieces.__new__(Pieces)
-    self.pieces = [p if p.dim() == 1 else p.reshape(-1) for p in fragments]  # as Pieces() flattens them
+    self.given, self._flat = list(fragments), None  # flattened on first use, as Pieces() does
     self.starts, self._numel, offsets, span_numel, tiled, self.memo = known
     if offsets is None:
         self._placement = self._tiling = None
         return self
-    first = self.pieces[0]
+    first = self.given[0]
     lo = int(first.storage_offset()) - offsets[0]
     self._placement = (_storage_view(first, lo, span_numel), offsets)
     self._tiling = self._placement if tiled else None

@@ -36,7 +36,7 @@ def gather_sliced(step: Step) -> Result:
     key = (group.index, batch, buffer.dtype)
     plan = call.plans.slices_steps.get(key)
     if plan is None:  # pure layout: cached with the source
-        plan = call.plans.slices_steps[key] = slices_step(group, batch, buffer.pieces[0].element_size())
+        plan = call.plans.slices_steps[key] = slices_step(group, batch, buffer.given[0].element_size())
     device = call.source.device
     local = buffer.range(plan.lo, plan.span).to(device)  # a view of the source's flat buffer, or one move
     result = torch.empty(group.world * plan.span, dtype=group.wire_dtype, device=device)

@@ -24,7 +24,7 @@ def placed(buffer: Pieces) -> Sent:
     then the rest concatenated. Kept with the buffer."""
     found: Sent | None = buffer.memo.get("placed pieces")
     if found is None:
-        found = sent_pieces(buffer.starts, [p.numel() for p in buffer.pieces], main_run(buffer))
+        found = sent_pieces(buffer.starts, [p.numel() for p in buffer.given], main_run(buffer))
         buffer.memo["placed pieces"] = found
     return found
 
@@ -33,9 +33,12 @@ def sent_message(buffer: Pieces) -> Pieces:
     """What a gather of ``buffer``'s partition sends, as pieces in that order: a view of its main run,
     then the other pieces in the partition's order (``placed``)."""
     run = main_run(buffer)
-    members = set(run)
-    rest = [p for k, p in enumerate(buffer.pieces) if k not in members]
-    return Pieces([run_view(buffer, run), *rest] if run else rest)
+    rest: tuple[int, ...] | None = buffer.memo.get("not in the main run")
+    if rest is None:
+        members = set(run)
+        rest = buffer.memo["not in the main run"] = tuple(k for k in range(len(buffer.given)) if k not in members)
+    others = [buffer.piece(k) for k in rest]
+    return Pieces([run_view(buffer, run), *others] if run else others)
 
 
 def _gathered_as_they_lie(layout: GradLayout, buffers: Sequence[Any]) -> list[tuple[int, Pieces]]:

@@ -60,7 +60,7 @@ def _fragments(group: GradGroup, buffer: Pieces) -> tuple[Fragment, ...]:
 def _block_elements(buffer: Pieces) -> int:
     """``stat_blocks.CPU_BLOCK_BYTES`` (read at each call: tests set it) in elements of ``buffer`` on a
     CPU; 0 (unlimited) elsewhere."""
-    return stat_blocks.CPU_BLOCK_BYTES // buffer.pieces[0].element_size() if buffer.device.type == "cpu" else 0
+    return stat_blocks.CPU_BLOCK_BYTES // buffer.given[0].element_size() if buffer.device.type == "cpu" else 0
 
 
 def _reduce(plans: PlanCache, group: GradGroup, buffer: Any) -> _Reduced:
