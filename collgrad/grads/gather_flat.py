@@ -8,9 +8,10 @@ pieces a gap or another tensor sets apart (``steps.Sent``).
 Two ways, as the group agreed:
 
   laid out   more than one chunk (a rank's pieces apart, or more than a bucket) and the backend lays a
-             coalesced gather out into strided outputs itself (Gloo on CPU): one collective per chunk (``steps.flat_chunks``), whose outputs are the chunk's columns of
-             the result seen as ``world`` rows; the main runs travel as they lie, only the short rest
-             is concatenated, and nothing is staged or copied out by collgrad
+             coalesced gather out into strided outputs itself (Gloo on CPU): one collective per chunk
+             (``steps.flat_chunks``), whose outputs are the chunk's columns of the result seen as
+             ``world`` rows; the main runs travel as they lie, only the short rest is concatenated, and
+             nothing is staged or copied out by collgrad
   flat       otherwise: what this rank sends as one tensor (a view where its pieces tile one span,
              else one concatenation), gathered into the result (in buckets, copied out of a scratch
              bucket each where there are several)

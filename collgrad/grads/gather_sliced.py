@@ -1,5 +1,5 @@
 """ZeRO-3 / FSDP2 gather: a step's slices gathered and laid out parameter-major (each parameter's
-``world`` slices end to end), in one of three ways, as the group agreed:
+``world`` slices end to end), in one of four ways, as the group agreed:
 
   coalesced   the agreed primitive is coalesced (NCCL, XCCL, or a policy forcing it): per-parameter
               gathers in one call, each straight into its place in the result
@@ -8,6 +8,9 @@
               slices are one run of equal slices (a model of equal layers): one call whose input is
               this rank's slices as they lie and whose output is a strided view of the result; no
               staging, no reorder
+  direct      a flat gather with slices of at least ``steps.DIRECT_SLICE_BYTES`` (large models): each
+              such slice gathered alone straight into its place, the small rest concatenated into one
+              gather into staging and laid out by a copy each
   reordered   otherwise (a model's mix of sizes, a policy forcing ``flat``): rank-major into a staging
               buffer kept between calls, in a few chunks, each laid out by one strided copy per run of
               equal slices equally spaced (a model's repeated layers) as soon as it has arrived, while
@@ -16,6 +19,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -51,6 +55,8 @@ def gather_sliced(step: Step) -> Result:
         _coalesced(step, plan, local, result, shape)
     elif lays_out_strided(step) and _one_input(plan):
         _laid_out_by_backend(step, plan, local, result, shape)
+    elif plan.direct:
+        _direct(step, plan, local, result, shape)
     else:
         _reordered(step, plan, local, result, shape)
     return all_converted(call, out, result.dtype, group.out_dtype)
@@ -126,6 +132,34 @@ def _reordered(
 
     # whole, bucket_bytes=1: every chunk a bucket of its own, gathered straight into its staging
     step.run(Op.ALL_GATHER, ins, outs, bucket_bytes=1, whole=True, done=reorder, meanwhile=shape)
+
+
+def _direct(step: Step, plan: SlicesStep, local: torch.Tensor, result: torch.Tensor, shape: Callable[[], None]) -> None:
+    """Large slices (``steps.DIRECT_SLICE_BYTES``) each gathered alone, straight into their place: one
+    parameter's slices rank-major *are* its slices end to end. The small rest concatenated (biases,
+    norms: little), gathered in one collective into staging and laid out by a copy each."""
+    world = step.group.world
+    starts = [0, *itertools.accumulate(n // world for n in plan.gathered)]
+    ins: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    rest = sum(plan.gathered[k] // world for k, _ in plan.rest)
+    if plan.rest:
+        ins.append(torch.cat([local[starts[k] : starts[k + 1]] for k, _ in plan.rest]))
+        outs.append(_staging(step, world * rest))
+    for k in plan.direct:
+        ins.append(local[starts[k] : starts[k + 1]])
+        outs.append(result[world * starts[k] : world * starts[k + 1]])
+
+    def lay_out(i: int) -> None:
+        if i or not plan.rest:
+            return
+        rows = outs[0].view(world, rest)
+        for k, at in plan.rest:
+            n = starts[k + 1] - starts[k]
+            result[world * starts[k] : world * starts[k + 1]].view(world, n).copy_(rows[:, at : at + n])
+
+    # whole, bucket_bytes=1: every tensor a collective of its own, straight into its output
+    step.run(Op.ALL_GATHER, ins, outs, bucket_bytes=1, whole=True, done=lay_out, meanwhile=shape)
 
 
 def _staging(step: Step, numel: int) -> torch.Tensor:

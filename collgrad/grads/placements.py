@@ -20,8 +20,8 @@ CHANGED = -1
 
 
 def placed(buffer: Pieces) -> Sent:
-    """How a gather of ``buffer``'s partition sends it (``steps.Sent``): its main run of pieces (``buffers.main_run``) as it lies,
-    then the rest concatenated. Kept with the buffer."""
+    """How a gather of ``buffer``'s partition sends it (``steps.Sent``): its main run of pieces
+    (``buffers.main_run``) as it lies, then the rest concatenated. Kept with the buffer."""
     found: Sent | None = buffer.memo.get("placed pieces")
     if found is None:
         found = sent_pieces(buffer.starts, [p.numel() for p in buffer.given], main_run(buffer))

@@ -80,4 +80,5 @@ def test_each_row_reports_what_torch_received():
         assert seen["collgrad_all_gather"][0] == 1 and seen["collgrad_per_tensor"][0] == 24
         assert seen["deepspeed_loop"][0] == 24 and seen["collgrad_set"] == (0, 0)
         assert seen["collgrad_stats"] == (1, 24 * 24 + 8)  # 3 float64 per parameter, a flag
-    assert all(row["seen"] == (0, 0) for name, row in by_config["deepspeed stage 1 bf16 vector"].items() if "collgrad" in name)
+    bf16 = by_config["deepspeed stage 1 bf16 vector"]
+    assert all(row["seen"] == (0, 0) for name, row in bf16.items() if "collgrad" in name)

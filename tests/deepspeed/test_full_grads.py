@@ -339,3 +339,32 @@ def test_equal_layers_are_laid_out_by_gloo_itself(world):
     for res in run_ranks(_equal_layers, world, timeout=300):
         assert res[3] == (["coalesced"], True, 1), res
         assert res[2] == (["flat"], True, 1), res
+
+
+def _large_slices(rank, world):
+    from deepspeed.utils import safe_get_full_grad
+    from torch import nn
+
+    import collgrad
+    from collgrad.grads.steps import DIRECT_SLICE_BYTES
+    from tests.deepspeed import models
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 1100), nn.LayerNorm(1100), nn.Linear(1100, 8))
+    big = model[0].weight.numel()
+    assert -(-big // world) * 4 >= DIRECT_SLICE_BYTES  # its slices go alone, straight into place
+    eng = models.engine(models.config(3), model)
+    x = torch.rand(4, 2048, generator=torch.Generator().manual_seed(rank))
+    eng.backward(eng(x).pow(2).mean())
+    got = collgrad.safe_get_full_model_grads(eng, bucket_bytes=64 << 20)  # one step
+    primitives = {str(b.primitive) for g in got.record.groups for c in g.calls for b in c.buckets}
+    equal = all(torch.equal(got[n], safe_get_full_grad(p)) for n, p in eng.module.named_parameters())
+    return sorted(primitives), equal, got.record.collectives
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_large_slices_are_gathered_alone_straight_into_place(world):
+    # ZeRO-3: the 2048 x 1100 weight's slices in a gather of their own, into the result as they arrive;
+    # the five small tensors concatenated into one more gather, laid out by a copy each.
+    for res in run_ranks(_large_slices, world, timeout=300):
+        assert res == (["flat"], True, 2), res

@@ -22,7 +22,8 @@ ROWS = FSDP2_ROWS
 def test_bench_fsdp2_runs_and_reports_every_method(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    args = ["--source", "fsdp2", "--tensors", "28", "--elements", "30000", "--reps", "2", "--pairs", "3"]  # GPT-2-shaped
+    # the default model (GPT-2-shaped): two blocks of 12 tensors, embeddings and a final norm
+    args = ["--source", "fsdp2", "--tensors", "28", "--elements", "30000", "--reps", "2", "--pairs", "3"]
     args += ["--json", str(out)]
     proc = subprocess.run(
         [sys.executable, "-m", "collgrad", "bench", *args], capture_output=True, text=True, timeout=300, env=env

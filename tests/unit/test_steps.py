@@ -16,15 +16,15 @@ from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, ParamSlot, 
 from collgrad.grads.steps import (
     MIN_CHUNK_BYTES,
     PIPELINE_CHUNKS,
+    Sent,
     chunk_slots,
     copy_plan,
-    flat_views,
-    view_runs,
-    Sent,
     flat_chunks,
+    flat_views,
     reduce_step,
     sent_pieces,
     slices_step,
+    view_runs,
 )
 
 
