@@ -61,7 +61,8 @@ class _Block(nn.Module):
         q, k, v = self.c_attn(self.ln_1(h)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = h + self.c_proj(a.transpose(1, 2).reshape(b, t, d))
-        return h + self.mlp_proj(nn.functional.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
+        out: torch.Tensor = h + self.mlp_proj(nn.functional.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
+        return out
 
 
 class GPT2Model(nn.Module):
