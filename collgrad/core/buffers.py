@@ -256,24 +256,24 @@ def run_view(pieces: Pieces, run: Sequence[int]) -> torch.Tensor:
 class SameTensors:
     """Whether a list of tensors is the one remembered: the same objects, held weakly (nothing is kept
     alive, and a tensor freed and replaced is never taken for the old one), each with its data where it
-    was and of the same size (``.data =`` and ``set_`` re-point a tensor in place, and ``set_`` checks
-    no bounds). ``gone``: called when a remembered tensor is freed."""
+    was, of the same size and strides (``.data =`` and ``set_`` re-point a tensor in place, and ``set_``
+    checks no bounds). ``gone``: called when a remembered tensor is freed."""
 
     def __init__(self, gone: Callable[[], None] | None = None) -> None:
         self._refs: tuple[weakref.ref[torch.Tensor], ...] = ()
-        self._ptrs: list[tuple[int, int]] = []
+        self._ptrs: list[tuple[int, int, tuple[int, ...]]] = []
         self._on_free = None if gone is None else (lambda _ref: gone())
 
     def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
         return (
             len(self._refs) == len(tensors)
-            and [(t.data_ptr(), t.numel()) for t in tensors] == self._ptrs
+            and [(t.data_ptr(), t.numel(), t.stride()) for t in tensors] == self._ptrs
             and all(r() is t for r, t in zip(self._refs, tensors))
         )
 
     def remember(self, tensors: Sequence[torch.Tensor]) -> None:
         self._refs = tuple(weakref.ref(t, self._on_free) for t in tensors)
-        self._ptrs = [(t.data_ptr(), t.numel()) for t in tensors]
+        self._ptrs = [(t.data_ptr(), t.numel(), t.stride()) for t in tensors]
 
 
 class PiecesCache:

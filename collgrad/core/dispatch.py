@@ -217,12 +217,12 @@ def _rule(
     group: ProcessGroup,
     cap_bytes: int,
     policy: Policy | None,
-    whole: int,
+    widest: int,
     strided: bool,
 ) -> tuple[BucketRule, Channel, Decision]:
     """How tensors of ``spec``'s device and dtype travel: the agreed choice, or, for ``strided`` tensors,
     the coalesced primitive the group agreed lays strided outputs out; its channel and the record.
-    ``whole``: the largest tensor where tensors are never cut (0 where they may be)."""
+    ``widest``: the largest tensor where tensors are never cut (0 where they may be)."""
     device_type = torch.device(spec.device).type
     links = registry.links(device_type, group, policy)
     caps = links.capabilities
@@ -247,9 +247,9 @@ def _rule(
     else:
         primitive, backend, wire, limit = choice.primitive, choice.backend, choice.wire_dtype, choice.max_elements
         why = choice.why()
-    if whole > limit:
+    if widest > limit:
         raise NoPrimitiveError(
-            f"rank {dist.get_rank()}: a {spec.dtype} tensor of {whole} elements, never cut, is larger than the "
+            f"rank {dist.get_rank()}: a {spec.dtype} tensor of {widest} elements, never cut, is larger than the "
             f"largest message {primitive.value} over {backend} takes ({limit}); gather it in parts"
         )
     capacity = planner.bucket_capacity(op, cap_bytes, wire, group.size(), limit)

@@ -58,7 +58,7 @@ def gather_flat(step: Step) -> Result:
         outputs = [rows[:, lo : lo + n] for lo, n in chunks]
         # bucket_bytes=1: every chunk a bucket (one collective) of its own (a strided tensor is never
         # cut, and one larger than a bucket goes alone): two in one call would be concatenated first.
-        step.run(Op.ALL_GATHER, inputs, outputs, bucket_bytes=1, meanwhile=views, strided=True)
+        step.run(Op.ALL_GATHER, inputs, outputs, bucket_bytes=1, meanwhile=views, strided=True, variant=chunks)
     else:
         step.run(Op.ALL_GATHER, [message.whole().to(device)], [full], meanwhile=views)
     results: Result = []

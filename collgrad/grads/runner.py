@@ -3,7 +3,7 @@ and the last touches of its results (the parameter's shape, the output dtype, un
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -48,12 +48,14 @@ class Step:
         meanwhile: Callable[[], None] | None = None,
         strided: bool = False,
         whole: bool = False,
+        variant: Hashable = None,
     ) -> None:
         """One dispatcher call for this step (see ``OpenCall.run``): its bucket plan is built once and
-        reused across calls; its record joins ``calls``."""
+        reused across calls; its record joins ``calls``. ``variant``: what else decides the tensors'
+        sizes, where the layout alone does not (a ZeRO-1/2 gather's chunks follow the placements)."""
         pg = self.call.source.groups.get(self.group.index)
         record = self.call.run(
-            (self.gplan.group, self.b),
+            (self.gplan.group, self.b, variant),
             op,
             inputs,
             outputs,

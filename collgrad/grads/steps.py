@@ -69,7 +69,7 @@ def flat_views(where: Where, batch: tuple[int, ...], shapes: Sequence[tuple[int,
     """The views of a gathered buffer of partitions as they lie for the parameters ``batch`` (indices into
     ``where`` and ``shapes``), by position in the batch: one per parameter that lies in one run; none for
     one that straddles ranks or pieces (its runs are concatenated)."""
-    return view_runs([(where[k][0][0], shapes[k]) if len(where[k]) == 1 else None for k in batch])
+    return view_runs([(where[k][0][0] if where[k] else 0, shapes[k]) if len(where[k]) <= 1 else None for k in batch])
 
 
 class ReduceStep(NamedTuple):
@@ -267,14 +267,17 @@ def view_runs(items: Sequence[tuple[int, tuple[int, ...]] | None]) -> tuple[View
     straddles); grouped into ``ViewRun``s, a model's repeated layers a run per kind of tensor, so making
     the views costs a call per run rather than per result."""
     by_shape: dict[tuple[int, ...], list[Fragment]] = {}
+    runs = []
     for k, item in enumerate(items):
         if item is not None:
             start, shape = item
             numel = 1
             for n in shape:
                 numel *= n
+            if not numel:  # empty: no place of its own to tell it from a neighbour by
+                runs.append(ViewRun(start, 0, tuple(shape), (k,)))
+                continue
             by_shape.setdefault(tuple(shape), []).append(Fragment(k, 0, start, numel))
-    runs = []
     for shape, frags in by_shape.items():
         for run in strided_runs(tuple(frags)):
             runs.append(ViewRun(run.local_offset, run.stride, shape, tuple(frags[i].param for i in run.frags)))

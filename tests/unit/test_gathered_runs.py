@@ -51,3 +51,11 @@ def test_runs_rebuild_every_parameter_whatever_the_order_pieces_lie_in(sizes, wo
     for k, slot in enumerate(group.params):
         rebuilt = torch.cat([full[at : at + n] for at, n in where[k]])
         assert torch.equal(rebuilt, logical[slot.offset : slot.offset + slot.numel]), (k, where[k])
+
+
+def test_an_empty_piece_where_a_real_one_starts_is_passed_over():
+    # a zero-size parameter's fragment (DeepSpeed's get_flat_partition makes them) lies at the start of the
+    # next parameter's, and is sent after the main run: the runs come from the real piece
+    group = _group([4, 4], 1)
+    pieces = [(0, 0, 4), (4, 4, 4), (4, 8, 0)]
+    assert gathered_runs(group, [pieces]) == [[(0, 4)], [(4, 4)]]

@@ -155,6 +155,8 @@ def test_view_runs_group_equal_shapes_at_a_constant_distance():
     runs = view_runs(items)
     assert _view_starts(runs, len(items)) == items
     assert len(runs) == 3  # the three 4x4 at 20 apart, the two 4-vectors, the 2x8
+    empty = [(0, (0,)), (0, (0,)), (0, (3,))]  # two empty parameters of one shape at one place
+    assert _view_starts(view_runs(empty), 3) == empty
 
 
 def _covered(runs) -> set[int]:

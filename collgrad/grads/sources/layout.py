@@ -191,7 +191,7 @@ def gathered_runs(group: GradGroup, placements: list[list[tuple[int, int, int]]]
     ``placements[r]``: rank r's pieces as (offset in its partition, offset in what it sent, numel)."""
     out: list[list[tuple[int, int]]] = [[] for _ in group.params]
     for r, pieces in enumerate(placements):
-        pieces = sorted(pieces)
+        pieces = sorted(p for p in pieces if p[2])  # an empty piece holds nothing (and would be found first)
         starts = [p[0] for p in pieces]
         base = r * group.partition_numel
         for f in owned_fragments(group, r):
