@@ -190,6 +190,7 @@ class SlicesStep(NamedTuple):
     #: positions whose slices are gathered alone, straight into place (at least ``DIRECT_SLICE_BYTES``)
     direct: tuple[int, ...]
     #: the others, with where each starts in their concatenation, gathered together and laid out
+    #: (empty where no slice is ``direct``: then the step goes by ``chunks``)
     rest: tuple[tuple[int, int], ...]
 
 

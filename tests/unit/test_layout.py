@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collgrad.grads.sources.layout import GradGroup, Kind, ParamSlot, owned_fragments
+from tests.groups import sliced_group
 
 
 def _flat_group(sizes, world):
@@ -21,19 +22,10 @@ def _flat_group(sizes, world):
     )
 
 
-def _per_param_group(sizes, world):
-    slots, offset = [], 0
-    for i, n in enumerate(sizes):
-        slice_numel = -(-n // world)
-        slots.append(ParamSlot(f"p{i}", (n,), n, offset, slice_numel))
-        offset += slice_numel
-    return GradGroup(0, Kind.SLICED, tuple(range(world)), offset, torch.float32, torch.float32, tuple(slots))
-
-
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=12), st.integers(1, 5), st.sampled_from(["flat", "per_param"]))
 def test_every_element_is_owned_by_exactly_one_rank(sizes, world, kind):
-    group = (_flat_group if kind == "flat" else _per_param_group)(sizes, world)
+    group = (_flat_group if kind == "flat" else sliced_group)(sizes, world)
     seen = [[0] * n for n in sizes]
     for rank in range(world):
         for frag in owned_fragments(group, rank):

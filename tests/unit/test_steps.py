@@ -26,15 +26,7 @@ from collgrad.grads.steps import (
     slices_step,
     view_runs,
 )
-
-
-def _sliced(sizes: list[int], world: int) -> GradGroup:
-    slots, offset = [], 0
-    for i, n in enumerate(sizes):
-        per_rank = -(-n // world)
-        slots.append(ParamSlot(f"p{i}", (n,), n, offset, per_rank))
-        offset += per_rank
-    return GradGroup(0, Kind.SLICED, tuple(range(world)), offset, torch.float32, torch.float32, tuple(slots))
+from tests.groups import sliced_group
 
 
 def _flat(sizes: list[int], world: int) -> GradGroup:
@@ -61,7 +53,7 @@ worlds = st.integers(1, 4)
 @settings(max_examples=300, deadline=None)
 @given(sizes, worlds, st.data())
 def test_reduce_step_fills_every_element_once(sizes, world, data):
-    group = _flat(sizes, world) if data.draw(st.booleans()) else _sliced(sizes, world)
+    group = _flat(sizes, world) if data.draw(st.booleans()) else sliced_group(sizes, world)
     batch = _batch(len(sizes), data)
     starts, at = {}, 0
     for k in batch:
@@ -118,7 +110,7 @@ def test_copy_plan_places_each_fragment_where_the_step_says(frags, data):
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 2000), min_size=1, max_size=12), worlds, st.data())
 def test_slices_step_chunks_cover_the_span_and_runs_are_equal_and_contiguous(sizes, world, data):
-    group = _sliced(sizes, world)
+    group = sliced_group(sizes, world)
     batch = _batch(len(sizes), data)
     element = data.draw(st.sampled_from([1, 2, 4, 1 << 18]))  # large elements: several chunks
     step = slices_step(group, batch, element)
@@ -173,7 +165,7 @@ def _covered(runs) -> set[int]:
 @settings(deadline=None)
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(1, 5))
 def test_chunks_cover_the_slots_in_order(sizes, count):
-    group = _sliced([max(1, n) for n in sizes], 2)
+    group = sliced_group([max(1, n) for n in sizes], 2)
     slots = list(group.params)
     chunks = chunk_slots(slots, 0, count)
     assert [j for _, _, members in chunks for j in members] == list(range(len(slots)))
@@ -182,7 +174,7 @@ def test_chunks_cover_the_slots_in_order(sizes, count):
 
 def test_a_mixed_model_s_slices_go_in_a_few_strided_runs():
     # four layers of (weight 8, bias 2, norm 2): three runs across the layers, not one per slice
-    group = _sliced([16, 4, 4] * 4, 2)
+    group = sliced_group([16, 4, 4] * 4, 2)
     step = slices_step(group, tuple(range(12)), 4)
     assert len(step.strided) == 3 and {r.count for r in step.strided} == {4}
 
