@@ -41,10 +41,14 @@ from collgrad.grads import (
     GradStats,
     GroupRecord,
     PreStepHook,
+    iter_full_model_fp32_params,
     iter_full_model_grads,
+    iter_full_model_optimizer_states,
     model_grad_stats,
     register_pre_step_hook,
+    safe_get_full_model_fp32_params,
     safe_get_full_model_grads,
+    safe_get_full_model_optimizer_states,
     safe_set_full_model_grads,
     update_full_model_grads,
 )
@@ -52,6 +56,10 @@ from collgrad.grads import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "safe_get_full_model_fp32_params",
+    "iter_full_model_fp32_params",
+    "safe_get_full_model_optimizer_states",
+    "iter_full_model_optimizer_states",
     "register_pre_step_hook",
     "PreStepHook",
     "PreStepHookError",

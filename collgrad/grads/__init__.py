@@ -13,6 +13,8 @@ placements.py    where a rank's pieces lie, as told in the readiness check
 execute.py       the executor: one function per plan kind, each only moves bytes (runner.py: what they
                  share; gather_flat.py, gather_sliced.py, reduce.py)
 read.py          safe_get_full_model_grads, iter_full_model_grads
+state.py         the fp32 master weights and optimizer states, read and written the same way
+                 (sources: deepspeed_state.py, fsdp2.py)
 write.py         safe_set_full_model_grads, update_full_model_grads
 stats.py         model_grad_stats: per-parameter statistics without building any full gradient
                  (stat_blocks.py: pure blocks; stat_reduce.py: this rank's reductions)
@@ -24,11 +26,21 @@ from collgrad.grads.hook import PreStepHook, register_pre_step_hook
 from collgrad.grads.plan import PLANS, GradPlan, PlanKind
 from collgrad.grads.read import FullGrads, FullGradStream, iter_full_model_grads, safe_get_full_model_grads
 from collgrad.grads.record import FullGradRecord, GroupRecord
+from collgrad.grads.state import (
+    iter_full_model_fp32_params,
+    iter_full_model_optimizer_states,
+    safe_get_full_model_fp32_params,
+    safe_get_full_model_optimizer_states,
+)
 from collgrad.grads.stats import GradStat, GradStats, model_grad_stats
 from collgrad.grads.write import safe_set_full_model_grads, update_full_model_grads
 
 __all__ = [
     "safe_get_full_model_grads",
+    "safe_get_full_model_fp32_params",
+    "iter_full_model_fp32_params",
+    "safe_get_full_model_optimizer_states",
+    "iter_full_model_optimizer_states",
     "iter_full_model_grads",
     "FullGrads",
     "FullGradStream",

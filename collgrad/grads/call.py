@@ -15,6 +15,7 @@ Every entry point of collgrad.grads opens its call here, so they all fail togeth
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
@@ -33,7 +34,7 @@ from collgrad.grads.cache import ShapePlans
 from collgrad.grads.model_cache import MODELS, ModelCache
 from collgrad.grads.placements import piece_count, placement_print
 from collgrad.grads.plan import PLANS, GradCall, GradPlan, needs_capabilities, plan_grads
-from collgrad.grads.sources.base import LocalGrads, Problem, Source
+from collgrad.grads.sources.base import GRAD, LocalGrads, Problem, Source, State
 from collgrad.grads.sources.layout import GradGroup
 
 __all__ = ["OpenCall", "FIELDS"]
@@ -82,12 +83,15 @@ class OpenCall:
         extra: Callable[[Source], Sequence[Field]] | None = None,
         meanwhile: Callable[[OpenCall], Any] | None = None,
         models: ModelCache = MODELS,
+        state: State = GRAD,
+        optimizer: Any = None,
     ) -> None:
         self.name = name
         self.dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
         try:  # every argument is checked before any collective; a rank with bad ones tells the others
             cap = _checked(plan, bucket_bytes, policy)
-            self.source, self.layout_cached = _source(models, self.dispatcher, model, params)
+            state = state.checked()
+            self.source, self.layout_cached = _source(models, self.dispatcher, model, params, state, optimizer)
             extra_fields = list(extra(self.source)) if extra is not None else []
             extra_fields += [Field(f"unused {i}", 0) for i in range(self.EXTRA - len(extra_fields))]
             self.local: LocalGrads = self.source.read()
@@ -249,12 +253,17 @@ def _tell_invalid(model: Any, timeout_s: float, name: str) -> None:
 
 
 def _source(
-    models: ModelCache, dispatcher: Dispatcher, model: Any, params: Iterable[Any] | None
+    models: ModelCache,
+    dispatcher: Dispatcher,
+    model: Any,
+    params: Iterable[Any] | None,
+    state: State = GRAD,
+    optimizer: Any = None,
 ) -> tuple[Source, bool]:
-    """The cached Source of ``model`` for this ``params`` selection if its layout still holds, else a
-    new one (and an empty model or selection refused). Cached in ``models`` per dispatcher, weakly per
-    model: released with the model."""
-    source, cached = _cached_source(models, dispatcher, model, params)
+    """The cached Source of ``state`` of ``model`` for this ``params`` selection (and ``optimizer``) if
+    its layout still holds, else a new one (and an empty model or selection refused). Cached in
+    ``models`` per dispatcher, weakly per model: released with the model."""
+    source, cached = _cached_source(models, dispatcher, model, params, state, optimizer)
     if not source.layout.order:
         raise InvalidArgumentError(
             f"rank {_compat.rank()}: no trainable parameter is selected (an empty model, or an empty params=)"
@@ -263,17 +272,19 @@ def _source(
 
 
 def _cached_source(
-    models: ModelCache, dispatcher: Dispatcher, model: Any, params: Iterable[Any] | None
+    models: ModelCache, dispatcher: Dispatcher, model: Any, params: Iterable[Any] | None, state: State, optimizer: Any
 ) -> tuple[Source, bool]:
     params = None if params is None else list(params)
-    key = None if params is None else tuple(p if isinstance(p, str) else id(p) for p in params)
+    selection = None if params is None else tuple(p if isinstance(p, str) else id(p) for p in params)
+    # the optimizer weakly: equal while alive, and a dead one's key matches no new optimizer
+    key = selection if state == GRAD else (selection, state, None if optimizer is None else weakref.ref(optimizer))
     try:
         per_model = models.per_model(dispatcher, model)
     except TypeError:  # not weakly referenceable, so not a model: let open_source say what is wrong
-        return sources.open_source(model, params), False
+        return sources.open_source(model, params, state, optimizer), False
     source = per_model.get(key)
     if source is not None and source.valid():
         return source, True
-    source = sources.open_source(model, params)
+    source = sources.open_source(model, params, state, optimizer)
     per_model[key] = source
     return source, False

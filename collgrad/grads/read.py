@@ -16,7 +16,7 @@ from collgrad.grads.call import OpenCall
 from collgrad.grads.execute import Executor
 from collgrad.grads.record import FullGradRecord
 
-__all__ = ["safe_get_full_model_grads", "iter_full_model_grads", "FullGrads", "FullGradStream"]
+__all__ = ["safe_get_full_model_grads", "iter_full_model_grads", "FullGrads", "FullGradStream", "collected"]
 
 
 class FullGrads(dict[str, torch.Tensor]):
@@ -72,6 +72,11 @@ def safe_get_full_model_grads(
         streaming=False,
         name="safe_get_full_model_grads",
     )
+    return collected(call, copy)
+
+
+def collected(call: OpenCall, copy: bool = True) -> FullGrads:
+    """Every result of the opened ``call``, in ``named_parameters()`` order. Collective, as its steps."""
     executor = Executor(call, copy=copy)
     found: dict[str, torch.Tensor] = {}
     for results in executor.steps():

@@ -1,7 +1,8 @@
 """FSDP2 (``fully_shard``) models through the same model-wide API, on CPU ranks over Gloo (2 and 3
 ranks; HSDP 2 x 2 on 4): reading is bitwise equal to ``p.grad.full_tensor()`` and close to plain
 PyTorch, for evenly and unevenly sharded parameters, tied weights, frozen parameters, a subset, nested
-units and a single root unit, mixed precision; one collective per bucket; statistics equal plain
+units and a single root unit, mixed precision; one collective per bucket; the sharded parameters and
+Adam's states read whole bitwise equal to ``full_tensor()``; statistics equal plain
 PyTorch's and identical on every rank; training with an edit written before each step equals plain
 PyTorch with the same edit; misuse raises together on every rank."""
 
@@ -212,6 +213,8 @@ def _worker(rank: int, world: int, hsdp: bool):
                 for n, g in full.items()
             },
         )
+        # the rest of the training state after an Adam step: the sharded parameters and Adam's moments
+        entry["state"] = _state_read(model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad]))
         # misuse: an unreduced micro-step, and after zero_grad()
         model.set_requires_gradient_sync(False)
         nn.functional.mse_loss(model(x).float(), y).backward()
@@ -239,6 +242,38 @@ def _worker(rank: int, world: int, hsdp: bool):
             max(_rel(trained[n], t) / bound[n] for n, t in edited.items()),
             max(_rel(trained[n], t) / bound[n] for n, t in unedited.items()),
         )
+    return out
+
+
+def _state_read(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """fp32 parameters and Adam's states read whole by collgrad, against ``full_tensor()`` of the
+    sharded parameters and of the optimizer's state DTensors; counted; and without the optimizer."""
+    import collgrad
+    from tests.counting import count_collectives
+
+    before = attempt(lambda: collgrad.safe_get_full_model_optimizer_states(model, "exp_avg", optimizer=opt))
+    opt.step()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names = [n for n, _ in trainable]
+    out: dict = {"before_step": before}
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        if key == "fp32":
+            full = {n: p.full_tensor() for n, p in trainable}
+            with count_collectives() as seen:
+                got = collgrad.safe_get_full_model_fp32_params(model)
+            streamed = dict(collgrad.iter_full_model_fp32_params(model, bucket_bytes=256))
+        else:
+            full = {n: opt.state[p][key].full_tensor() for n, p in trainable}
+            with count_collectives() as seen:
+                got = collgrad.safe_get_full_model_optimizer_states(model, key, optimizer=opt)
+            streamed = dict(collgrad.iter_full_model_optimizer_states(model, key, optimizer=opt, bucket_bytes=256))
+        out[key] = {
+            "names": list(got) == names and sorted(streamed) == sorted(names),
+            "bitwise": all(torch.equal(got[n], full[n]) and torch.equal(streamed[n], full[n]) for n in names),
+            "dtypes": sorted({str(t.dtype) for t in got.values()}),
+            "calls": (seen.data, got.record.buckets),
+        }
+    out["no_optimizer"] = attempt(lambda: collgrad.safe_get_full_model_optimizer_states(model, "exp_avg"))
     return out
 
 
@@ -314,3 +349,17 @@ def test_misuse_raises_on_every_rank(results):
         for phase in ("before_backward", "no_sync", "after_zero_grad"):
             assert e[phase]["error"] == "NotReadyError", (phase, e[phase])
         assert "not a gradient accumulation boundary" in e["no_sync"]["message"]
+
+
+def test_parameters_and_optimizer_states_read_whole_equal_full_tensor(results):
+    for _world, _hsdp, _rank, variant, e in _entries(results):
+        state = e["state"]
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert state[key]["names"] and state[key]["bitwise"], (variant, key)
+            assert state[key]["dtypes"] == ["torch.float32"]  # mixed precision too: FSDP2 steps fp32 shards
+            assert state[key]["calls"] == (1, 1), (variant, key, state[key]["calls"])
+        # before the first step a torch optimizer holds no state; without optimizer= nothing says where it is
+        assert state["before_step"]["error"] == "InvalidArgumentError", state["before_step"]
+        assert "after a step" in state["before_step"]["message"]
+        assert state["no_optimizer"]["error"] == "InvalidArgumentError", state["no_optimizer"]
+        assert "optimizer=" in state["no_optimizer"]["message"]

@@ -22,13 +22,28 @@ from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.errors import InvalidArgumentError
-from collgrad.grads.sources.base import LocalGrads, Problem, ReplicatedSource, Source, rank_in, select
+from collgrad.grads.sources.base import (
+    FP32,
+    GRAD,
+    LocalGrads,
+    Problem,
+    ReplicatedSource,
+    Source,
+    State,
+    optimizer_states,
+    per_element_state,
+    rank_in,
+    select,
+)
 
 __all__ = [
     "Problem",
     "LocalGrads",
     "Source",
     "ReplicatedSource",
+    "State",
+    "GRAD",
+    "FP32",
     "open_source",
     "select",
     "control_group_of",
@@ -37,15 +52,22 @@ __all__ = [
 ]
 
 
-def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
-    """The Source of ``model``: a DeepSpeed engine, the module it wraps, or a plain module whose
-    ``.grad`` already holds reduced gradients (after DDP, or on one process). Local: no communication."""
+def open_source(model: Any, params: Iterable[Any] | None = None, state: State = GRAD, optimizer: Any = None) -> Source:
+    """The Source of ``state`` (default: the gradients) of ``model``: a DeepSpeed engine, the module it
+    wraps, a ``fully_shard`` model, or a plain module whose ``.grad`` already holds reduced gradients
+    (after DDP, or on one process). ``optimizer``: the one holding optimizer states where the model does
+    not (FSDP2, a plain module). Local: no communication."""
     if "deepspeed" in sys.modules or _looks_like_engine(model):
         from collgrad.grads.sources import deepspeed as ds_source
 
         engine = ds_source.find_engine(model)
         if engine is not None:
-            return ds_source.open_engine(engine, select(engine.module, params))
+            named = select(engine.module, params)
+            if state == GRAD:
+                return ds_source.open_engine(engine, named)
+            from collgrad.grads.sources.deepspeed_state import open_engine_state
+
+            return open_engine_state(engine, named, state)
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(
             f"rank {_compat.rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
@@ -54,7 +76,9 @@ def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
         from collgrad.grads.sources import fsdp2
 
         if fsdp2.is_fsdp2(model):
-            return fsdp2.open_fsdp2(model, select(model, params))
+            return fsdp2.open_fsdp2(model, select(model, params), state, optimizer)
+    if state != GRAD:
+        return _plain_state(model, select(model, None if params is None else list(params)), state, optimizer)
     params = None if params is None else list(params)
     named = select(model, params)
     group = _compat.default_group() if torch.distributed.is_initialized() else None
@@ -65,6 +89,22 @@ def open_source(model: Any, params: Iterable[Any] | None = None) -> Source:
         return select(owner, params) if owner is not None else []
 
     return ReplicatedSource("torch", named, lambda: [p.grad for _, p in named], group, reselect=reselect)
+
+
+def _plain_state(model: nn.Module, named: list[tuple[str, nn.Parameter]], state: State, optimizer: Any) -> Source:
+    """A plain module (one process, or replicated by DDP): its weights, or ``optimizer``'s state of each
+    parameter, are whole on every rank."""
+    group = _compat.default_group() if torch.distributed.is_initialized() else None
+    if state == FP32:
+        return ReplicatedSource("torch:fp32", named, lambda: [p.detach() for _, p in named], group, problem=_ok)
+    held = optimizer_states(optimizer, state)
+    key = state.key or ""
+    values = lambda: [per_element_state(held().get(p), key, p.numel(), n) for n, p in named]  # noqa: E731
+    return ReplicatedSource(f"torch:{state.what}", named, values, group, problem=_ok)
+
+
+def _ok() -> Problem:
+    return Problem.OK
 
 
 def control_group_of(model: Any) -> ProcessGroup | None:

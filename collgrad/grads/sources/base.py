@@ -8,6 +8,7 @@ The adapters (deepspeed.py, fsdp2.py) build on these; ``collgrad.grads.sources``
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
@@ -21,7 +22,82 @@ from collgrad.errors import InvalidArgumentError, UnknownParameterError
 from collgrad.grads.cache import PlanCache, WritePlan, WriteRow
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
 
-__all__ = ["Problem", "LocalGrads", "Source", "ReplicatedSource", "select", "rank_in"]
+__all__ = [
+    "Problem",
+    "LocalGrads",
+    "Source",
+    "ReplicatedSource",
+    "State",
+    "GRAD",
+    "FP32",
+    "per_element_state",
+    "optimizer_states",
+    "select",
+    "rank_in",
+]
+
+
+@dataclass(frozen=True)
+class State:
+    """What a source reads: ``GRAD``, the reduced gradients (the default); ``FP32``, the fp32 master
+    weights (the module's own weights where there is no master copy); or, with ``key``, the optimizer's
+    per-element state ``key`` (``"exp_avg"``, ``"exp_avg_sq"``, ...), shaped like the parameter."""
+
+    what: str
+    key: str | None = None
+
+    def describe(self) -> str:
+        return {"grad": "gradients", "fp32": "fp32 master weights"}.get(self.what, f"optimizer state {self.key!r}")
+
+    def checked(self) -> State:
+        """This state, if its key can name an optimizer state; InvalidArgumentError (this rank) otherwise."""
+        if self.what == "optimizer" and (not isinstance(self.key, str) or not self.key):
+            raise InvalidArgumentError(
+                f"rank {_compat.rank()}: key must name an optimizer state, e.g. 'exp_avg', got {self.key!r}"
+            )
+        return self
+
+
+GRAD = State("grad")
+FP32 = State("fp32")
+
+
+def optimizer_states(optimizer: Any, state: State) -> Callable[[], Any]:
+    """``optimizer.state`` as a function (the optimizer held weakly); InvalidArgumentError where
+    ``optimizer`` is none, naming ``state``, which needs it."""
+    if optimizer is None or not hasattr(optimizer, "state"):
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: reading the {state.describe()} needs the optimizer that holds it: pass "
+            "optimizer= (a torch.optim.Optimizer over this model's parameters)"
+        )
+    ref = weakref.ref(optimizer)
+
+    def states() -> Any:
+        owner = ref()
+        return owner.state if owner is not None else {}
+
+    return states
+
+
+def per_element_state(held: Mapping[str, Any] | None, key: str, numel: int, what: str) -> torch.Tensor:
+    """``held[key]``, one tensor's optimizer state (``optimizer.state[tensor]``), checked to be a tensor
+    of ``numel`` elements, one per element of ``what`` (named in the error); InvalidArgumentError,
+    saying what the optimizer holds, otherwise. Local."""
+    found = None if held is None else held.get(key)
+    if isinstance(found, torch.Tensor) and found.numel() == numel:
+        return found
+    rank = _compat.rank()
+    if held is None or not held:
+        raise InvalidArgumentError(
+            f"rank {rank}: the optimizer holds no state for {what} yet (torch optimizers create it in their "
+            "first step()): read optimizer states after a step"
+        )
+    per_element = sorted(k for k, v in held.items() if isinstance(v, torch.Tensor) and v.numel() == numel)
+    reason = "holds no such key" if found is None else "holds it, but not one value per element"
+    raise InvalidArgumentError(
+        f"rank {rank}: the optimizer state {key!r} of {what}: the optimizer {reason}; its per-element "
+        f"states are {per_element}"
+    )
 
 
 def rank_in(group: GradGroup) -> int:

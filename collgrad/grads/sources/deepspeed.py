@@ -35,7 +35,12 @@ from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.utils import get_norm_dtype
-from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_set_full_grad,
+)
 from torch import nn
 
 from collgrad import _compat
@@ -51,10 +56,13 @@ __all__ = [
     "find_engine",
     "hook_model_step",
     "open_engine",
+    "model_parallel_names",
     "control_group",
     "initialize",
     "safe_get_full_grad",
     "safe_set_full_grad",
+    "safe_get_full_fp32_param",
+    "safe_get_full_optimizer_state",
     "VERSION",
 ]
 
@@ -120,6 +128,12 @@ def _loss_scale(engine: DeepSpeedEngine) -> float:
     return float(scale)
 
 
+def model_parallel_names(named: list[tuple[str, nn.Parameter]]) -> frozenset[str]:
+    """The parameters that are shards of a model-parallel (AutoTP, Megatron) or expert (MoE) split: what
+    a gather over the data-parallel group rebuilds stays that rank's shard."""
+    return frozenset(n for n, p in named if is_model_parallel_parameter(p) or is_moe_param(p))
+
+
 def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) -> Source:
     opt = engine.optimizer
     if opt is None:
@@ -129,7 +143,7 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) 
             "deepspeed.initialize, or pass the module itself if its .grad already holds reduced gradients"
         )
     kind = type(opt).__name__
-    model_parallel = frozenset(n for n, p in named if is_model_parallel_parameter(p) or is_moe_param(p))
+    model_parallel = model_parallel_names(named)
     if kind == "DeepSpeedZeroOptimizer":
         return _Zero12(engine, named, model_parallel)
     if kind == "DeepSpeedZeroOptimizer_Stage3":
@@ -221,15 +235,13 @@ class _Zero12(_EngineSource):
             if not slots:
                 continue
             pg = opt.real_dp_process_group[i]
-            # fp32 where DeepSpeed accumulates in fp32 (offload, or bf16 with grad_accum_dtype fp32).
-            wire = torch.float32 if (opt.cpu_offload or _fp32_accumulation(opt)) else flat.dtype
             groups.append(
                 GradGroup(
                     i,
                     Kind.PARTITIONED_FLAT,
                     tuple(_compat.group_ranks(pg)),
                     opt.partition_size[i],
-                    wire,
+                    self._wire_dtype(i),
                     torch.float32,
                     tuple(slots),
                 )
@@ -241,6 +253,12 @@ class _Zero12(_EngineSource):
         )
         self.fingerprint = self.layout.fingerprint()
         self._signature = self._sign()
+
+    def _wire_dtype(self, i: int) -> torch.dtype:
+        """The dtype of group ``i``'s local partition: fp32 where DeepSpeed accumulates in fp32 (offload,
+        or bf16 with grad_accum_dtype fp32), else the model's."""
+        opt = self.opt
+        return torch.float32 if (opt.cpu_offload or _fp32_accumulation(opt)) else opt.bit16_groups_flat[i].dtype
 
     def _sign(self):
         return tuple((f.data_ptr(), f.numel()) for f in self.opt.bit16_groups_flat)

@@ -42,7 +42,17 @@ from collgrad import _compat
 from collgrad.core.buffers import Pieces, SameTensors, flat_alias
 from collgrad.errors import InvalidArgumentError
 from collgrad.grads.cache import PlanCache
-from collgrad.grads.sources.base import LocalGrads, Problem, Source, rank_in
+from collgrad.grads.sources.base import (
+    FP32,
+    GRAD,
+    LocalGrads,
+    Problem,
+    Source,
+    State,
+    optimizer_states,
+    per_element_state,
+    rank_in,
+)
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
 
 __all__ = ["is_fsdp2", "open_fsdp2", "shard_whole"]
@@ -149,6 +159,11 @@ class FSDP2Source(Source):
         grads = {name: p.grad for name, p in self.params.items()}
         if all(g is None for g in grads.values()):
             return LocalGrads(Problem.NO_BACKWARD, [])
+        return self._held_or_read(grads)
+
+    def _held_or_read(self, grads: dict[str, Any]) -> LocalGrads:
+        """The local shards of ``grads`` (DTensors by name, None where absent) as Pieces, kept while
+        FSDP2 holds the same shards."""
         shards = [g._local_tensor if isinstance(g, DTensor) else g for g in grads.values()]
         complete = all(t is not None for t in shards)
         if self._held is not None and complete and self._shards.matches(shards):
@@ -226,8 +241,29 @@ def _accumulating_params(model: nn.Module):
     return accumulating
 
 
-def open_fsdp2(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> Source:
-    return FSDP2Source(model, named)
+class FSDP2State(FSDP2Source):
+    """The sharded parameters themselves (FSDP2 steps them: with mixed precision they stay in their own
+    dtype and only the unsharded copies are cast), or one state of ``optimizer`` per parameter (DTensors
+    sharded as the parameters are)."""
+
+    def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter]], state: State, optimizer: Any) -> None:
+        super().__init__(model, named)
+        self.state = state
+        self._optimizer = None if state == FP32 else optimizer_states(optimizer, state)
+
+    def read(self) -> LocalGrads:
+        if self._optimizer is None:
+            return self._held_or_read(dict(self.params))
+        held, key = self._optimizer(), self.state.key or ""
+        return self._held_or_read(
+            {name: per_element_state(held.get(p), key, p.numel(), name) for name, p in self.params.items()}
+        )
+
+
+def open_fsdp2(
+    model: nn.Module, named: list[tuple[str, nn.Parameter]], state: State = GRAD, optimizer: Any = None
+) -> Source:
+    return FSDP2Source(model, named) if state == GRAD else FSDP2State(model, named, state, optimizer)
 
 
 def shard_whole(model: nn.Module, device_type: str, world: int) -> nn.Module:

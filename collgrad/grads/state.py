@@ -1,0 +1,156 @@
+"""Reading the rest of the training state model-wide: the fp32 master weights and the optimizer's
+per-element states (``exp_avg``, ``exp_avg_sq``, ...), whole, in one collective per bucket.
+
+The same machinery as the gradients (call.py, execute.py): the source reads the tensors the optimizer
+steps instead of the gradient buffers (sources/deepspeed_state.py, sources/fsdp2.py), laid out as the
+gradients are, so every plan, executor and record applies unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+from collgrad.backends.agreement import Field, stable_hash
+from collgrad.backends.policy import Policy
+from collgrad.core.dispatch import Dispatcher
+from collgrad.grads.call import OpenCall
+from collgrad.grads.read import FullGrads, FullGradStream, collected
+from collgrad.grads.sources.base import FP32, Source, State
+
+__all__ = [
+    "safe_get_full_model_fp32_params",
+    "iter_full_model_fp32_params",
+    "safe_get_full_model_optimizer_states",
+    "iter_full_model_optimizer_states",
+]
+
+
+def safe_get_full_model_fp32_params(
+    model: Any,
+    *,
+    params: Iterable[Any] | None = None,
+    bucket_bytes: int | None = None,
+    plan: str = "auto",
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> FullGrads:
+    """The full fp32 master weight of every trainable parameter of ``model``, in one collective per
+    bucket: ``{name: tensor}`` in ``named_parameters()`` order (tied parameters once), each shaped like
+    the parameter, in the dtype and on the device ``deepspeed.utils.safe_get_full_fp32_param`` returns
+    and bitwise equal to it; ``.record`` says what was done.
+
+    ``model``: a DeepSpeed engine (or the module it wraps), a ``fully_shard`` model (its sharded
+    parameters are what FSDP2 steps), or a plain module. Where there is no master copy (stage 0 with a
+    torch optimizer, FSDP2 or a plain module in fp32) the module's own weights. ``params`` (names or
+    parameters) limits the call to a subset.
+
+    When and where: on every rank of the data-parallel group, with the same arguments, at any time
+    outside ``step()`` (no backward is needed). Invalid or different arguments raise on every rank
+    together before any value moves. Nothing is modified; the values are fresh tensors.
+    """
+    call = _open(model, params, bucket_bytes, plan, policy, dispatcher, FP32, None, "safe_get_full_model_fp32_params")
+    return collected(call)
+
+
+def iter_full_model_fp32_params(
+    model: Any,
+    *,
+    params: Iterable[Any] | None = None,
+    bucket_bytes: int | None = None,
+    plan: str = "auto",
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> FullGradStream:
+    """The same fp32 master weights as ``safe_get_full_model_fp32_params``, as ``(name, tensor)`` pairs
+    streamed one bucket of whole parameters at a time (collgrad holds about two buckets). Same calling
+    rules, plus: every rank must consume the whole iteration (each bucket is a collective)."""
+    call = _open(model, params, bucket_bytes, plan, policy, dispatcher, FP32, None, "iter_full_model_fp32_params")
+    return FullGradStream(call)
+
+
+def safe_get_full_model_optimizer_states(
+    model: Any,
+    key: str,
+    *,
+    params: Iterable[Any] | None = None,
+    optimizer: Any = None,
+    bucket_bytes: int | None = None,
+    plan: str = "auto",
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> FullGrads:
+    """The optimizer's per-element state ``key`` (``"exp_avg"``, ``"exp_avg_sq"``, ...) of every
+    trainable parameter of ``model``, whole, in one collective per bucket: ``{name: tensor}`` shaped
+    like the parameter, as ``deepspeed.utils.safe_get_full_optimizer_state(param, key)`` returns it and
+    bitwise equal to it.
+
+    ``optimizer``: the optimizer holding the states where the model does not (a ``fully_shard`` model,
+    a plain module); a DeepSpeed engine's own optimizer is used for an engine. A key the optimizer does
+    not hold, or holds but not one value per element (``"step"``), raises InvalidArgumentError saying
+    which keys it holds. Same calling rules as ``safe_get_full_model_fp32_params``; torch optimizers
+    create their states in their first ``step()``.
+    """
+    state = State("optimizer", key)
+    call = _open(
+        model, params, bucket_bytes, plan, policy, dispatcher, state, optimizer, "safe_get_full_model_optimizer_states"
+    )
+    return collected(call)
+
+
+def iter_full_model_optimizer_states(
+    model: Any,
+    key: str,
+    *,
+    params: Iterable[Any] | None = None,
+    optimizer: Any = None,
+    bucket_bytes: int | None = None,
+    plan: str = "auto",
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> FullGradStream:
+    """The same states as ``safe_get_full_model_optimizer_states``, streamed one bucket of whole
+    parameters at a time; every rank must consume the whole iteration."""
+    state = State("optimizer", key)
+    call = _open(
+        model, params, bucket_bytes, plan, policy, dispatcher, state, optimizer, "iter_full_model_optimizer_states"
+    )
+    return FullGradStream(call)
+
+
+def _open(
+    model: Any,
+    params: Iterable[Any] | None,
+    bucket_bytes: int | None,
+    plan: str,
+    policy: Policy | None,
+    dispatcher: Dispatcher | None,
+    state: State,
+    optimizer: Any,
+    name: str,
+) -> OpenCall:
+    """The call opened on every rank together (arguments, source, agreement; see OpenCall)."""
+    return OpenCall(
+        model,
+        params,
+        bucket_bytes,
+        plan,
+        False,  # nothing to unscale: master weights and optimizer states are true values
+        policy,
+        dispatcher,
+        streaming=name.startswith("iter_"),
+        name=name,
+        extra=_key_field(state),
+        state=state,
+        optimizer=optimizer,
+    )
+
+
+def _key_field(state: State) -> Callable[[Source], Sequence[Field]]:
+    """The state's key, compared between ranks (and checked: a non-empty string)."""
+
+    def extra(source: Source) -> Sequence[Field]:
+        if state.what != "optimizer":
+            return []
+        return [Field("optimizer state key", stable_hash(state.key), shown=False)]
+
+    return extra
