@@ -49,7 +49,9 @@ from collgrad.grads import (
     safe_get_full_model_fp32_params,
     safe_get_full_model_grads,
     safe_get_full_model_optimizer_states,
+    safe_set_full_model_fp32_params,
     safe_set_full_model_grads,
+    safe_set_full_model_optimizer_states,
     update_full_model_grads,
 )
 
@@ -60,6 +62,8 @@ __all__ = [
     "iter_full_model_fp32_params",
     "safe_get_full_model_optimizer_states",
     "iter_full_model_optimizer_states",
+    "safe_set_full_model_fp32_params",
+    "safe_set_full_model_optimizer_states",
     "register_pre_step_hook",
     "PreStepHook",
     "PreStepHookError",

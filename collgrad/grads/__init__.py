@@ -31,6 +31,8 @@ from collgrad.grads.state import (
     iter_full_model_optimizer_states,
     safe_get_full_model_fp32_params,
     safe_get_full_model_optimizer_states,
+    safe_set_full_model_fp32_params,
+    safe_set_full_model_optimizer_states,
 )
 from collgrad.grads.stats import GradStat, GradStats, model_grad_stats
 from collgrad.grads.write import safe_set_full_model_grads, update_full_model_grads
@@ -41,6 +43,8 @@ __all__ = [
     "iter_full_model_fp32_params",
     "safe_get_full_model_optimizer_states",
     "iter_full_model_optimizer_states",
+    "safe_set_full_model_fp32_params",
+    "safe_set_full_model_optimizer_states",
     "iter_full_model_grads",
     "FullGrads",
     "FullGradStream",

@@ -1,5 +1,6 @@
-"""Reading the rest of the training state model-wide: the fp32 master weights and the optimizer's
-per-element states (``exp_avg``, ``exp_avg_sq``, ...), whole, in one collective per bucket.
+"""The rest of the training state model-wide: the fp32 master weights and the optimizer's
+per-element states (``exp_avg``, ``exp_avg_sq``, ...), read whole in one collective per bucket, and
+written back by each rank where it owns them (no bulk collective).
 
 The same machinery as the gradients (call.py, execute.py): the source reads the tensors the optimizer
 steps instead of the gradient buffers (sources/deepspeed_state.py, sources/fsdp2.py), laid out as the
@@ -8,16 +9,22 @@ gradients are, so every plan, executor and record applies unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
 
 from collgrad.backends.agreement import Field, stable_hash
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher
 from collgrad.grads.call import OpenCall
 from collgrad.grads.read import FullGrads, FullGradStream, collected
+from collgrad.grads.record import FullGradRecord
 from collgrad.grads.sources.base import FP32, Source, State
+from collgrad.grads.write import set_full
 
 __all__ = [
+    "safe_set_full_model_fp32_params",
+    "safe_set_full_model_optimizer_states",
     "safe_get_full_model_fp32_params",
     "iter_full_model_fp32_params",
     "safe_get_full_model_optimizer_states",
@@ -115,6 +122,50 @@ def iter_full_model_optimizer_states(
         model, params, bucket_bytes, plan, policy, dispatcher, state, optimizer, "iter_full_model_optimizer_states"
     )
     return FullGradStream(call)
+
+
+def safe_set_full_model_fp32_params(
+    model: Any,
+    values: Mapping[str, torch.Tensor],
+    *,
+    params: Iterable[Any] | None = None,
+    check: bool = True,
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> FullGradRecord:
+    """Make ``values`` (name -> full fp32 weight, any dtype and device; a subset allowed) the fp32 master
+    weights the optimizer steps from, and the module's own weights with them: ZeRO-1/2's replicated
+    low-precision copy, ZeRO-3's partitions and the parameters it holds whole, BF16_Optimizer's bf16
+    weights, FSDP2's shards, so that the next forward already uses them (DeepSpeed's
+    ``safe_set_full_fp32_param`` leaves those until the next step). Adam's states are left as they are.
+
+    When and where: on every rank of the data-parallel group, at any time outside ``step()``, with the
+    same names and values on every rank. Each rank writes what it owns, without a bulk collective: only
+    the agreement, in which (``check=True``) checksums of the values are compared, so that ranks passing
+    different values raise together (ArgumentMismatchError) instead of training on a mix.
+    """
+    return set_full(model, values, params, check, policy, dispatcher, "safe_set_full_model_fp32_params", FP32)
+
+
+def safe_set_full_model_optimizer_states(
+    model: Any,
+    key: str,
+    values: Mapping[str, torch.Tensor],
+    *,
+    params: Iterable[Any] | None = None,
+    optimizer: Any = None,
+    check: bool = True,
+    policy: Policy | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> FullGradRecord:
+    """Make ``values`` (name -> full tensor shaped like the parameter) the optimizer's per-element state
+    ``key`` (``"exp_avg"``, ...) of those parameters, each rank writing what it owns. ``optimizer``: as
+    for ``safe_get_full_model_optimizer_states``. Same calling rules as
+    ``safe_set_full_model_fp32_params``."""
+    state = State("optimizer", key)
+    return set_full(
+        model, values, params, check, policy, dispatcher, "safe_set_full_model_optimizer_states", state, optimizer
+    )
 
 
 def _open(

@@ -29,9 +29,9 @@ from collgrad.errors import ArgumentMismatchError, InvalidArgumentError, Unknown
 from collgrad.grads.call import OpenCall
 from collgrad.grads.execute import Executor
 from collgrad.grads.record import FullGradRecord
-from collgrad.grads.sources.base import Source
+from collgrad.grads.sources.base import GRAD, Source, State
 
-__all__ = ["safe_set_full_model_grads", "update_full_model_grads", "checksums"]
+__all__ = ["safe_set_full_model_grads", "update_full_model_grads", "checksums", "set_full"]
 
 
 def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -75,12 +75,13 @@ def _word_sum(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _checked(source: Source, grads: Any) -> dict[str, torch.Tensor]:
-    """``grads`` as {name: tensor} in layout order, each shaped like its parameter (a shard for model-
-    parallel names). Raises InvalidArgumentError / UnknownParameterError on this rank."""
+def _checked(source: Source, grads: Any, argument: str = "grads") -> dict[str, torch.Tensor]:
+    """``grads`` (the ``argument`` of the call) as {name: tensor} in layout order, each shaped like its
+    parameter (a shard for model-parallel names). Raises InvalidArgumentError / UnknownParameterError
+    on this rank."""
     if not isinstance(grads, Mapping):
         raise InvalidArgumentError(
-            f"rank {_compat.rank()}: grads must be a mapping name -> tensor, got {type(grads).__name__}"
+            f"rank {_compat.rank()}: {argument} must be a mapping name -> tensor, got {type(grads).__name__}"
         )
     slots = {s.name: s for g in source.layout.groups for s in g.params}
     out = {}
@@ -92,11 +93,11 @@ def _checked(source: Source, grads: Any) -> dict[str, torch.Tensor]:
                 "pass names from model.named_parameters()"
             )
         if not isinstance(value, torch.Tensor):
-            raise InvalidArgumentError(f"rank {_compat.rank()}: grads[{name!r}] is a {type(value).__name__}")
+            raise InvalidArgumentError(f"rank {_compat.rank()}: {argument}[{name!r}] is a {type(value).__name__}")
         if tuple(value.shape) != slot.shape and value.numel() != slot.numel:
             raise InvalidArgumentError(
-                f"rank {_compat.rank()}: grads[{name!r}] has shape {tuple(value.shape)}; the parameter's full "
-                f"gradient has shape {slot.shape}"
+                f"rank {_compat.rank()}: {argument}[{name!r}] has shape {tuple(value.shape)}; the parameter "
+                f"has shape {slot.shape}"
             )
         out[name] = value
     return {name: out[name] for name in source.layout.order if name in out}
@@ -122,33 +123,62 @@ def safe_set_full_model_grads(
     compared so that ranks passing different values raise together (ArgumentMismatchError) instead of
     training on a mix.
     """
+    return set_full(model, grads, params, check, policy, dispatcher, "safe_set_full_model_grads")
+
+
+def set_full(
+    model: Any,
+    given: Mapping[str, torch.Tensor],
+    params: Iterable[Any] | None,
+    check: bool,
+    policy: Policy | None,
+    dispatcher: Dispatcher | None,
+    name: str,
+    state: State = GRAD,
+    optimizer: Any = None,
+) -> FullGradRecord:
+    """``given`` (name -> full value of ``state``, the same on every rank) written where this rank owns
+    it, checked and agreed as ``safe_set_full_model_grads`` says; ``name``: the public function called."""
+    argument = "grads" if state == GRAD else "values"
     values: dict[str, torch.Tensor] = {}
     sums: list[tuple[str, int]] = []
     opened: list[Source] = []
 
     def extra(source: Source) -> list[Field]:
         opened.append(source)
-        values.update(_checked(source, grads))
+        values.update(_checked(source, given, argument))
         # Tensor/expert-parallel shards legitimately differ between the ranks of the data-parallel group
         # (each holds its own shard or experts): only the replicated parameters are compared.
         if check:
             compared = [name for name in values if name not in source.model_parallel]
             sums.extend(zip(compared, checksums([values[name] for name in compared])))
         return [
-            Field("names in grads=", stable_hash(list(values)), shown=False),
+            Field(f"names in {argument}=", stable_hash([state.key, *values]), shown=False),
             Field(_CHECKSUM, stable_hash(sums) if check else -1, shown=False),
         ]
 
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
-    name = "safe_set_full_model_grads"
     try:
-        call = OpenCall(model, params, None, "auto", True, policy, dispatcher, streaming=False, name=name, extra=extra)
+        call = OpenCall(
+            model,
+            params,
+            None,
+            "auto",
+            state == GRAD,  # only gradients are stored scaled (fp16)
+            policy,
+            dispatcher,
+            streaming=False,
+            name=name,
+            extra=extra,
+            state=state,
+            optimizer=optimizer,
+        )
     except ArgumentMismatchError as error:
         if error.fields != (_CHECKSUM,):
             raise
         # Only the values differ, so every rank holds the same names: one more small exchange (on this
         # error path only) finds which tensors differ, so the error can name them.
-        raise _which_differ(opened[0], sums, dispatcher.timeout, error) from None
+        raise _which_differ(opened[0], sums, dispatcher.timeout, error, name) from None
     return _store(call, values)
 
 
@@ -156,7 +186,7 @@ _CHECKSUM = "values in grads= (checksum)"
 
 
 def _which_differ(
-    source: Source, sums: list[tuple[str, int]], timeout_s: float, error: ArgumentMismatchError
+    source: Source, sums: list[tuple[str, int]], timeout_s: float, error: ArgumentMismatchError, name: str
 ) -> ArgumentMismatchError:
     """The mismatch ``error`` with the names of the differing tensors, from every rank's per-tensor
     checksums (one all-gather over the control group; every rank reaches the same message)."""
@@ -167,15 +197,15 @@ def _which_differ(
     )
     ranks = _compat.group_ranks(group)
     differ = []
-    for k, (name, _) in enumerate(sums):
+    for k, (param, _) in enumerate(sums):
         by_value = ranks_by_value(rows, k, ranks)
         if len(by_value) > 1:
-            differ.append(f"{name!r} (ranks grouped by value: {sorted(by_value.values())})")
+            differ.append(f"{param!r} (ranks grouped by value: {sorted(by_value.values())})")
     shown = "; ".join(differ[:5]) + (f"; and {len(differ) - 5} more" if len(differ) > 5 else "")
     return ArgumentMismatchError(
-        f"ranks passed different values to safe_set_full_model_grads for {len(differ)} tensor(s): {shown} "
-        f"[seen by rank {_compat.rank()}]: pass the same values on every rank (compute them from gradients "
-        "every rank holds, e.g. safe_get_full_model_grads, with the same operations)",
+        f"ranks passed different values to {name} for {len(differ)} tensor(s): {shown} "
+        f"[seen by rank {_compat.rank()}]: pass the same values on every rank (compute them from values "
+        "every rank holds, e.g. read by collgrad's safe_get_ functions, with the same operations)",
         error.fields,
     )
 
@@ -187,6 +217,7 @@ def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> FullGradRecord
         for name, value in values.items():
             source.accessor_set(source.params[name], value.to(torch.float32))
             collectives += 1
+        source.after_write(values)
     else:
         with torch.no_grad():
             source.write(call.local, values, call.local.loss_scale)

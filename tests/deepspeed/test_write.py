@@ -51,9 +51,11 @@ def _reference(world: int, gas: int, edited: bool, make=None, batch=None) -> dic
     return _reference_and_bound(world, gas, edited, make, batch)[0]
 
 
-def _reference_and_bound(world: int, gas: int, edited: bool, make=None, batch=None):
+def _reference_and_bound(world: int, gas: int, edited: bool, make=None, batch=None, after_step=None):
     """``_reference``'s parameters, and per parameter how far (relative 2-norm) fp32 training that sums
-    the same local gradients in another order (DeepSpeed's reduction) may end from them.
+    the same local gradients in another order (DeepSpeed's reduction) may end from them. ``after_step(step,
+    named, optimizer, dp, dm)``: a change made to the training between steps (it scales the bound's
+    parameter and first-moment errors ``dp``, ``dm`` as it scales what they are errors of).
 
     The derivation, first order, per element i and step t (tests/tolerance.py for the sums):
     - the mean gradient G differs by at most d = reordered_sum(world * gas + 1) * M, M the mean of the
@@ -121,6 +123,8 @@ def _reference_and_bound(world: int, gas: int, edited: bool, make=None, batch=No
             dv_term = m_hat.abs() * dv_hat / (2 * root.clamp_min(1e-30) * (root + eps) ** 2)
             first = lr * (dm_hat / (root + eps) + dv_term)
             dp[n] += torch.where(dv_hat > v_hat / 2, torch.full_like(first, 2 * largest), first)
+        if after_step is not None:
+            after_step(step, named, opt, dp, dm)
     out = {n: p.detach().clone() for n, p in named}
     bound = {n: 2 * float(dp[n].norm()) / max(float(out[n].norm()), 1e-30) for n in out}
     return out, bound

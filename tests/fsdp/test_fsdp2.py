@@ -274,6 +274,19 @@ def _state_read(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
             "calls": (seen.data, got.record.buckets),
         }
     out["no_optimizer"] = attempt(lambda: collgrad.safe_get_full_model_optimizer_states(model, "exp_avg"))
+    # written back halved, each rank into its own shards: the parameters and the states are the new values
+    weights = {n: t * 0.5 for n, t in collgrad.safe_get_full_model_fp32_params(model).items()}
+    moments = {
+        n: t * 0.5 for n, t in collgrad.safe_get_full_model_optimizer_states(model, "exp_avg", optimizer=opt).items()
+    }
+    with count_collectives() as seen:
+        collgrad.safe_set_full_model_fp32_params(model, weights)
+        collgrad.safe_set_full_model_optimizer_states(model, "exp_avg", moments, optimizer=opt)
+    out["set"] = {
+        "calls": (seen.data, seen.agreements),
+        "weights": all(torch.equal(p.full_tensor(), weights[n]) for n, p in trainable),
+        "moments": all(torch.equal(opt.state[p]["exp_avg"].full_tensor(), moments[n]) for n, p in trainable),
+    }
     return out
 
 
@@ -351,7 +364,7 @@ def test_misuse_raises_on_every_rank(results):
         assert "not a gradient accumulation boundary" in e["no_sync"]["message"]
 
 
-def test_parameters_and_optimizer_states_read_whole_equal_full_tensor(results):
+def test_parameters_and_optimizer_states_read_whole_equal_full_tensor_and_written_back(results):
     for _world, _hsdp, _rank, variant, e in _entries(results):
         state = e["state"]
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
@@ -363,3 +376,4 @@ def test_parameters_and_optimizer_states_read_whole_equal_full_tensor(results):
         assert "after a step" in state["before_step"]["message"]
         assert state["no_optimizer"]["error"] == "InvalidArgumentError", state["no_optimizer"]
         assert "optimizer=" in state["no_optimizer"]["message"]
+        assert state["set"] == {"calls": (0, 2), "weights": True, "moments": True}, state["set"]

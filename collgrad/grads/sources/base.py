@@ -79,6 +79,16 @@ def optimizer_states(optimizer: Any, state: State) -> Callable[[], Any]:
     return states
 
 
+def copy_to_weights(params: Mapping[str, nn.Parameter], values: Mapping[str, torch.Tensor]) -> None:
+    """The module's own weights ``params`` made the full fp32 master weights ``values`` (the same on every
+    rank), as an optimizer step leaves them: rounded to fp32 (what the master holds), then to the
+    weight's dtype. Local."""
+    with torch.no_grad():
+        for name, value in values.items():
+            weight = params[name].data
+            weight.copy_(value.detach().reshape(weight.shape).to(torch.float32))
+
+
 def per_element_state(held: Mapping[str, Any] | None, key: str, numel: int, what: str) -> torch.Tensor:
     """``held[key]``, one tensor's optimizer state (``optimizer.state[tensor]``), checked to be a tensor
     of ``numel`` elements, one per element of ``what`` (named in the error); InvalidArgumentError,

@@ -39,7 +39,9 @@ from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
     safe_set_full_grad,
+    safe_set_full_optimizer_state,
 )
 from torch import nn
 
@@ -63,6 +65,8 @@ __all__ = [
     "safe_set_full_grad",
     "safe_get_full_fp32_param",
     "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
     "VERSION",
 ]
 

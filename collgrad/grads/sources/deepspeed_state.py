@@ -19,7 +19,7 @@ Readable at any time outside ``step()``: no backward is needed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -27,7 +27,15 @@ from torch import nn
 from collgrad import _compat
 from collgrad.core.buffers import Pieces
 from collgrad.errors import InvalidArgumentError
-from collgrad.grads.sources.base import LocalGrads, Problem, ReplicatedSource, Source, State, per_element_state
+from collgrad.grads.sources.base import (
+    LocalGrads,
+    Problem,
+    ReplicatedSource,
+    Source,
+    State,
+    copy_to_weights,
+    per_element_state,
+)
 from collgrad.grads.sources.deepspeed import (
     _Zero3,
     _Zero12,
@@ -35,6 +43,8 @@ from collgrad.grads.sources.deepspeed import (
     model_parallel_names,
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
 )
 
 __all__ = ["open_engine_state"]
@@ -86,6 +96,12 @@ class _Zero12State(_Zero12):
             buffers.append(self._pieces_of(group.index, [local]))
         return LocalGrads(Problem.OK, buffers)
 
+    def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
+        """New fp32 weights: the low-precision copy every rank holds whole made from them now, as the
+        step's all-gather would (DeepSpeed's own setter leaves it, so the next forward used old weights)."""
+        if self.state.key is None:
+            copy_to_weights(self.params, values)
+
 
 class _Zero3State(_Zero3):
     """ZeRO-3: each parameter's slice of the fp32 master partitions, or of one of their optimizer states."""
@@ -135,6 +151,24 @@ class _Zero3State(_Zero3):
         self._pieces, self.scratch["read"] = pieces, held
         return LocalGrads(Problem.OK, pieces)
 
+    def write(self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float) -> None:
+        Source.write(self, local, values, scale)  # into the slices read() views, where the step reads them
+
+    def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
+        """New fp32 weights: each parameter's own partition (``ds_tensor``) made from this rank's new
+        fp32 slice, and a parameter held whole (persistent, or gathered) made the new value, as the
+        step leaves them."""
+        if self.state.key is not None:
+            return
+        opt = self.opt
+        with torch.no_grad():
+            for name, value in values.items():
+                p: Any = self.params[name]
+                i, offset, numel = opt.grad_position[opt.get_param_id(p)]
+                p.ds_tensor.data.copy_(opt.fp32_partitioned_groups_flat[i].narrow(0, offset, numel))
+                if p.data.numel() == p.ds_numel:
+                    copy_to_weights({name: p}, {name: value})
+
 
 def _replicated(
     engine: Any, named: list[tuple[str, nn.Parameter]], model_parallel: frozenset[str], state: State
@@ -166,18 +200,37 @@ def _accessor(
             f"read for {kind} (deepspeed.utils.safe_get_full_fp32_param returns None there); with a torch "
             "optimizer at stage 0, read the module's own weights and optimizer.state"
         )
-    key = state.key
-    source = ReplicatedSource(
-        f"deepspeed-accessor:{kind}:{state.what}",
-        named,
-        lambda: [None] * len(named),
-        control_group(engine),
-        problem=lambda: Problem.OK,
-        model_parallel=model_parallel,
-        dtype=torch.float32,
-    )
-    if key is None:
-        source.accessor = safe_get_full_fp32_param
-    else:
-        source.accessor = lambda p: safe_get_full_optimizer_state(p, key)
-    return source
+    return _AccessorState(engine, named, model_parallel, state, kind)
+
+
+class _AccessorState(ReplicatedSource):
+    """DeepSpeed's per-parameter accessors and setters; new fp32 weights also made the module's."""
+
+    def __init__(
+        self,
+        engine: Any,
+        named: list[tuple[str, nn.Parameter]],
+        model_parallel: frozenset[str],
+        state: State,
+        kind: str,
+    ) -> None:
+        super().__init__(
+            f"deepspeed-accessor:{kind}:{state.what}",
+            named,
+            lambda: [None] * len(named),
+            control_group(engine),
+            problem=lambda: Problem.OK,
+            model_parallel=model_parallel,
+            dtype=torch.float32,
+        )
+        key = state.key
+        self.state = state
+        if key is None:
+            self.accessor, self.accessor_set = safe_get_full_fp32_param, safe_set_full_fp32_param
+        else:
+            self.accessor = lambda p: safe_get_full_optimizer_state(p, key)
+            self.accessor_set = lambda p, value: safe_set_full_optimizer_state(p, value, key)
+
+    def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
+        if self.state.key is None:  # DeepSpeed's setter leaves the module's weights as they were
+            copy_to_weights(self.params, values)
