@@ -41,6 +41,7 @@ from collgrad.grads import (
     GradStats,
     GroupRecord,
     PreStepHook,
+    SavedModel,
     iter_full_model_fp32_params,
     iter_full_model_grads,
     iter_full_model_optimizer_states,
@@ -52,12 +53,15 @@ from collgrad.grads import (
     safe_set_full_model_fp32_params,
     safe_set_full_model_grads,
     safe_set_full_model_optimizer_states,
+    save_full_model,
     update_full_model_grads,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "save_full_model",
+    "SavedModel",
     "safe_get_full_model_fp32_params",
     "iter_full_model_fp32_params",
     "safe_get_full_model_optimizer_states",

@@ -18,6 +18,7 @@ state.py         the fp32 master weights and optimizer states, read and written 
 write.py         safe_set_full_model_grads, update_full_model_grads
 stats.py         model_grad_stats: per-parameter statistics without building any full gradient
                  (stat_blocks.py: pure blocks; stat_reduce.py: this rank's reductions)
+save.py          save_full_model: a consolidated checkpoint streamed into safetensors shards (shards.py)
 hook.py          register_pre_step_hook: a function run inside DeepSpeed's fused step(), where they are valid
 record.py        what a call did
 """
@@ -26,6 +27,7 @@ from collgrad.grads.hook import PreStepHook, register_pre_step_hook
 from collgrad.grads.plan import PLANS, GradPlan, PlanKind
 from collgrad.grads.read import FullGrads, FullGradStream, iter_full_model_grads, safe_get_full_model_grads
 from collgrad.grads.record import FullGradRecord, GroupRecord
+from collgrad.grads.save import SavedModel, save_full_model
 from collgrad.grads.state import (
     iter_full_model_fp32_params,
     iter_full_model_optimizer_states,
@@ -38,6 +40,8 @@ from collgrad.grads.stats import GradStat, GradStats, model_grad_stats
 from collgrad.grads.write import safe_set_full_model_grads, update_full_model_grads
 
 __all__ = [
+    "save_full_model",
+    "SavedModel",
     "safe_get_full_model_grads",
     "safe_get_full_model_fp32_params",
     "iter_full_model_fp32_params",

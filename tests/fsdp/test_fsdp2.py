@@ -130,7 +130,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def _worker(rank: int, world: int, hsdp: bool):
+def _worker(rank: int, world: int, hsdp: bool, root: str):
     import weakref
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -215,6 +215,7 @@ def _worker(rank: int, world: int, hsdp: bool):
         )
         # the rest of the training state after an Adam step: the sharded parameters and Adam's moments
         entry["state"] = _state_read(model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad]))
+        entry["saved"] = _saved(model, f"{root}/{name}", rank)
         # misuse: an unreduced micro-step, and after zero_grad()
         model.set_requires_gradient_sync(False)
         nn.functional.mse_loss(model(x).float(), y).backward()
@@ -290,10 +291,31 @@ def _state_read(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     return out
 
 
+def _saved(model: nn.Module, directory: str, rank: int) -> dict:
+    """save_full_model against FSDP2's own consolidation, ``get_model_state_dict(full_state_dict=True,
+    cpu_offload=True)`` (the whole model on rank 0), less the tied alias save_pretrained leaves out."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    import collgrad
+    from tests.counting import count_collectives
+    from tests.deepspeed.test_save import _load
+
+    theirs = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with count_collectives() as seen:
+        saved = collgrad.save_full_model(model, directory, max_shard_bytes=400)
+    torch.distributed.barrier()
+    out: dict = {"calls": seen.data, "files": len(saved.files)}
+    if rank == 0:
+        theirs.pop("head.weight")  # tied to emb.weight: stored once
+        loaded, _ = _load(directory)
+        out["equal"] = sorted(loaded) == sorted(theirs) and all(torch.equal(loaded[k], theirs[k]) for k in theirs)
+    return out
+
+
 @pytest.fixture(scope="module", params=[(2, False), (3, False), (4, True)], ids=["world2", "world3", "hsdp2x2"])
-def results(request):
+def results(request, tmp_path_factory):
     world, hsdp = request.param
-    return world, hsdp, run_ranks(_worker, world, hsdp, timeout=600)
+    return world, hsdp, run_ranks(_worker, world, hsdp, str(tmp_path_factory.mktemp("fsdp2")), timeout=600)
 
 
 VARIANTS = ("nested", "root_only", "mixed_precision")
@@ -377,3 +399,10 @@ def test_parameters_and_optimizer_states_read_whole_equal_full_tensor_and_writte
         assert state["no_optimizer"]["error"] == "InvalidArgumentError", state["no_optimizer"]
         assert "optimizer=" in state["no_optimizer"]["message"]
         assert state["set"] == {"calls": (0, 2), "weights": True, "moments": True}, state["set"]
+
+
+def test_save_full_model_equals_fsdp2_full_state_dict(results):
+    for _world, _hsdp, rank, variant, e in _entries(results):
+        assert e["saved"]["files"] > 2 and e["saved"]["calls"] == 1, (variant, e["saved"])  # one bucket
+        if rank == 0:
+            assert e["saved"]["equal"], variant

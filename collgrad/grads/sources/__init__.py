@@ -25,6 +25,7 @@ from collgrad.errors import InvalidArgumentError
 from collgrad.grads.sources.base import (
     FP32,
     GRAD,
+    WEIGHTS,
     LocalGrads,
     Problem,
     ReplicatedSource,
@@ -44,6 +45,7 @@ __all__ = [
     "State",
     "GRAD",
     "FP32",
+    "WEIGHTS",
     "open_source",
     "select",
     "control_group_of",
@@ -62,7 +64,7 @@ def open_source(model: Any, params: Iterable[Any] | None = None, state: State = 
 
         engine = ds_source.find_engine(model)
         if engine is not None:
-            named = select(engine.module, params)
+            named = select(engine.module, params, trainable=state != WEIGHTS)
             if state == GRAD:
                 return ds_source.open_engine(engine, named)
             from collgrad.grads.sources.deepspeed_state import open_engine_state
@@ -76,9 +78,9 @@ def open_source(model: Any, params: Iterable[Any] | None = None, state: State = 
         from collgrad.grads.sources import fsdp2
 
         if fsdp2.is_fsdp2(model):
-            return fsdp2.open_fsdp2(model, select(model, params), state, optimizer)
+            return fsdp2.open_fsdp2(model, select(model, params, trainable=state != WEIGHTS), state, optimizer)
     if state != GRAD:
-        return _plain_state(model, select(model, None if params is None else list(params)), state, optimizer)
+        return _plain_state(model, select(model, params, trainable=state != WEIGHTS), state, optimizer)
     params = None if params is None else list(params)
     named = select(model, params)
     group = _compat.default_group() if torch.distributed.is_initialized() else None
@@ -95,8 +97,9 @@ def _plain_state(model: nn.Module, named: list[tuple[str, nn.Parameter]], state:
     """A plain module (one process, or replicated by DDP): its weights, or ``optimizer``'s state of each
     parameter, are whole on every rank."""
     group = _compat.default_group() if torch.distributed.is_initialized() else None
-    if state == FP32:
-        return ReplicatedSource("torch:fp32", named, lambda: [p.detach() for _, p in named], group, problem=_ok)
+    if state in (FP32, WEIGHTS):
+        weights = lambda: [p.detach() for _, p in named]  # noqa: E731
+        return ReplicatedSource(f"torch:{state.what}", named, weights, group, problem=_ok)
     held = optimizer_states(optimizer, state)
     key = state.key or ""
     values = lambda: [per_element_state(held().get(p), key, p.numel(), n) for n, p in named]  # noqa: E731

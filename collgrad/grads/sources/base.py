@@ -47,7 +47,8 @@ class State:
     key: str | None = None
 
     def describe(self) -> str:
-        return {"grad": "gradients", "fp32": "fp32 master weights"}.get(self.what, f"optimizer state {self.key!r}")
+        named = {"grad": "gradients", "fp32": "fp32 master weights", "weights": "module weights"}
+        return named.get(self.what, f"optimizer state {self.key!r}")
 
     def checked(self) -> State:
         """This state, if its key can name an optimizer state; InvalidArgumentError (this rank) otherwise."""
@@ -60,6 +61,9 @@ class State:
 
 GRAD = State("grad")
 FP32 = State("fp32")
+#: The module's own weights as they are (its dtype), every parameter, frozen ones too: what a
+#: consolidated checkpoint holds.
+WEIGHTS = State("weights")
 
 
 def optimizer_states(optimizer: Any, state: State) -> Callable[[], Any]:
@@ -249,10 +253,11 @@ def _scaled(value: torch.Tensor, scale: float) -> torch.Tensor:
     return value.detach().to(torch.promote_types(value.dtype, torch.float32)) * scale
 
 
-def select(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, nn.Parameter]]:
-    """The trainable ``(name, parameter)`` pairs of ``module`` in ``named_parameters()`` order, limited
-    to ``params`` (names or parameters) if given."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+def select(module: nn.Module, params: Iterable[Any] | None, trainable: bool = True) -> list[tuple[str, nn.Parameter]]:
+    """The trainable (``trainable=False``: all) ``(name, parameter)`` pairs of ``module`` in
+    ``named_parameters()`` order (tied parameters once), limited to ``params`` (names or parameters) if
+    given."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad or not trainable]
     if params is None:
         return named
     by_id = {id(p): n for n, p in named}
@@ -262,8 +267,8 @@ def select(module: nn.Module, params: Iterable[Any] | None) -> list[tuple[str, n
         if isinstance(item, str):
             if item not in names:
                 raise UnknownParameterError(
-                    f"rank {_compat.rank()}: {item!r} is not a trainable parameter of this "
-                    "model; pass names from model.named_parameters()"
+                    f"rank {_compat.rank()}: {item!r} is not a {'trainable ' if trainable else ''}parameter of "
+                    "this model; pass names from model.named_parameters()"
                 )
             wanted.add(item)
         elif isinstance(item, torch.Tensor):

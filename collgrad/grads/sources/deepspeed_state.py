@@ -28,6 +28,7 @@ from collgrad import _compat
 from collgrad.core.buffers import Pieces
 from collgrad.errors import InvalidArgumentError
 from collgrad.grads.sources.base import (
+    WEIGHTS,
     LocalGrads,
     Problem,
     ReplicatedSource,
@@ -37,6 +38,7 @@ from collgrad.grads.sources.base import (
     per_element_state,
 )
 from collgrad.grads.sources.deepspeed import (
+    _EngineSource,
     _Zero3,
     _Zero12,
     control_group,
@@ -46,6 +48,7 @@ from collgrad.grads.sources.deepspeed import (
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
 )
+from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
 
 __all__ = ["open_engine_state"]
 
@@ -61,6 +64,14 @@ def open_engine_state(engine: Any, named: list[tuple[str, nn.Parameter]], state:
         )
     kind = type(opt).__name__
     model_parallel = model_parallel_names(named)
+    if state == WEIGHTS:
+        if kind == "DeepSpeedZeroOptimizer_Stage3":
+            return _Zero3Weights(engine, named, model_parallel)
+        weights = lambda: [p.detach() for _, p in named]  # noqa: E731 - whole on every rank below ZeRO-3
+        variant = f"deepspeed-{kind}:weights"
+        return ReplicatedSource(
+            variant, named, weights, control_group(engine), problem=_ok, model_parallel=model_parallel
+        )
     if kind == "DeepSpeedZeroOptimizer":
         return _Zero12State(engine, named, model_parallel, state)
     if kind == "DeepSpeedZeroOptimizer_Stage3":
@@ -185,7 +196,7 @@ def _replicated(
         named,
         values,
         control_group(engine),
-        problem=lambda: Problem.OK,
+        problem=_ok,
         model_parallel=model_parallel,
     )
 
@@ -219,7 +230,7 @@ class _AccessorState(ReplicatedSource):
             named,
             lambda: [None] * len(named),
             control_group(engine),
-            problem=lambda: Problem.OK,
+            problem=_ok,
             model_parallel=model_parallel,
             dtype=torch.float32,
         )
@@ -234,3 +245,52 @@ class _AccessorState(ReplicatedSource):
     def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
         if self.state.key is None:  # DeepSpeed's setter leaves the module's weights as they were
             copy_to_weights(self.params, values)
+
+
+class _Zero3Weights(_EngineSource):
+    """ZeRO-3: the module's own weights, every parameter (frozen ones too), each rank's partition of
+    each in its ``ds_tensor`` (the model's dtype), grouped by the group that partitions it."""
+
+    def __init__(self, engine: Any, named: list[tuple[str, nn.Parameter]], model_parallel: frozenset[str]) -> None:
+        super().__init__(engine, named, model_parallel)
+        opt = self.opt
+        members: dict[tuple[int, torch.dtype], list[Any]] = {}
+        pgs = {}
+        for _, param in named:
+            p: Any = param  # a ZeRO-3 parameter: ds_tensor, ds_shape, ...
+            pg = opt._get_param_partition_group(p)
+            key = (id(pg), p.ds_tensor.dtype)
+            pgs[key] = pg
+            members.setdefault(key, []).append(p)
+        groups = []
+        for index, (key, params) in enumerate(members.items()):
+            slots, offset = [], 0
+            for p in params:
+                name = self.names[id(p)]
+                slots.append(
+                    ParamSlot(name, tuple(p.ds_shape), p.ds_numel, offset, p.partition_numel(), name in model_parallel)
+                )
+                offset += p.partition_numel()
+            ranks = tuple(_compat.group_ranks(pgs[key]))
+            groups.append(GradGroup(index, Kind.SLICED, ranks, offset, key[1], key[1], tuple(slots)))
+            self.groups[index] = pgs[key]
+        self.members = list(members.values())
+        self.layout = GradLayout("deepspeed-zero3:weights", tuple(groups), tuple(n for n, _ in named))
+        self.fingerprint = self.layout.fingerprint()
+
+    def read(self) -> LocalGrads:
+        pieces = []
+        for group, params in zip(self.layout.groups, self.members):
+            parts = []
+            for slot, p in zip(group.params, params):
+                part = p.ds_tensor.data.view(-1)
+                if part.numel() != slot.slice_numel:  # e.g. swapped out to NVMe (offload_param)
+                    detail = f"{slot.name}: its partition holds {part.numel()} elements here, not {slot.slice_numel}"
+                    return LocalGrads(Problem.LAYOUT_CHANGED, [], detail=detail)
+                parts.append(part)
+            pieces.append(Pieces(parts))
+        return LocalGrads(Problem.OK, pieces)
+
+
+def _ok() -> Problem:
+    return Problem.OK

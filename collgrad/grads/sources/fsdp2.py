@@ -45,6 +45,7 @@ from collgrad.grads.cache import PlanCache
 from collgrad.grads.sources.base import (
     FP32,
     GRAD,
+    WEIGHTS,
     LocalGrads,
     Problem,
     Source,
@@ -243,13 +244,18 @@ def _accumulating_params(model: nn.Module):
 
 class FSDP2State(FSDP2Source):
     """The sharded parameters themselves (FSDP2 steps them: with mixed precision they stay in their own
-    dtype and only the unsharded copies are cast), or one state of ``optimizer`` per parameter (DTensors
-    sharded as the parameters are)."""
+    dtype and only the unsharded copies are cast; ``WEIGHTS``: frozen ones too), or one state of
+    ``optimizer`` per parameter (DTensors sharded as the parameters are)."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter]], state: State, optimizer: Any) -> None:
         super().__init__(model, named)
         self.state = state
-        self._optimizer = None if state == FP32 else optimizer_states(optimizer, state)
+        self._optimizer = None if state in (FP32, WEIGHTS) else optimizer_states(optimizer, state)
+
+    def valid(self) -> bool:
+        if self.state != WEIGHTS:
+            return super().valid()
+        return all(m._parameters.get(a) is p for m, a, p in self._registered)  # frozen ones too
 
     def read(self) -> LocalGrads:
         if self._optimizer is None:

@@ -1,0 +1,262 @@
+"""``save_full_model``: a consolidated checkpoint in the layout Hugging Face ``from_pretrained`` loads,
+streamed bucket by bucket into safetensors shards (shards.py), never the whole model in one memory.
+
+    agree: arguments, and the directory ready on the writing ranks       (one small all-gather)
+    stream the module's weights (or the fp32 master weights) one bucket at a time (one collective
+      per bucket; ZeRO-1/2 and stage 0 hold them whole: none), then the persistent buffers
+      each rank cuts the same shards; shard k's rank keeps its tensors and writes it under a
+      temporary name as soon as it is full
+    agree: every rank wrote its shards                                    (one small all-gather)
+    rename the shards to their final names; the first writing rank adds the index
+    agree: done everywhere                                                (one small all-gather)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from collgrad import _compat
+from collgrad.backends import agreement
+from collgrad.backends.agreement import stable_hash
+from collgrad.core.dispatch import Dispatcher, default_dispatcher
+from collgrad.errors import ArgumentMismatchError, CollgradError, InvalidArgumentError, RankFailedError
+from collgrad.grads import sources
+from collgrad.grads.call import OpenCall
+from collgrad.grads.read import FullGradStream
+from collgrad.grads.shards import SAFE_DTYPES, ShardWriter, shard_name
+from collgrad.grads.sources.base import FP32, WEIGHTS, State, select
+
+__all__ = ["save_full_model", "SavedModel", "DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME"]
+
+#: ``save_pretrained``'s default shard size ("5GB")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    """What ``save_full_model`` wrote: every file of the checkpoint (shards in order, then the index if
+    there is one), the ones this rank wrote, how many tensors and bytes of tensor data, and the seconds
+    the call took on this rank."""
+
+    directory: str
+    files: tuple[str, ...]
+    written_here: tuple[str, ...]
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+def save_full_model(
+    model: Any,
+    directory: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    ranks: Sequence[int] = (0,),
+    params: Iterable[Any] | None = None,
+    bucket_bytes: int | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> SavedModel:
+    """Write ``model``'s whole ``state_dict`` (trainable and frozen parameters, persistent buffers; a
+    tied weight once, under its first name, as ``save_pretrained`` does) to ``directory`` as safetensors
+    shards of at most ``max_shard_bytes`` each plus ``model.safetensors.index.json`` (one shard:
+    ``model.safetensors`` alone), which ``transformers``' ``from_pretrained`` and ``safetensors`` load.
+
+    ``dtype=None`` keeps the module's dtype (a 16-bit model is written 16-bit, as ZeRO-3's
+    ``_zero3_consolidated_16bit_state_dict`` gives it); ``dtype=torch.float32`` (or another floating
+    dtype) writes the fp32 master weights of the trainable parameters converted to it, and the other
+    tensors converted. ``ranks``: the global ranks that write, shard k by ``ranks[k % len(ranks)]``
+    (a shared file system when there are several). ``params``: only these parameters (names or
+    parameters), and then no buffers.
+
+    Memory: a writing rank holds at most the shard it is filling plus what the stream holds (about
+    two buckets of ``bucket_bytes``), the others only the stream. No shard appears under its final name
+    before every rank has written all of its own; a failure on any rank (a bad directory, a full disk)
+    raises on every rank (that rank: CollgradError with the cause; the others: RankFailedError) and
+    removes the temporary files.
+
+    When and where: on every rank of the model's data-parallel group, with the same arguments, outside
+    ``step()``. Returns a ``SavedModel``.
+    """
+    start = time.perf_counter()
+    dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
+    group = sources.control_group_of(model)
+    me = torch.distributed.get_rank() if group is not None else 0
+    path = os.fspath(directory)
+    error: BaseException | None = None
+    try:
+        module = _module(model)
+        writers = _checked(ranks, dtype, max_shard_bytes)
+        names = None if params is None else [n for n, _ in select(module, params, trainable=False)]
+        if me in writers:
+            _ready(path, me)
+    except (OSError, ValueError, TypeError, KeyError) as caught:
+        error, writers, names = caught, (0,), None
+    arguments = stable_hash((path, str(dtype), max_shard_bytes, tuple(ranks), names))
+    _agree(group, me, error, "check the arguments and make the directory", dispatcher.timeout, arguments)
+    writer = ShardWriter(path, max_shard_bytes, writers, me)
+    try:
+        for name, tensor in _tensors(model, module, dtype, names, bucket_bytes, dispatcher):
+            writer.add(name, tensor)
+        writer.finish()
+    except BaseException:
+        writer.discard()
+        raise
+    count = len(writer.shard_bytes)
+    files = tuple(shard_name(k, count) for k in range(count)) + ((INDEX_NAME,) if count > 1 else ())
+    here: list[str] = []
+    try:
+        _agree(group, me, writer.error, "write its shards", dispatcher.timeout)
+    except CollgradError:
+        writer.discard()
+        raise
+    try:
+        for k, temporary in writer.written:
+            os.replace(temporary, os.path.join(path, files[k]))
+            here.append(files[k])
+        if count > 1 and me == writers[0]:
+            _write_index(path, writer)
+            here.append(INDEX_NAME)
+    except OSError as caught:
+        error = caught
+    _agree(group, me, error, "give its shards their final names", dispatcher.timeout)
+    return SavedModel(
+        path, files, tuple(here), len(writer.shard_of), sum(writer.shard_bytes), time.perf_counter() - start
+    )
+
+
+def _module(model: Any) -> nn.Module:
+    """The module whose ``state_dict`` is saved: an engine's ``module``, else ``model`` itself."""
+    module = getattr(model, "module", model) if type(model).__name__.endswith("Engine") else model
+    if not isinstance(module, nn.Module):
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
+        )
+    return module
+
+
+def _checked(ranks: Sequence[int], dtype: torch.dtype | None, max_shard_bytes: int) -> tuple[int, ...]:
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    writers = tuple(ranks) if not isinstance(ranks, int) else (ranks,)
+    if not writers or any(not isinstance(r, int) or not 0 <= r < world for r in writers):
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: ranks must name the global ranks that write (0 to {world - 1}), got {ranks!r}"
+        )
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in SAFE_DTYPES):
+        raise InvalidArgumentError(f"rank {_compat.rank()}: dtype must be None or a torch dtype, got {dtype!r}")
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: max_shard_bytes must be a positive int, got {max_shard_bytes!r}"
+        )
+    return writers
+
+
+def _ready(path: str, rank: int) -> None:
+    """The directory made, and shown to take a file, on a writing rank (OSError otherwise)."""
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f".collgrad-probe-{rank}")
+    with open(probe, "wb") as f:
+        f.write(b"0")
+    os.remove(probe)
+
+
+def _tensors(
+    model: Any,
+    module: nn.Module,
+    dtype: torch.dtype | None,
+    names: list[str] | None,
+    bucket_bytes: int | None,
+    dispatcher: Dispatcher,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor to save, whole, one bucket at a time: the parameters (module weights, or fp32 master
+    weights of the trainable ones), then (without ``params=``) the persistent buffers."""
+    named = select(module, names, trainable=False)
+    if dtype is None:
+        yield from _stream(model, WEIGHTS, [n for n, _ in named], bucket_bytes, dispatcher)
+    else:
+        trainable = [n for n, p in named if p.requires_grad]
+        frozen = [n for n, p in named if not p.requires_grad]
+        for state, chosen in ((FP32, trainable), (WEIGHTS, frozen)):
+            for name, tensor in _stream(model, state, chosen, bucket_bytes, dispatcher):
+                yield name, tensor.to(dtype)
+    if names is None:
+        for name, buffer in _persistent_buffers(module):
+            yield name, buffer.to(dtype) if dtype is not None and buffer.is_floating_point() else buffer
+
+
+def _stream(
+    model: Any, state: State, names: list[str], bucket_bytes: int | None, dispatcher: Dispatcher
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if not names:
+        return
+    call = OpenCall(
+        model,
+        names,
+        bucket_bytes,
+        "auto",
+        False,
+        None,
+        dispatcher,
+        streaming=True,
+        name=f"save_full_model:{state.what}",
+        state=state,
+    )
+    yield from FullGradStream(call)
+
+
+def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers ``state_dict`` holds (persistent ones), each once, in module order."""
+    seen: set[int] = set()
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is None or name in sub._non_persistent_buffers_set or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            yield (f"{prefix}.{name}" if prefix else name), buffer.detach()
+
+
+def _write_index(path: str, writer: ShardWriter) -> None:
+    count = len(writer.shard_bytes)
+    index = {
+        "metadata": {"total_size": sum(writer.shard_bytes)},
+        "weight_map": {name: shard_name(k, count) for name, k in sorted(writer.shard_of.items())},
+    }
+    temporary = os.path.join(path, f".{INDEX_NAME}.tmp")
+    with open(temporary, "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(temporary, os.path.join(path, INDEX_NAME))
+
+
+def _agree(group: Any, me: int, error: BaseException | None, what: str, timeout_s: float, arguments: int = 0) -> None:
+    """Every rank learns whether any rank failed to ``what`` (and, with ``arguments``, whether every rank
+    passed the same): this rank raises its own failure, the others RankFailedError naming it."""
+    code = 0 if error is None else (getattr(error, "errno", None) or 255)
+    rows = [[code, arguments]]
+    ranks = [me]
+    if group is not None:
+        rows = agreement.exchange(group, [code, arguments], timeout_s=timeout_s, what=f"save_full_model: {what}")
+        ranks = list(_compat.group_ranks(group))
+    if error is not None:
+        if isinstance(error, CollgradError):
+            raise error
+        raise CollgradError(f"rank {me}: save_full_model could not {what}: {error}") from error
+    failed = [(r, row[0]) for r, row in zip(ranks, rows) if row[0]]
+    if failed:
+        rank, code = failed[0]
+        cause = os.strerror(code) if code != 255 else "see that rank's error"
+        raise RankFailedError(f"rank {rank} could not {what} ({cause}) [seen by rank {me}]")
+    if len({row[1] for row in rows}) > 1:
+        raise ArgumentMismatchError(
+            f"ranks passed different arguments to save_full_model (directory, dtype, max_shard_bytes, ranks or "
+            f"params) [seen by rank {me}]: pass the same on every rank",
+            ("arguments",),
+        )
