@@ -1,17 +1,21 @@
 """Hugging Face Accelerate: ``accelerator.backward(loss)`` runs DeepSpeed's ``backward()`` and ``step()``
-in one call, so full gradients are only reachable from a pre-step hook on the engine it prepared.
-Nothing here imports accelerate: the accelerator is read by attribute."""
+in one call, so full gradients are only reachable from a pre-step hook on the engine it prepared; and
+``save_model``, where ``accelerator.save_model`` consolidates the whole model on one rank first
+(``accelerator.get_state_dict``). Nothing here imports accelerate: the accelerator is read by attribute."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 from collgrad import _compat
 from collgrad.errors import InvalidArgumentError
 from collgrad.grads.hook import PreStepHook
 from collgrad.grads.hook import register_pre_step_hook as _register
+from collgrad.grads.save import SavedModel, save_full_model
 
-__all__ = ["register_pre_step_hook"]
+__all__ = ["register_pre_step_hook", "save_model"]
 
 
 def register_pre_step_hook(accelerator: Any, fn: Callable[[Any], Any], *, every: int = 1) -> PreStepHook:
@@ -30,3 +34,23 @@ def register_pre_step_hook(accelerator: Any, fn: Callable[[Any], Any], *, every:
             "are separate calls: use collgrad's functions between them"
         )
     return _register(wrapper.engine, fn, every=every)
+
+
+def save_model(accelerator: Any, model: Any, directory: str, **kwargs: Any) -> SavedModel:
+    """``accelerator.save_model(model, directory)`` through ``collgrad.save_full_model``: the prepared
+    model's weights as safetensors shards and their index (streamed, never the whole model on one rank),
+    and, for a Transformers model, its config and generation config, so that ``from_pretrained`` loads
+    the directory. ``kwargs`` go to ``save_full_model``.
+
+    When and where: on every rank, after ``accelerator.prepare``, outside ``accelerator.backward``.
+    """
+    wrapper = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    target = wrapper.engine if wrapper is not None else model
+    module = accelerator.unwrap_model(model)
+    ranks = tuple(kwargs.get("ranks", (0,)))
+    if (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0) == ranks[0]:
+        if hasattr(module, "config"):  # a Transformers model: what from_pretrained needs besides the weights
+            from collgrad.integrations.transformers import save_pretrained_files
+
+            save_pretrained_files(module, directory)
+    return save_full_model(target, directory, **kwargs)

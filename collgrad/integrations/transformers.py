@@ -1,7 +1,9 @@
 """Hugging Face Trainer: per-layer gradient norms in the Trainer's logs (so they reach every reporter
-configured with ``report_to``)::
+configured with ``report_to``), and the trained model saved without consolidating it on one rank::
 
     trainer = Trainer(model, args, ..., callbacks=[GradStatsCallback()])
+    trainer.train()
+    save_model(trainer, "out")          # instead of trainer.save_model("out"): from_pretrained loads it
 
 Logged every ``logging_steps`` (with the Trainer's ``loss``): ``grad_norm/<module path>`` per module,
 ``grad_norm/global`` and ``grad_nonfinite``. Under DeepSpeed they are computed in a pre-step hook
@@ -12,15 +14,18 @@ the Trainer's own clipping (``max_grad_norm``), as the optimizer sees them.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
+import torch
 from transformers import TrainerCallback
 
 from collgrad.errors import InvalidArgumentError
 from collgrad.grads.hook import PreStepHook, register_pre_step_hook
+from collgrad.grads.save import SavedModel, save_full_model
 from collgrad.grads.stats import GradStats, model_grad_stats
 
-__all__ = ["GradStatsCallback", "grad_stats_logs"]
+__all__ = ["GradStatsCallback", "grad_stats_logs", "save_model", "save_pretrained_files"]
 
 #: The key of the root module's own parameters (its module path is the empty string).
 ROOT = "(root)"
@@ -94,3 +99,37 @@ class GradStatsCallback(TrainerCallback):
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
+
+
+def save_model(trainer: Any, output_dir: str | None = None, **kwargs: Any) -> SavedModel:
+    """What ``trainer.save_model(output_dir)`` writes for ``from_pretrained`` (the weights as safetensors
+    shards and their index, the model's config and generation config, the processing class, the
+    training arguments), the weights through ``collgrad.save_full_model``: under ZeRO-3 or FSDP2 streamed
+    bucket by bucket where the Trainer consolidates the whole model on one rank first
+    (``_zero3_consolidated_16bit_state_dict``). ``kwargs`` go to ``save_full_model`` (``dtype``,
+    ``max_shard_bytes``, ``ranks``, ...).
+
+    When and where: on every rank, after (or between) training steps, as ``trainer.save_model``.
+    """
+    directory = output_dir if output_dir is not None else trainer.args.output_dir
+    engine = getattr(trainer, "deepspeed", None)
+    model = engine if engine is not None else trainer.model
+    ranks = tuple(kwargs.get("ranks", (0,)))
+    if (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0) == ranks[0]:
+        save_pretrained_files(trainer.model, directory, getattr(trainer, "processing_class", None))
+        torch.save(trainer.args, os.path.join(directory, "training_args.bin"))
+    return save_full_model(model, directory, **kwargs)
+
+
+def save_pretrained_files(module: Any, directory: str, processing_class: Any = None) -> None:
+    """Everything ``save_pretrained`` writes but the weights: the config, the generation config of a
+    model that generates, and ``processing_class`` (a tokenizer, a processor) if given. Local."""
+    os.makedirs(directory, exist_ok=True)
+    config = getattr(module, "config", None)
+    if config is not None:
+        config.save_pretrained(directory)
+    generation = getattr(module, "generation_config", None)
+    if generation is not None and getattr(module, "can_generate", lambda: False)():
+        generation.save_pretrained(directory)
+    if processing_class is not None:
+        processing_class.save_pretrained(directory)

@@ -1,0 +1,137 @@
+"""Saving where users save, through save_full_model, on 2 CPU ranks under ZeRO-3 (a tiny GPT-2 built
+from a config): ``collgrad.integrations.transformers.save_model(trainer)`` after ``trainer.train()``
+and ``collgrad.integrations.accelerate.save_model(accelerator, model, directory)``. The directories
+load with ``GPT2LMHeadModel.from_pretrained``: weights bitwise those of
+``_zero3_consolidated_16bit_state_dict()`` (what ``trainer.save_model`` and
+``accelerator.get_state_dict`` write), logits bitwise those of the trained model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'collgrad[hf]')")
+pytest.importorskip("accelerate", reason="accelerate is not installed (pip install 'collgrad[hf]')")
+
+import torch
+
+from tests.harness import run_ranks
+
+SHARD = 20_000  # bytes: the tiny GPT-2 (~50 kB) in several shards
+IDS = torch.arange(12).reshape(2, 6) % 64
+
+
+def _model():
+    from tests.hf.test_trainer_callback import _model as gpt2
+
+    return gpt2()
+
+
+def _trainer(rank: int, directory: str):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")  # unused: the process group already exists
+    from transformers import Trainer, TrainingArguments
+
+    from tests.deepspeed import models
+
+    gen = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(8):
+        ids = torch.randint(0, 64, (8,), generator=gen)
+        data.append({"input_ids": ids, "labels": ids})
+    cfg = models.config(3)
+    cfg.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto", gradient_clipping="auto")
+    args = TrainingArguments(
+        output_dir=directory,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        deepspeed=cfg,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        learning_rate=1e-3,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=_model(), args=args, train_dataset=data)
+    trainer.train()
+    return trainer
+
+
+def _trained(engine) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """DeepSpeed's consolidated 16-bit state dict (on rank 0) and the trained model's logits (collective:
+    ZeRO-3 gathers for both)."""
+    consolidated = engine._zero3_consolidated_16bit_state_dict()
+    with torch.no_grad():
+        logits = engine.module(input_ids=IDS).logits
+    return consolidated, logits
+
+
+def _compare(directory: str, consolidated: dict, logits: torch.Tensor) -> dict:
+    """The saved directory loaded by from_pretrained (outside ZeRO-3's context), against both."""
+    from transformers import GPT2LMHeadModel
+
+    loaded = GPT2LMHeadModel.from_pretrained(directory)
+    state = loaded.state_dict()
+    with torch.no_grad():
+        loaded_logits = loaded(input_ids=IDS).logits
+    return {
+        "weights": all(torch.equal(state[k], v) for k, v in consolidated.items()),
+        "names": sorted(consolidated) == sorted(state),
+        "logits": torch.equal(loaded_logits, logits),
+        "trained": not torch.equal(state["transformer.h.0.mlp.c_fc.weight"], _model().transformer.h[0].mlp.c_fc.weight),
+        "files": sorted(os.listdir(directory)),
+    }
+
+
+def _worker(rank, world, root):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    from collgrad.integrations import accelerate as collgrad_accelerate
+    from collgrad.integrations.transformers import save_model
+    from tests.deepspeed import models
+
+    saved, trained = {}, {}
+    directory = os.path.join(root, "trainer")
+    trainer = _trainer(rank, directory)
+    saved["trainer"] = save_model(trainer, directory, max_shard_bytes=SHARD).files
+    trained["trainer"] = _trained(trainer.deepspeed)
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=models.config(3)))
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, opt)
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(10 * rank + step))
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad()
+    directory = os.path.join(root, "accelerate")
+    saved["accelerate"] = collgrad_accelerate.save_model(accelerator, model, directory, max_shard_bytes=SHARD).files
+    trained["accelerate"] = _trained(accelerator.deepspeed_engine_wrapped.engine)
+    torch.distributed.barrier()
+    if rank != 0:
+        return None
+    # loaded as a user would after training: outside ZeRO-3's construction context
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    return {where: (_compare(os.path.join(root, where), *trained[where]), saved[where]) for where in saved}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_worker, 2, str(tmp_path_factory.mktemp("hfsave")), timeout=600)
+
+
+@pytest.mark.parametrize("where", ["trainer", "accelerate"])
+def test_from_pretrained_loads_what_was_trained(results, where):
+    compared, files = results[0][where]
+    assert compared["names"] and compared["weights"] and compared["logits"] and compared["trained"], compared
+    assert len(files) > 2 and files[-1] == "model.safetensors.index.json"
+    assert set(files) <= set(compared["files"]) and "config.json" in compared["files"]
+    assert not [f for f in compared["files"] if f.startswith(".")]  # no temporary file left
