@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tensors", type=int, default=d.tensors)
     parser.add_argument("--elements", type=int, default=d.elements)
+    parser.add_argument(
+        "--scale", type=float, default=d.scale, metavar="K", help="the model K times --elements (the same tensors)"
+    )
+    parser.add_argument("--shard-mb", type=float, default=d.shard_mb, help="save_full_model's shard size")
     parser.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
     parser.add_argument("--reps", type=int, default=d.reps)
     parser.add_argument("--pairs", type=int, default=d.pairs, help="pairs timed against each plan's floor")
@@ -81,6 +85,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         model=args.model,
         tensors=args.tensors,
         elements=args.elements,
+        scale=args.scale,
+        shard_mb=args.shard_mb,
         bucket_mb=args.bucket_mb,
         reps=args.reps,
         pairs=args.pairs,

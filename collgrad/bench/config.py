@@ -39,6 +39,19 @@ class BenchConfig:
     methods: tuple[str, ...] = ()  # empty: all
     world: int = 0  # local runs: ranks to spawn (0: --local, or 2)
     source: str = "deepspeed"  # deepspeed (ZeRO --stage) | fsdp2 (fully_shard)
+    #: the model ``scale`` times ``elements`` (the same tensors): the state and save rows at 10x
+    scale: float = 1.0
+    #: ``save_full_model``'s ``max_shard_bytes`` in the save rows
+    shard_mb: float = 25.0
+
+    @property
+    def model_elements(self) -> int:
+        """The elements of the model built: ``elements`` times ``scale``."""
+        return int(self.elements * self.scale)
+
+    @property
+    def shard_bytes(self) -> int:
+        return int(self.shard_mb * 2**20)
 
     @property
     def bucket_bytes(self) -> int:

@@ -9,6 +9,9 @@ Bytes are counted from the dtype of what is moved (``element_size()``), never as
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -20,6 +23,7 @@ import collgrad
 from collgrad import _compat
 from collgrad.bench.config import SOURCES, BenchConfig
 from collgrad.bench.models import Subject
+from collgrad.grads.shards import write_safetensors
 
 __all__ = ["Floor", "Reading", "Setting", "Method", "METHODS", "methods_for", "floors", "versus", "make_setting"]
 
@@ -70,6 +74,13 @@ class Setting:
     full: Mapping[str, torch.Tensor]  # the gradients, written back by the set methods
     element_size: int  # of the gradients collgrad returns: the bytes of a floor's element
     share: torch.Tensor  # this rank's share of a raw all-gather of the gradient bytes
+    fp32: Mapping[str, torch.Tensor]  # the fp32 master weights, written back by the fp32 set methods
+    save_dir: str  # where the save methods write (rank 0), removed by ``close``
+    shard: int  # save_full_model's max_shard_bytes
+
+    def close(self) -> None:
+        """Remove what the save methods wrote. Local."""
+        shutil.rmtree(self.save_dir, ignore_errors=True)
 
     @property
     def grad_bytes(self) -> int:
@@ -83,7 +94,10 @@ def make_setting(subject: Subject, cfg: BenchConfig) -> Setting:
     size = first.element_size()
     share = torch.ones(-(-subject.numel // subject.world), dtype=first.dtype, device=subject.device)
     small = max(1, size * subject.numel // cfg.stream_fraction)
-    return Setting(subject, cfg.bucket_bytes, small, full, size, share)
+    fp32 = collgrad.safe_get_full_model_fp32_params(subject.engine, bucket_bytes=cfg.bucket_bytes)
+    where = [os.path.join(tempfile.gettempdir(), f"collgrad-bench-save-{os.getpid()}")]
+    dist.broadcast_object_list(where, src=0)  # rank 0's: the save methods write where it says
+    return Setting(subject, cfg.bucket_bytes, small, full, size, share, fp32, where[0], cfg.shard_bytes)
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,34 @@ def _loop_reading(s: Setting, call: Call) -> Reading:
     else:
         elements = sub.numel
     return Reading(len(sub.params), elements * sub.loop_element_size)
+
+
+def _state_loop_reading(s: Setting, call: Call) -> Reading:
+    """The framework's per-parameter fp32 weights or states: one collective per parameter, fp32, as
+    ``_loop_reading`` counts them."""
+    sub = s.subject
+    elements = sum(-(-n // sub.world) for n in sub.sizes) if sub.loop_gathers else sub.numel
+    return Reading(len(sub.params), elements * 4)
+
+
+def _of_saved(s: Setting, call: Call) -> Reading:
+    """One more save; its streams' records."""
+    saved: Any = call()
+    records = saved.records
+    return Reading(sum(r.collectives for r in records), sum(r.bytes for r in records))
+
+
+def _consolidated_reading(s: Setting, call: Call) -> Reading:
+    """The framework's consolidation: ZeRO-3 gathers one module's parameters at a time (a coalesced
+    gather per module holding parameters), FSDP2 each parameter; this rank's share of each sent;
+    ZeRO-1/2 nothing (rank 0 holds the weights)."""
+    sub = s.subject
+    if not sub.loop_gathers:
+        return Reading(0, 0)
+    module = sub.engine.module if hasattr(sub.engine, "module") else sub.engine
+    units = sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
+    collectives = units if sub.source == "deepspeed" else len(sub.params)
+    return Reading(collectives, sum(-(-n // sub.world) for n in sub.sizes) * sub.loop_element_size)
 
 
 def _local(s: Setting, call: Call) -> Reading:
@@ -203,6 +245,62 @@ def _stats(s: Setting) -> Call:
     return lambda: collgrad.model_grad_stats(s.subject.engine)
 
 
+def _state(key: str | None) -> Callable[[Setting], Call]:
+    """collgrad's read of the fp32 weights (``key`` None) or of the optimizer state ``key``."""
+
+    def make(s: Setting) -> Call:
+        engine, bucket, opt = s.subject.engine, s.bucket, s.subject.optimizer_obj
+        if key is None:
+            return lambda: collgrad.safe_get_full_model_fp32_params(engine, bucket_bytes=bucket)
+        return lambda: collgrad.safe_get_full_model_optimizer_states(engine, key, optimizer=opt, bucket_bytes=bucket)
+
+    return make
+
+
+def _state_loop(key: str | None) -> Callable[[Setting], Call]:
+    """The framework's per-parameter loop over the fp32 weights or the optimizer state ``key``."""
+
+    def make(s: Setting) -> Call:
+        params, weight, state = s.subject.params, s.subject.full_fp32, s.subject.full_state
+        if key is None:
+            return lambda: [weight(p) for p in params]
+        return lambda: [state(p, key) for p in params]
+
+    return make
+
+
+def _fp32_set(s: Setting) -> Call:
+    return lambda: collgrad.safe_set_full_model_fp32_params(s.subject.engine, s.fp32)
+
+
+def _fp32_set_loop(s: Setting) -> Call:
+    put = s.subject.set_fp32
+    assert put is not None  # the table runs this method for DeepSpeed only
+    by_param = [(p, s.fp32[n]) for n, p in s.subject.engine.module.named_parameters() if n in s.fp32]
+    return lambda: [put(p, v) for p, v in by_param]
+
+
+def _save(s: Setting) -> Call:
+    return lambda: collgrad.save_full_model(
+        s.subject.engine, s.save_dir, max_shard_bytes=s.shard, bucket_bytes=s.bucket
+    )
+
+
+def _consolidated_save(s: Setting) -> Call:
+    """The framework's consolidated state dict (the whole model on rank 0), written by rank 0 as one
+    safetensors file with the same writer."""
+    consolidate, path = s.subject.consolidate, os.path.join(s.save_dir, "consolidated.safetensors")
+
+    def call() -> Any:
+        state = consolidate()
+        if state:
+            os.makedirs(s.save_dir, exist_ok=True)
+            write_safetensors(path, [(n, t.detach().cpu()) for n, t in state.items()], {"format": "pt"})
+        return state
+
+    return call
+
+
 def _raw_all_reduce(s: Setting) -> Call:
     """The all-reduce floor: a zero-filled flat buffer of the gradient bytes (collgrad's all-reduce plan
     zero-fills its bucket too), reduced in one call."""
@@ -252,6 +350,25 @@ METHODS: tuple[Method, ...] = (
     Method("deepspeed_norm_loop", _loop(norm=True), _loop_reading, versus="collgrad_stats", sources=DS),
     Method("full_tensor_norm_loop", _loop(norm=True), _loop_reading, versus="collgrad_stats", sources=FSDP2),
     Method("collgrad_stats", _stats, _of_result),
+    # The rest of the training state: fp32 master weights and Adam's moments, read and written, against
+    # the per-parameter loops; a consolidated checkpoint, against the frameworks' consolidation.
+    Method("deepspeed_fp32_loop", _state_loop(None), _state_loop_reading, versus="collgrad_fp32", sources=DS),
+    Method("full_tensor_fp32_loop", _state_loop(None), _state_loop_reading, versus="collgrad_fp32", sources=FSDP2),
+    Method("collgrad_fp32", _state(None), _of_result),
+    *(
+        Method(f"{loop}_{key}_loop", _state_loop(key), _state_loop_reading, versus=f"collgrad_{key}", sources=where)
+        for key in ("exp_avg", "exp_avg_sq")
+        for loop, where in (("deepspeed", DS), ("full_tensor", FSDP2))
+    ),
+    Method("collgrad_exp_avg", _state("exp_avg"), _of_result),
+    Method("collgrad_exp_avg_sq", _state("exp_avg_sq"), _of_result),
+    Method("deepspeed_fp32_set_loop", _fp32_set_loop, _local, versus="collgrad_fp32_set", sources=DS),
+    Method("collgrad_fp32_set", _fp32_set, _of_result),
+    Method(
+        "deepspeed_consolidated_save", _consolidated_save, _consolidated_reading, versus="collgrad_save", sources=DS
+    ),
+    Method("fsdp2_state_dict_save", _consolidated_save, _consolidated_reading, versus="collgrad_save", sources=FSDP2),
+    Method("collgrad_save", _save, _of_saved),
     Method("raw_all_reduce", _raw_all_reduce, _raw_all_reduce_reading),
     Method("raw_all_gather", _raw_all_gather, _raw_all_gather_reading),
 )

@@ -129,14 +129,15 @@ MODELS: dict[str, type[GPT2Model] | type[VectorModel]] = {"gpt2": GPT2Model, "ve
 
 
 def build_model(cfg: BenchConfig) -> GPT2Model | VectorModel:
-    """``cfg.model`` at ``cfg.tensors`` and ``cfg.elements``. The same weights on every rank."""
-    return MODELS[cfg.model](cfg.tensors, cfg.elements)
+    """``cfg.model`` at ``cfg.tensors`` and ``cfg.model_elements``. The same weights on every rank."""
+    return MODELS[cfg.model](cfg.tensors, cfg.model_elements)
 
 
 @dataclass
 class Subject:
-    """What a rank measures: an engine after one backward, and the framework's per-parameter accessors
-    (the loops collgrad is compared with).
+    """What a rank measures: an engine after a step and one more backward (gradients, and Adam's states
+    with a step's values), and the framework's per-parameter accessors (the loops collgrad is compared
+    with) and consolidation (what the save rows are compared with).
 
     ``full_grad(p)`` is the framework's full gradient of one parameter (DeepSpeed's
     ``safe_get_full_grad``, FSDP2's ``p.grad.full_tensor()``), ``set_grad`` DeepSpeed's
@@ -156,7 +157,15 @@ class Subject:
     optimizer: str
     deepspeed: str | None
     full_grad: Callable[[nn.Parameter], torch.Tensor]
+    #: the framework's per-parameter fp32 weight and optimizer state (DeepSpeed's accessors,
+    #: ``full_tensor()`` of FSDP2's parameter and state), and DeepSpeed's fp32 setter
+    full_fp32: Callable[[nn.Parameter], torch.Tensor]
+    full_state: Callable[[nn.Parameter, str], torch.Tensor]
+    #: the framework's consolidated state dict, as users save it (rank 0's; collective)
+    consolidate: Callable[[], Any]
+    optimizer_obj: Any = None  # FSDP2's torch optimizer (DeepSpeed's engine has its own)
     set_grad: Callable[[nn.Parameter, torch.Tensor], Any] | None = None
+    set_fp32: Callable[[nn.Parameter, torch.Tensor], Any] | None = None
     loop_element_size: int = field(default=0)
 
     @property
@@ -186,7 +195,15 @@ def _deepspeed(cfg: BenchConfig) -> Subject:
     if x.is_floating_point():
         x = x.to(next(engine.module.parameters()).dtype)
     engine.backward(engine(x))
+    engine.step()  # Adam's states hold a step's values
+    engine.backward(engine(x))
     params = [p for p in engine.module.parameters() if p.requires_grad]
+
+    def consolidate() -> Any:  # what Trainer.save_model and accelerator.get_state_dict consolidate
+        if cfg.stage == 3:
+            return engine._zero3_consolidated_16bit_state_dict()
+        return engine.module.state_dict() if dist.get_rank() == 0 else None
+
     return Subject(
         source="deepspeed",
         engine=engine,
@@ -198,7 +215,11 @@ def _deepspeed(cfg: BenchConfig) -> Subject:
         optimizer=type(engine.optimizer).__name__,
         deepspeed=ds.VERSION,
         full_grad=ds.safe_get_full_grad,
+        full_fp32=ds.safe_get_full_fp32_param,
+        full_state=ds.safe_get_full_optimizer_state,
+        consolidate=consolidate,
         set_grad=ds.safe_set_full_grad,
+        set_fp32=ds.safe_set_full_fp32_param,
     )
 
 
@@ -210,12 +231,24 @@ def _fsdp2(cfg: BenchConfig) -> Subject:
     plain = build_model(cfg).to(device)
     model = fsdp2.shard_whole(plain, device.type, dist.get_world_size())
     x = plain.example(torch.Generator().manual_seed(dist.get_rank())).to(device)
-    model(x).backward()
     params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=1e-4)
+    model(x).backward()
+    optimizer.step()  # Adam's states hold a step's values
+    optimizer.zero_grad()
+    model(x).backward()
 
     def full_tensor(p: nn.Parameter) -> torch.Tensor:
         grad: Any = p.grad  # a DTensor
         full: torch.Tensor = grad.full_tensor()
+        return full
+
+    def full_weight(p: nn.Parameter) -> torch.Tensor:
+        full: torch.Tensor = p.full_tensor()  # type: ignore[attr-defined]  # a DTensor
+        return full
+
+    def full_state(p: nn.Parameter, key: str) -> torch.Tensor:
+        full: torch.Tensor = optimizer.state[p][key].full_tensor()
         return full
 
     return Subject(
@@ -226,9 +259,13 @@ def _fsdp2(cfg: BenchConfig) -> Subject:
         sizes=[p.numel() for p in params],
         loop_gathers=True,  # full_tensor(): an all-gather of every rank's shard
         device=device,
-        optimizer="torch.optim.SGD (fully_shard)",
+        optimizer="torch.optim.Adam (fully_shard)",
         deepspeed=None,
         full_grad=full_tensor,
+        full_fp32=full_weight,
+        full_state=full_state,
+        consolidate=lambda: fsdp2.full_state_dict(model),
+        optimizer_obj=optimizer,
     )
 
 

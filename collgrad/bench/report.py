@@ -11,8 +11,10 @@ from typing import Any
 from collgrad.bench.config import BenchConfig
 from collgrad.bench.methods import floors, versus
 
-__all__ = ["ratios", "format_report", "describe", "GET_LOOPS", "PLANS"]
+__all__ = ["ratios", "format_report", "describe", "GET_LOOPS", "PLANS", "SAVE_ANCHORS"]
 
+#: The frameworks' consolidations a save is compared with (rank 0 holds the whole model).
+SAVE_ANCHORS = ("deepspeed_consolidated_save", "fsdp2_state_dict_save")
 #: The frameworks' per-parameter getters, and collgrad's plans the best of which they are compared with.
 GET_LOOPS = ("deepspeed_loop", "full_tensor_loop")
 PLANS = ("collgrad_all_gather", "collgrad_all_reduce")
@@ -59,6 +61,14 @@ def ratios(report: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
     if "collgrad_update" in m:
         bucket = report["element_size"] * report["numel"] // cfg.stream_fraction
         out["update_peak_buckets"] = m["collgrad_update"]["peak_host_mb"] * 2**20 / max(1, bucket)
+    if "collgrad_save" in m:
+        anchor = next((k for k in SAVE_ANCHORS if k in m), None)
+        out["save"] = {
+            "peak_mb": m["collgrad_save"]["peak_host_mb"],
+            "goal_mb": cfg.shard_mb + cfg.bucket_mb,
+            "anchor": anchor,
+            "anchor_peak_mb": m[anchor]["peak_host_mb"] if anchor else None,
+        }
     return out
 
 
@@ -126,6 +136,14 @@ def _ratio_lines(report: dict[str, Any]) -> list[str]:
         lines.append(
             f"streaming: bucket {s['bucket_mb']:.2f} MiB, peak extra {s['peak_extra_mb']:.2f} MiB "
             f"= {s['buckets']:.2f} buckets"
+        )
+    save = r.get("save")
+    if save:
+        ok = "ok" if save["peak_mb"] <= save["goal_mb"] else "over the goal"
+        anchor = f"; {save['anchor']}: {save['anchor_peak_mb']:.1f} MB" if save["anchor"] else ""
+        lines.append(
+            f"save: rank 0's peak {save['peak_mb']:.1f} MB (goal: a shard + a bucket = {save['goal_mb']:.1f} MB, "
+            f"{ok}){anchor}"
         )
     if "per_tensor_us" in report:
         lines.append(f"cost per parameter tensor at fixed bytes: {report['per_tensor_us']:.2f} us (slope of the sweep)")

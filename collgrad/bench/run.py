@@ -94,4 +94,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     report["stream_memory"] = _stream_memory(setting, clock)
     report["paired"], report["paired_versus"] = _pairs(bound, cfg, clock)
     report["ratios"] = ratios(report, cfg)
+    dist.barrier()  # every rank done with the save methods' directory
+    if dist.get_rank() == 0:
+        setting.close()
     return report

@@ -30,6 +30,7 @@ from collgrad.errors import ArgumentMismatchError, CollgradError, InvalidArgumen
 from collgrad.grads import sources
 from collgrad.grads.call import OpenCall
 from collgrad.grads.read import FullGradStream
+from collgrad.grads.record import FullGradRecord
 from collgrad.grads.shards import SAFE_DTYPES, ShardWriter, shard_name
 from collgrad.grads.sources.base import FP32, WEIGHTS, State, select
 
@@ -43,8 +44,8 @@ INDEX_NAME = "model.safetensors.index.json"
 @dataclass(frozen=True)
 class SavedModel:
     """What ``save_full_model`` wrote: every file of the checkpoint (shards in order, then the index if
-    there is one), the ones this rank wrote, how many tensors and bytes of tensor data, and the seconds
-    the call took on this rank."""
+    there is one), the ones this rank wrote, how many tensors and bytes of tensor data, the seconds
+    the call took on this rank, and the records of the streams that gathered the tensors."""
 
     directory: str
     files: tuple[str, ...]
@@ -52,6 +53,8 @@ class SavedModel:
     tensors: int
     bytes: int
     seconds: float
+    #: what each stream of whole tensors did (collectives, bytes sent by this rank)
+    records: tuple[FullGradRecord, ...] = ()
 
 
 def save_full_model(
@@ -103,8 +106,9 @@ def save_full_model(
     arguments = stable_hash((path, str(dtype), max_shard_bytes, tuple(ranks), names))
     _agree(group, me, error, "check the arguments and make the directory", dispatcher.timeout, arguments)
     writer = ShardWriter(path, max_shard_bytes, writers, me)
+    streams: list[FullGradStream] = []
     try:
-        for name, tensor in _tensors(model, module, dtype, names, bucket_bytes, dispatcher):
+        for name, tensor in _tensors(model, module, dtype, names, bucket_bytes, dispatcher, streams):
             writer.add(name, tensor)
         writer.finish()
     except BaseException:
@@ -128,9 +132,9 @@ def save_full_model(
     except OSError as caught:
         error = caught
     _agree(group, me, error, "give its shards their final names", dispatcher.timeout)
-    return SavedModel(
-        path, files, tuple(here), len(writer.shard_of), sum(writer.shard_bytes), time.perf_counter() - start
-    )
+    seconds = time.perf_counter() - start
+    records = tuple(stream.record() for stream in streams)
+    return SavedModel(path, files, tuple(here), len(writer.shard_of), sum(writer.shard_bytes), seconds, records)
 
 
 def _module(model: Any) -> nn.Module:
@@ -175,17 +179,19 @@ def _tensors(
     names: list[str] | None,
     bucket_bytes: int | None,
     dispatcher: Dispatcher,
+    streams: list[FullGradStream],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor to save, whole, one bucket at a time: the parameters (module weights, or fp32 master
-    weights of the trainable ones), then (without ``params=``) the persistent buffers."""
+    weights of the trainable ones), then (without ``params=``) the persistent buffers. Each stream
+    opened is added to ``streams``."""
     named = select(module, names, trainable=False)
     if dtype is None:
-        yield from _stream(model, WEIGHTS, [n for n, _ in named], bucket_bytes, dispatcher)
+        yield from _stream(model, WEIGHTS, [n for n, _ in named], bucket_bytes, dispatcher, streams)
     else:
         trainable = [n for n, p in named if p.requires_grad]
         frozen = [n for n, p in named if not p.requires_grad]
         for state, chosen in ((FP32, trainable), (WEIGHTS, frozen)):
-            for name, tensor in _stream(model, state, chosen, bucket_bytes, dispatcher):
+            for name, tensor in _stream(model, state, chosen, bucket_bytes, dispatcher, streams):
                 yield name, tensor.to(dtype)
     if names is None:
         for name, buffer in _persistent_buffers(module):
@@ -193,7 +199,12 @@ def _tensors(
 
 
 def _stream(
-    model: Any, state: State, names: list[str], bucket_bytes: int | None, dispatcher: Dispatcher
+    model: Any,
+    state: State,
+    names: list[str],
+    bucket_bytes: int | None,
+    dispatcher: Dispatcher,
+    streams: list[FullGradStream],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if not names:
         return
@@ -209,7 +220,8 @@ def _stream(
         name=f"save_full_model:{state.what}",
         state=state,
     )
-    yield from FullGradStream(call)
+    streams.append(FullGradStream(call))
+    yield from streams[-1]
 
 
 def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -56,7 +56,7 @@ from collgrad.grads.sources.base import (
 )
 from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
 
-__all__ = ["is_fsdp2", "open_fsdp2", "shard_whole"]
+__all__ = ["is_fsdp2", "open_fsdp2", "shard_whole", "full_state_dict"]
 
 
 def is_fsdp2(model: Any) -> bool:
@@ -277,3 +277,12 @@ def shard_whole(model: nn.Module, device_type: str, world: int) -> nn.Module:
     model; it reaches FSDP2 through here, as it reaches DeepSpeed through the adapter)."""
     fully_shard(model, mesh=init_device_mesh(device_type, (world,)))
     return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """FSDP2's own consolidation, as users save today (the benchmark's anchor): every parameter gathered
+    whole, one at a time, onto rank 0's CPU (``get_model_state_dict(full_state_dict=True,
+    cpu_offload=True)``; the other ranks get an empty dict). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
