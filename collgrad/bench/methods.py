@@ -49,14 +49,17 @@ class Reading:
     """A method's collectives and bytes this rank sent, as its record tells them (collgrad's calls) or as
     counted from the framework's per-parameter calls and the raw buffers."""
 
-    collectives: int
-    bytes: int
+    collectives: int | None  # None: not counted (a framework's own consolidation)
+    bytes: int | None
     plans: tuple[str, ...] | None = None
     plan_cached: bool | None = None
 
     def row(self) -> dict[str, Any]:
-        """The report row's fields: ``plans`` only where a record told them, ``plan_cached`` likewise."""
-        out: dict[str, Any] = {"collectives": self.collectives, "bytes": self.bytes}
+        """The report row's fields: ``plans`` only where a record told them, ``plan_cached`` likewise,
+        collectives and bytes only where counted."""
+        out: dict[str, Any] = {}
+        if self.collectives is not None:
+            out.update(collectives=self.collectives, bytes=self.bytes)
         if self.plans is not None:
             out["plans"] = list(self.plans)
         if self.plan_cached is not None:
@@ -164,16 +167,10 @@ def _of_saved(s: Setting, call: Call) -> Reading:
 
 
 def _consolidated_reading(s: Setting, call: Call) -> Reading:
-    """The framework's consolidation: ZeRO-3 gathers one module's parameters at a time (a coalesced
-    gather per module holding parameters), FSDP2 each parameter; this rank's share of each sent;
-    ZeRO-1/2 nothing (rank 0 holds the weights)."""
-    sub = s.subject
-    if not sub.loop_gathers:
-        return Reading(0, 0)
-    module = sub.engine.module if hasattr(sub.engine, "module") else sub.engine
-    units = sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
-    collectives = units if sub.source == "deepspeed" else len(sub.params)
-    return Reading(collectives, sum(-(-n // sub.world) for n in sub.sizes) * sub.loop_element_size)
+    """The frameworks' consolidation: not counted. What it sends depends on their internals (ZeRO-3
+    gathers a module's parameters at a time, but not those it keeps whole, below its persistence
+    threshold; FSDP2 each parameter); its time and memory are what the row is for."""
+    return Reading(None, None)
 
 
 def _local(s: Setting, call: Call) -> Reading:

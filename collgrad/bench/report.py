@@ -90,10 +90,10 @@ def _row(name: str, row: dict[str, Any]) -> str:
     plan = ",".join(row.get("plans", []) or [])
     if row.get("plan_cached") is not None:
         plan += " (plan from cache)" if row["plan_cached"] else " (plan built)"
+    counted = f"{row['bytes'] / 2**20:>10.1f}{row['collectives']:>7}" if "collectives" in row else f"{'-':>10}{'-':>7}"
     return (
         f"{name:<22}{row['median_ms']:>11.1f}{row['min_ms']:>9.1f}{row['max_ms']:>9.1f}{row['call_ms']:>9.1f}"
-        f"{row.get('bytes', 0) / 2**20:>10.1f}{row.get('collectives', 0):>7}"
-        f"{max(row['peak_host_mb'], row['peak_device_mb']):>9.1f}{row['page_faults']:>8.0f}  {plan}"
+        f"{counted}{max(row['peak_host_mb'], row['peak_device_mb']):>9.1f}{row['page_faults']:>8.0f}  {plan}"
     )
 
 

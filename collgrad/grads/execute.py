@@ -22,9 +22,10 @@ from collgrad.grads.plan import GroupPlan, PlanKind
 from collgrad.grads.record import FullGradRecord, GroupRecord
 from collgrad.grads.reduce import all_reduce
 from collgrad.grads.runner import Result, Step, converted, no_history, shaped
+from collgrad.grads.sources.base import Source
 from collgrad.grads.sources.layout import GradGroup, Kind, owned_fragments
 
-__all__ = ["Executor", "Result"]
+__all__ = ["Executor", "Result", "accessor_bytes"]
 
 
 class Executor:
@@ -36,6 +37,7 @@ class Executor:
         self.copy = copy
         self.group_records: list[GroupRecord] = []
         self.accessor_collectives = 0
+        self.accessor_bytes = 0
         self._kinds: dict[PlanKind, Callable[[Step], Result]] = {
             PlanKind.ACCESSOR: self._accessor,
             PlanKind.LOCAL: self._local,
@@ -53,6 +55,7 @@ class Executor:
             c.unscale,
             c.cached,
             c.layout_cached,
+            self.accessor_bytes,
         )
 
     def steps(self) -> Iterator[Result]:
@@ -90,6 +93,7 @@ class Executor:
             slot = step.group.params[k]
             grad = accessor(c.source.params[slot.name])
             self.accessor_collectives += 1
+            self.accessor_bytes += accessor_bytes(c.source, step.group, slot.numel)
             if c.unscale:
                 grad = grad / c.local.loss_scale
             out.append((slot.name, grad))
@@ -116,6 +120,15 @@ class Executor:
                 owned = copy or moved.data_ptr() != piece.data_ptr()  # moved, or a concatenation of pieces
                 out.append((slot.name, converted(self.call, shaped(moved, slot), group.out_dtype, owned=owned)))
         return out
+
+
+def accessor_bytes(source: Source, group: GradGroup, numel: int) -> int:
+    """What DeepSpeed's per-parameter accessor sends for a parameter of ``numel`` elements: ZeRO-1/2
+    and BF16_Optimizer all-reduce the whole of it in fp32 (a zero-filled buffer holding this rank's
+    fragment), ZeRO-3 all-gathers this rank's fp32 partition."""
+    if source.accessor_gathers:
+        return -(-numel // group.world) * 4
+    return numel * 4
 
 
 def _gather(step: Step) -> Result:

@@ -39,6 +39,8 @@ class FullGradRecord:
     plan_cached: bool
     #: The model's gradient layout (and where each rank's buffers lie) was reused from an earlier call.
     layout_cached: bool
+    #: Bytes this rank sent through DeepSpeed's accessor (its ``per_param_collectives``).
+    per_param_bytes: int = 0
 
     @property
     def collectives(self) -> int:
@@ -50,4 +52,4 @@ class FullGradRecord:
 
     @property
     def bytes(self) -> int:
-        return sum(c.bytes for g in self.groups for c in g.calls)
+        return self.per_param_bytes + sum(c.bytes for g in self.groups for c in g.calls)

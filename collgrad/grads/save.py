@@ -31,8 +31,9 @@ from collgrad.grads import sources
 from collgrad.grads.call import OpenCall
 from collgrad.grads.read import FullGradStream
 from collgrad.grads.record import FullGradRecord
-from collgrad.grads.shards import SAFE_DTYPES, ShardWriter, shard_name
+from collgrad.grads.shards import SAFE_DTYPES, Entry, Shard, ShardFiles, plan_shards, shard_name
 from collgrad.grads.sources.base import FP32, WEIGHTS, State, select
+from collgrad.grads.sources.layout import Kind
 
 __all__ = ["save_full_model", "SavedModel", "DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME"]
 
@@ -105,36 +106,37 @@ def save_full_model(
         error, writers, names = caught, (0,), None
     arguments = stable_hash((path, str(dtype), max_shard_bytes, tuple(ranks), names))
     _agree(group, me, error, "check the arguments and make the directory", dispatcher.timeout, arguments)
-    writer = ShardWriter(path, max_shard_bytes, writers, me)
+    calls = _open_calls(model, module, dtype, names, bucket_bytes, dispatcher)
+    plan = plan_shards(_entries(calls, module, dtype, names), max_shard_bytes, {"format": "pt"})
+    shards = ShardFiles(plan, path, writers, me)
+    if me in writers:
+        shards.create()
     streams: list[FullGradStream] = []
     try:
-        for name, tensor in _tensors(model, module, dtype, names, bucket_bytes, dispatcher, streams):
-            writer.add(name, tensor)
-        writer.finish()
+        for name, tensor in _tensors(calls, module, names, streams):
+            shards.put(name, tensor)
+        shards.finish()
+        _agree(group, me, shards.error, "write its shards", dispatcher.timeout)
     except BaseException:
-        writer.discard()
+        shards.discard()
         raise
-    count = len(writer.shard_bytes)
+    count = len(plan)
     files = tuple(shard_name(k, count) for k in range(count)) + ((INDEX_NAME,) if count > 1 else ())
     here: list[str] = []
     try:
-        _agree(group, me, writer.error, "write its shards", dispatcher.timeout)
-    except CollgradError:
-        writer.discard()
-        raise
-    try:
-        for k, temporary in writer.written:
+        for k, temporary in shards.written:
             os.replace(temporary, os.path.join(path, files[k]))
             here.append(files[k])
         if count > 1 and me == writers[0]:
-            _write_index(path, writer)
+            _write_index(path, plan)
             here.append(INDEX_NAME)
     except OSError as caught:
         error = caught
     _agree(group, me, error, "give its shards their final names", dispatcher.timeout)
     seconds = time.perf_counter() - start
     records = tuple(stream.record() for stream in streams)
-    return SavedModel(path, files, tuple(here), len(writer.shard_of), sum(writer.shard_bytes), seconds, records)
+    tensors = sum(len(shard.entries) for shard in plan)
+    return SavedModel(path, files, tuple(here), tensors, sum(s.data_bytes for s in plan), seconds, records)
 
 
 def _module(model: Any) -> nn.Module:
@@ -172,56 +174,73 @@ def _ready(path: str, rank: int) -> None:
     os.remove(probe)
 
 
-def _tensors(
+#: An opened stream's call, and its state.
+Opened = tuple[OpenCall, State]
+
+
+def _open_calls(
     model: Any,
     module: nn.Module,
     dtype: torch.dtype | None,
     names: list[str] | None,
     bucket_bytes: int | None,
     dispatcher: Dispatcher,
-    streams: list[FullGradStream],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor to save, whole, one bucket at a time: the parameters (module weights, or fp32 master
-    weights of the trainable ones), then (without ``params=``) the persistent buffers. Each stream
-    opened is added to ``streams``."""
+) -> list[Opened]:
+    """The calls whose streams bring the parameters whole (each opened on every rank together): the
+    module's weights, or with ``dtype`` the fp32 master weights of the trainable ones and the module's
+    weights of the frozen ones."""
     named = select(module, names, trainable=False)
     if dtype is None:
-        yield from _stream(model, WEIGHTS, [n for n, _ in named], bucket_bytes, dispatcher, streams)
+        wanted = [(WEIGHTS, [n for n, _ in named])]
     else:
         trainable = [n for n, p in named if p.requires_grad]
-        frozen = [n for n, p in named if not p.requires_grad]
-        for state, chosen in ((FP32, trainable), (WEIGHTS, frozen)):
-            for name, tensor in _stream(model, state, chosen, bucket_bytes, dispatcher, streams):
-                yield name, tensor.to(dtype)
+        wanted = [(FP32, trainable), (WEIGHTS, [n for n, p in named if not p.requires_grad])]
+    opened = []
+    for state, chosen in wanted:
+        if chosen:
+            name = f"save_full_model:{state.what}"
+            call = OpenCall(
+                model, chosen, bucket_bytes, "auto", False, None, dispatcher, streaming=True, name=name, state=state
+            )
+            opened.append((call, state))
+    return opened
+
+
+def _whole_here(call: OpenCall) -> bool:
+    """Every rank holds these weights whole (ZeRO-1/2, stage 0, a plain module): read them as they are,
+    each in its own dtype, with no stream."""
+    return all(g.kind is Kind.REPLICATED for g in call.source.layout.groups) and call.source.accessor is None
+
+
+def _entries(calls: list[Opened], module: nn.Module, dtype: torch.dtype | None, names: list[str] | None) -> list[Entry]:
+    """Every tensor to write, as written, in layout order: the parameters, then the persistent buffers."""
+    out = []
+    for call, state in calls:
+        params = call.source.params
+        for group in call.source.layout.groups:
+            for slot in group.params:
+                kept = params[slot.name].dtype if state == WEIGHTS and _whole_here(call) else group.out_dtype
+                out.append(Entry(slot.name, slot.shape, dtype or kept))
     if names is None:
         for name, buffer in _persistent_buffers(module):
-            yield name, buffer.to(dtype) if dtype is not None and buffer.is_floating_point() else buffer
+            written = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
+            out.append(Entry(name, tuple(buffer.shape), written))
+    return out
 
 
-def _stream(
-    model: Any,
-    state: State,
-    names: list[str],
-    bucket_bytes: int | None,
-    dispatcher: Dispatcher,
-    streams: list[FullGradStream],
+def _tensors(
+    calls: list[Opened], module: nn.Module, names: list[str] | None, streams: list[FullGradStream]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    if not names:
-        return
-    call = OpenCall(
-        model,
-        names,
-        bucket_bytes,
-        "auto",
-        False,
-        None,
-        dispatcher,
-        streaming=True,
-        name=f"save_full_model:{state.what}",
-        state=state,
-    )
-    streams.append(FullGradStream(call))
-    yield from streams[-1]
+    """Every tensor to save, whole, one bucket at a time (each stream opened is added to ``streams``),
+    then (without ``params=``) the persistent buffers. As held: ShardFiles converts each as planned."""
+    for call, _ in calls:
+        if _whole_here(call):
+            yield from ((name, p.detach()) for name, p in call.source.params.items())
+            continue
+        streams.append(FullGradStream(call, copy=False))
+        yield from streams[-1]
+    if names is None:
+        yield from _persistent_buffers(module)
 
 
 def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -235,11 +254,11 @@ def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield (f"{prefix}.{name}" if prefix else name), buffer.detach()
 
 
-def _write_index(path: str, writer: ShardWriter) -> None:
-    count = len(writer.shard_bytes)
+def _write_index(path: str, plan: tuple[Shard, ...]) -> None:
+    count = len(plan)
     index = {
-        "metadata": {"total_size": sum(writer.shard_bytes)},
-        "weight_map": {name: shard_name(k, count) for name, k in sorted(writer.shard_of.items())},
+        "metadata": {"total_size": sum(s.data_bytes for s in plan)},
+        "weight_map": {e.name: shard_name(k, count) for k, shard in enumerate(plan) for e in shard.entries},
     }
     temporary = os.path.join(path, f".{INDEX_NAME}.tmp")
     with open(temporary, "w") as f:

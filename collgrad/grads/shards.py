@@ -1,11 +1,13 @@
-"""Safetensors shards written as tensors stream in: the file format, and which rank writes which shard.
+"""Safetensors shards laid out before any tensor moves, and filled in place as tensors stream in.
 
-A shard fills in the order tensors arrive until the next one would take it past ``max_shard_bytes``
-(a tensor larger than that is a shard by itself), as Hugging Face's ``save_pretrained`` cuts them. Every
-rank follows the same arrival order and sizes, so every rank knows every cut without communicating;
-shard ``k`` is written by ``ranks[k % len(ranks)]``, the only rank that keeps its tensors. A shard is
-written under a temporary name and renamed to its final one only once every rank has written all of
-its own (see save.py), so a failure never leaves a half-written shard under a final name.
+Every tensor's name, shape and dtype are known from the layout before the first collective, so the
+shards are cut (in layout order, a new shard when the next tensor would take the current one past
+``max_shard_bytes``, as ``save_pretrained`` cuts them; a larger tensor is a shard by itself) and every
+tensor's place in its file is fixed up front (``plan_shards``, pure). Shard k is written by
+``ranks[k % len(ranks)]``, which creates the file with its header and writes each tensor at its offset
+the moment it arrives (``ShardFiles``): no rank holds a shard, only the stream's buckets. A shard is
+written under a temporary name and renamed only once every rank has written all of its own (save.py),
+so a failure never leaves a half-written shard under a final name.
 
 Format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length, a JSON
 header ``{name: {dtype, shape, data_offsets}, "__metadata__": {...}}`` padded with spaces to 8 bytes,
@@ -15,6 +17,7 @@ then the tensors' bytes back to back in header order.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -24,7 +27,7 @@ import torch
 from collgrad import _compat
 from collgrad.errors import InvalidArgumentError
 
-__all__ = ["ShardWriter", "write_safetensors", "shard_name", "SAFE_DTYPES"]
+__all__ = ["Entry", "Shard", "plan_shards", "ShardFiles", "shard_name", "write_safetensors", "SAFE_DTYPES"]
 
 #: torch dtypes and their safetensors names
 SAFE_DTYPES = {
@@ -41,6 +44,38 @@ SAFE_DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
+#: the most one ``os.pwrite`` writes on Linux
+_MOST = 0x7FFFF000
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the checkpoint: its name, shape and dtype as written."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One file: its tensors, its header (length and JSON, padded), and where each tensor's bytes start."""
+
+    entries: tuple[Entry, ...]
+    header: bytes
+    offsets: tuple[int, ...]  # from the start of the file, per entry
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(e.nbytes for e in self.entries)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
 
 
 def shard_name(index: int, count: int) -> str:
@@ -48,99 +83,134 @@ def shard_name(index: int, count: int) -> str:
     return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> int:
-    """``tensors`` written to ``path`` in the safetensors format, flushed to the disk; returns the bytes
-    of tensor data. Raises OSError as the file system does."""
+def plan_shards(entries: list[Entry], max_shard_bytes: int, metadata: dict[str, str]) -> tuple[Shard, ...]:
+    """``entries`` cut into shards in order, each laid out in the safetensors format. Pure."""
+    groups: list[list[Entry]] = []
+    filled = 0
+    for entry in entries:
+        if entry.dtype not in SAFE_DTYPES:
+            raise InvalidArgumentError(
+                f"rank {_compat.rank()}: {entry.name} is {entry.dtype}, which safetensors cannot hold"
+            )
+        if not groups or (filled and filled + entry.nbytes > max_shard_bytes):
+            groups.append([])
+            filled = 0
+        groups[-1].append(entry)
+        filled += entry.nbytes
+    return tuple(_laid_out(group, metadata) for group in groups)
+
+
+def _laid_out(entries: list[Entry], metadata: dict[str, str]) -> Shard:
     header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name, t in tensors:
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFE_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
+    at, starts = 0, []
+    for e in entries:
+        header[e.name] = {"dtype": SAFE_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [at, at + e.nbytes]}
+        starts.append(at)
+        at += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
+    return Shard(tuple(entries), head, tuple(len(head) + s for s in starts))
+
+
+def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> int:
+    """``tensors`` written to ``path`` as one safetensors file, flushed to the disk (a framework's
+    consolidated state dict, for the benchmark's anchors); returns the bytes of tensor data."""
+    shard = _laid_out([Entry(n, tuple(t.shape), t.dtype) for n, t in tensors], metadata)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        f.write(shard.header)
         for _, t in tensors:
             if t.numel():
                 f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
         f.flush()
         os.fsync(f.fileno())
-    return offset
+    return shard.data_bytes
 
 
 @dataclass
-class ShardWriter:
-    """Cuts the arriving tensors into shards and writes this rank's: ``add`` each tensor in arrival order
-    (every rank, the same order), ``finish`` at the end. A write that fails is kept in ``error`` (and
-    the rest of this rank's shards skipped), never raised: the caller must go on taking part in the
-    stream's collectives and tell the others."""
+class ShardFiles:
+    """This rank's shards of ``plan`` under temporary names in ``directory``: ``create`` them, ``put``
+    each tensor as it arrives (every rank is given every tensor, only the shard's rank writes it),
+    ``finish``. A failing write is kept in ``error`` (the rest of this rank's writes skipped), never
+    raised: the caller must go on taking part in the stream's collectives and tell the others."""
 
+    plan: tuple[Shard, ...]
     directory: str
-    max_shard_bytes: int
     ranks: tuple[int, ...]
     rank: int
-    #: (shard index, temporary path) of each shard this rank wrote
+    #: (shard index, temporary path) of each shard this rank writes
     written: list[tuple[int, str]] = field(default_factory=list)
-    #: every tensor's shard index, and every shard's bytes (known on every rank)
-    shard_of: dict[str, int] = field(default_factory=dict)
-    shard_bytes: list[int] = field(default_factory=list)
     error: OSError | None = None
-    _held: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    _where: dict[str, tuple[int, int, Entry]] = field(default_factory=dict)
+    _files: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_shard_bytes < 1:
-            raise InvalidArgumentError(
-                f"rank {_compat.rank()}: max_shard_bytes must be positive, got {self.max_shard_bytes}"
-            )
+        for k, shard in enumerate(self.plan):
+            for entry, offset in zip(shard.entries, shard.offsets):
+                self._where[entry.name] = (k, offset, entry)
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if tensor.dtype not in SAFE_DTYPES:
-            raise InvalidArgumentError(
-                f"rank {_compat.rank()}: {name} is {tensor.dtype}, which safetensors cannot hold"
-            )
-        if not self.shard_bytes or (self.shard_bytes[-1] and self.shard_bytes[-1] + size > self.max_shard_bytes):
-            self._flush()
-            self.shard_bytes.append(0)
-        self.shard_of[name] = len(self.shard_bytes) - 1
-        self.shard_bytes[-1] += size
-        if self._mine(len(self.shard_bytes) - 1):
-            held = tensor.detach().to("cpu")
-            if held.untyped_storage().nbytes() > size:  # a view of a bucket: keep this tensor, not the bucket
-                held = held.clone()
-            self._held.append((name, held))
+    def create(self) -> None:
+        """Each of this rank's shard files, with its header, at its final size."""
+        for k, shard in enumerate(self.plan):
+            if self.ranks[k % len(self.ranks)] != self.rank:
+                continue
+            path = os.path.join(self.directory, f".collgrad-shard-{k}.tmp")
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            except OSError as error:
+                self.error = error
+                return
+            self._files[k] = fd
+            self.written.append((k, path))
+            if not self._write(fd, memoryview(shard.header), 0):
+                return
+            try:
+                os.ftruncate(fd, shard.size)
+            except OSError as error:
+                self.error = error
+                return
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """``tensor`` (the whole value of ``name``) written at its place, on the rank writing its shard."""
+        k, offset, entry = self._where[name]
+        fd = self._files.get(k)
+        if fd is None or self.error is not None:
+            return
+        data = tensor.detach().to("cpu", entry.dtype).contiguous()
+        assert tuple(data.shape) == entry.shape or data.numel() == math.prod(entry.shape), (name, data.shape)
+        if data.numel():
+            self._write(fd, memoryview(data.reshape(-1).view(torch.uint8).numpy()), offset)
 
     def finish(self) -> None:
-        self._flush()
-
-    def _mine(self, index: int) -> bool:
-        return self.ranks[index % len(self.ranks)] == self.rank
-
-    def _flush(self) -> None:
-        held, self._held = self._held, []
-        if not held or self.error is not None:
-            return
-        index = len(self.shard_bytes) - 1
-        path = os.path.join(self.directory, f".collgrad-shard-{index}.tmp")
-        try:
-            write_safetensors(path, held, {"format": "pt"})
-        except OSError as error:
-            self.error = error
-            _remove(path)
-            return
-        self.written.append((index, path))
+        """Every file of this rank flushed to the disk and closed."""
+        for fd in self._files.values():
+            try:
+                if self.error is None:
+                    os.fsync(fd)
+            except OSError as error:
+                self.error = error
+            finally:
+                os.close(fd)
+        self._files.clear()
 
     def discard(self) -> None:
-        """Remove every temporary file this rank wrote (after a failure anywhere)."""
+        """Every temporary file of this rank removed (after a failure anywhere)."""
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
         for _, path in self.written:
-            _remove(path)
+            try:
+                os.remove(path)
+            except OSError:
+                pass
         self.written.clear()
 
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+    def _write(self, fd: int, data: memoryview, offset: int) -> bool:
+        try:
+            while len(data):
+                done = os.pwrite(fd, data[:_MOST], offset)
+                data, offset = data[done:], offset + done
+        except OSError as error:
+            self.error = error
+            return False
+        return True

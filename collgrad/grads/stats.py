@@ -32,6 +32,7 @@ from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, RankFailedError
 from collgrad.grads import stat_reduce
 from collgrad.grads.call import OpenCall
+from collgrad.grads.execute import accessor_bytes
 from collgrad.grads.plan import PlanKind
 from collgrad.grads.record import FullGradRecord, GroupRecord
 from collgrad.grads.sources.layout import GradGroup, Kind
@@ -124,10 +125,12 @@ def model_grad_stats(
     layout = call.source.layout
     scale = call.local.loss_scale if call.unscale else 1.0
     records: tuple[GroupRecord, ...] = ()
-    accessor_collectives = 0
+    accessor_collectives = accessor_sent = 0
     if call.source.accessor is not None:  # no known layout: DeepSpeed's accessor, one call per parameter
         by_param = {name: _full_stat(call.source.accessor(call.source.params[name]), scale) for name in layout.order}
         accessor_collectives = len(layout.order)
+        group = layout.groups[0]
+        accessor_sent = sum(accessor_bytes(call.source, group, slot.numel) for slot in group.params)
     else:
         by_param, records = _combined(call, scale)
     ordered = {name: by_param[name] for name in layout.order if name in by_param}
@@ -139,6 +142,7 @@ def model_grad_stats(
         call.unscale,
         call.cached,
         call.layout_cached,
+        accessor_sent,
     )
     return GradStats(
         global_norm=math.sqrt(math.fsum(s.norm * s.norm for s in ordered.values())),

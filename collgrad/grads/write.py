@@ -212,18 +212,14 @@ def _which_differ(
 
 def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> FullGradRecord:
     source = call.source
-    collectives = 0
     if source.accessor_set is not None:  # an optimizer collgrad does not know: DeepSpeed's setter
-        for name, value in values.items():
+        for name, value in values.items():  # (local: each rank writes its own fragment or partition)
             source.accessor_set(source.params[name], value.to(torch.float32))
-            collectives += 1
         source.after_write(values)
     else:
         with torch.no_grad():
             source.write(call.local, values, call.local.loss_scale)
-    return FullGradRecord(
-        source.layout.variant, (), collectives, call.local.loss_scale, False, call.cached, call.layout_cached
-    )
+    return FullGradRecord(source.layout.variant, (), 0, call.local.loss_scale, False, call.cached, call.layout_cached)
 
 
 def update_full_model_grads(

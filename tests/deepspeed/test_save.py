@@ -121,7 +121,6 @@ def _worker(rank, world, root):
 def _failures(eng, rank, world, root):
     """Two writing ranks; a bad directory; a full disk on rank 0; different arguments per rank."""
     import collgrad
-    from collgrad.grads import shards
 
     out = {}
     # two writing ranks: the shards alternate between them
@@ -131,21 +130,21 @@ def _failures(eng, rank, world, root):
     blocker = os.path.join(root, f"blocker-{world}")
     open(blocker, "w").close()
     out["bad_directory"] = attempt(lambda: collgrad.save_full_model(eng, os.path.join(blocker, "x")))
-    # a full disk while rank 0 writes its second shard: every rank raises, nothing is left
-    real, written = shards.write_safetensors, []
+    # a full disk while rank 0 writes: every rank raises, nothing is left
+    real, writes = os.pwrite, []
 
-    def full_disk(path, tensors, metadata):
-        written.append(path)
-        if len(written) == 2 and rank == 0:
-            raise OSError(28, os.strerror(28), path)
-        return real(path, tensors, metadata)
+    def full_disk(fd, data, offset):
+        writes.append(offset)
+        if len(writes) == 5 and rank == 0:
+            raise OSError(28, os.strerror(28))
+        return real(fd, data, offset)
 
-    shards.write_safetensors = full_disk
+    os.pwrite = full_disk
     failing = os.path.join(root, f"full-{world}")
     try:
         out["full_disk"] = attempt(lambda: collgrad.save_full_model(eng, failing, max_shard_bytes=SHARD))
     finally:
-        shards.write_safetensors = real
+        os.pwrite = real
     torch.distributed.barrier()
     out["left_behind"] = sorted(os.listdir(failing))
     out["different"] = attempt(lambda: collgrad.save_full_model(eng, os.path.join(root, f"d{rank}-{world}")))

@@ -33,10 +33,13 @@ def _setting(
         optimizer="x",
         deepspeed=None,
         full_grad=lambda p: p,
+        full_fp32=lambda p: p,
+        full_state=lambda p, key: p,
+        consolidate=lambda: None,
         loop_element_size=torch.empty(0, dtype=loop_dtype).element_size(),
     )
     share = torch.ones(-(-numel // world), dtype=dtype)
-    return Setting(subject, 1 << 20, max(1, size * numel // 8), {}, size, share)
+    return Setting(subject, 1 << 20, max(1, size * numel // 8), {}, size, share, {}, "", 1 << 20)
 
 
 def _reading(name: str, setting: Setting):
@@ -109,6 +112,15 @@ def test_floors_and_goals():
         ("deepspeed_set_loop", "collgrad_set"),
         ("deepspeed_norm_loop", "collgrad_stats"),
         ("full_tensor_norm_loop", "collgrad_stats"),
+        ("deepspeed_fp32_loop", "collgrad_fp32"),
+        ("full_tensor_fp32_loop", "collgrad_fp32"),
+        ("deepspeed_exp_avg_loop", "collgrad_exp_avg"),
+        ("full_tensor_exp_avg_loop", "collgrad_exp_avg"),
+        ("deepspeed_exp_avg_sq_loop", "collgrad_exp_avg_sq"),
+        ("full_tensor_exp_avg_sq_loop", "collgrad_exp_avg_sq"),
+        ("deepspeed_fp32_set_loop", "collgrad_fp32_set"),
+        ("deepspeed_consolidated_save", "collgrad_save"),
+        ("fsdp2_state_dict_save", "collgrad_save"),
     ]
 
 

@@ -169,8 +169,11 @@ class Source:
     #: DeepSpeed's per-parameter accessor (optimizers without a known layout): parameter -> full
     #: gradient, one collective per parameter.
     accessor: Callable[[nn.Parameter], torch.Tensor] | None = None
-    #: The accessor for writing: (parameter, full gradient) -> None, collective.
+    #: The accessor for writing: (parameter, full gradient) -> None; local (this rank's part).
     accessor_set: Callable[[nn.Parameter, torch.Tensor], None] | None = None
+    #: The accessor all-gathers each rank's partition (ZeRO-3) instead of all-reducing the whole
+    #: parameter in fp32 (ZeRO-1/2, BF16_Optimizer): what it sends, for the record.
+    accessor_gathers: bool = False
     params: dict[str, nn.Parameter]
     #: Scratch buffers the reader keeps with the source between calls (staging for gathers, padding).
     scratch: dict[Hashable, Any]

@@ -236,6 +236,7 @@ class _AccessorState(ReplicatedSource):
         )
         key = state.key
         self.state = state
+        self.accessor_gathers = kind == "DeepSpeedZeroOptimizer_Stage3"  # ZeRO-3 all-gathers partitions
         if key is None:
             self.accessor, self.accessor_set = safe_get_full_fp32_param, safe_set_full_fp32_param
         else:
