@@ -16,7 +16,7 @@ TP = 2
 
 
 def _worker(rank, world):
-    from deepspeed.utils import safe_get_full_grad
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
     import collgrad
     from tests.deepspeed import models
@@ -54,6 +54,15 @@ def _worker(rank, world):
         ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
         out[stage]["written"] = all(torch.equal(back[n], new[n]) and torch.equal(ds[n], new[n]) for n in new)
         eng.step()
+        # the fp32 weights and Adam's moments: the tensor-parallel shards stay local, as their gradients
+        trainable = [(n, p) for n, p in eng.module.named_parameters() if p.requires_grad]
+        fp32 = collgrad.safe_get_full_model_fp32_params(eng)
+        exp_avg = collgrad.safe_get_full_model_optimizer_states(eng, "exp_avg")
+        theirs = [(safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg")) for _, p in trainable]
+        out[stage]["state_equal"] = (
+            all(torch.equal(fp32[n], w) and torch.equal(exp_avg[n], m) for (n, _), (w, m) in zip(trainable, theirs))
+            and sorted(fp32.model_parallel) == out[stage]["model_parallel"]
+        )
     return out
 
 
@@ -70,3 +79,4 @@ def test_autotp_shards_stay_local_read_written_and_counted_per_shard():
             assert all(all(ok) for ok in entry["stats"].values()), entry["stats"]
             assert entry["stats_model_parallel"] == entry["model_parallel"]
             assert entry["written"], (rank, stage)
+            assert entry["state_equal"], (rank, stage)

@@ -72,10 +72,11 @@ def test_misuse_raises_the_same_clear_error_on_every_rank(misuse_results, stage,
 
 
 def _moe(rank, world, ep_size, num_experts, stage, dtype):
-    from deepspeed.utils import safe_get_full_grad
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     import collgrad
     from tests.deepspeed import models
+    from tests.deepspeed.test_state_read import _rebuilt
     from tests.tolerance import norm_of_sum_of_squares, unit_roundoff
 
     eng = models.moe_engine(models.config(stage, dtype=dtype), ep_size, num_experts)
@@ -93,7 +94,24 @@ def _moe(rank, world, ep_size, num_experts, stage, dtype):
     new = {n: g * 2 + 1 for n, g in grads.items()}
     collgrad.safe_set_full_model_grads(eng, new)
     back = collgrad.safe_get_full_model_grads(eng)
+    eng.step()  # the fp32 weights and Adam's moments, per expert group, against DeepSpeed's accessors
+    # (its accessor raises for Adam's moments of an MoE engine, "exp_avg not found in optimizer state
+    # fragment": there, every rank's partitions gathered plainly and cut where DeepSpeed's offsets say)
+    trainable = [(n, p) for n, p in eng.module.named_parameters() if p.requires_grad]
+    states = {
+        "fp32": collgrad.safe_get_full_model_fp32_params(eng),
+        "exp_avg": collgrad.safe_get_full_model_optimizer_states(eng, "exp_avg"),
+    }
+    theirs = {
+        "fp32": {n: safe_get_full_fp32_param(p) for n, p in trainable},
+        "exp_avg": _rebuilt(eng, "exp_avg", trainable),
+    }
     return {
+        "state_equal": {
+            key: list(ours) == [n for n, _ in trainable]
+            and [n for n in ours if not torch.equal(ours[n], theirs[key][n])]
+            for key, ours in states.items()
+        },
         "stats_equal": stats_equal,
         "written": all(
             # bf16 + fp32 accumulation: at most one rounding to bf16 on the way (tests/tolerance.py)
@@ -116,7 +134,7 @@ def _moe_both(rank, world, ep_size):
 def test_moe_expert_parameters_reduced_within_their_expert_data_parallel_group(world, ep_size):
     for rank, both in enumerate(run_ranks(_moe_both, world, ep_size, timeout=300)):
         for res in both.values():
-            assert res["equal"], res
+            assert res["equal"] and res["state_equal"] == {"fp32": [], "exp_avg": []}, res  # + weights, moments
             assert res["stats_equal"] and res["written"], res  # statistics and writing, per expert group
             assert res["model_parallel"] and all("experts" in n for n in res["model_parallel"])
             expert_groups = [g for g in res["groups"] if g[1] != tuple(range(world))]
