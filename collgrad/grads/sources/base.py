@@ -87,10 +87,17 @@ def copy_to_weights(params: Mapping[str, nn.Parameter], values: Mapping[str, tor
     """The module's own weights ``params`` made the full fp32 master weights ``values`` (the same on every
     rank), as an optimizer step leaves them: rounded to fp32 (what the master holds), then to the
     weight's dtype. Local."""
+    weights, sources = [], []
+    for name, value in values.items():
+        weight = params[name].data
+        weights.append(weight)
+        sources.append(value.detach().reshape(weight.shape).to(torch.float32))  # no-op for fp32 values
     with torch.no_grad():
-        for name, value in values.items():
-            weight = params[name].data
-            weight.copy_(value.detach().reshape(weight.shape).to(torch.float32))
+        if all(w.device == v.device for w, v in zip(weights, sources)):
+            torch._foreach_copy_(weights, sources)  # one call, not one per parameter
+        else:  # values on another device than the weights (foreach needs one)
+            for weight, source in zip(weights, sources):
+                weight.copy_(source)
 
 
 def per_element_state(held: Mapping[str, Any] | None, key: str, numel: int, what: str) -> torch.Tensor:
