@@ -37,7 +37,7 @@ from collgrad.grads.plan import PLANS, GradCall, GradPlan, needs_capabilities, p
 from collgrad.grads.sources.base import GRAD, LocalGrads, Problem, Source, State
 from collgrad.grads.sources.layout import GradGroup
 
-__all__ = ["OpenCall", "FIELDS"]
+__all__ = ["OpenCall", "FIELDS", "source_of"]
 
 #: What every rank must pass alike, in the order of the readiness check's row.
 FIELDS = (
@@ -250,6 +250,12 @@ def _tell_invalid(model: Any, timeout_s: float, name: str) -> None:
         group = _compat.default_group() if torch.distributed.is_initialized() else None
     if group is not None:
         tell_invalid(group, len(FIELDS) + OpenCall.EXTRA, timeout_s, name)
+
+
+def source_of(model: Any, state: State = GRAD, optimizer: Any = None) -> tuple[Source, bool]:
+    """The cached Source of ``state`` of every trainable parameter of ``model`` (and whether it came from
+    the cache), as the public functions open it with the default dispatcher. Local."""
+    return _source(MODELS, default_dispatcher(), model, None, state, optimizer)
 
 
 def _source(

@@ -25,13 +25,13 @@ from collgrad.backends import agreement
 from collgrad.backends.agreement import Field, ranks_by_value, stable_hash
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
-from collgrad.errors import ArgumentMismatchError, InvalidArgumentError, UnknownParameterError
-from collgrad.grads.call import OpenCall
+from collgrad.errors import ArgumentMismatchError, InvalidArgumentError, NotReadyError, UnknownParameterError
+from collgrad.grads.call import OpenCall, source_of
 from collgrad.grads.execute import Executor
 from collgrad.grads.record import FullGradRecord
-from collgrad.grads.sources.base import GRAD, Source, State
+from collgrad.grads.sources.base import GRAD, Problem, Source, State
 
-__all__ = ["safe_set_full_model_grads", "update_full_model_grads", "checksums", "set_full"]
+__all__ = ["safe_set_full_model_grads", "update_full_model_grads", "checksums", "set_full", "write_here"]
 
 
 def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -220,6 +220,22 @@ def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> FullGradRecord
         with torch.no_grad():
             source.write(call.local, values, call.local.loss_scale)
     return FullGradRecord(source.layout.variant, (), 0, call.local.loss_scale, False, call.cached, call.layout_cached)
+
+
+def write_here(model: Any, state: State, values: Mapping[str, torch.Tensor]) -> bool:
+    """``values`` (name -> full value of ``state``, as held: a gradient scaled as the optimizer holds it)
+    written where this rank owns them, now, with no collective and no check between ranks: what
+    DeepSpeed's own setters do, for the drop-in that serves them. False, writing nothing, where collgrad
+    knows no layout for the model; NotReadyError (this rank) where there is nothing to write into."""
+    source, _ = source_of(model, state)
+    if source.accessor_set is not None:
+        return False
+    local = source.read()
+    if local.problem is not Problem.OK:
+        raise NotReadyError(f"rank {_compat.rank()}: {local.problem.describe()}")
+    with torch.no_grad():
+        source.write(local, values, 1.0)
+    return True
 
 
 def update_full_model_grads(

@@ -126,6 +126,13 @@ def _failures(eng, rank, world, root):
     # two writing ranks: the shards alternate between them
     both = collgrad.save_full_model(eng, os.path.join(root, f"both-{world}"), max_shard_bytes=SHARD, ranks=(0, 1))
     out["both"] = {"files": both.files, "here": both.written_here}
+    # a subset of the parameters (and then no buffers), converted to bf16
+    subset = os.path.join(root, f"subset-{world}")
+    some = collgrad.save_full_model(eng, subset, params=["inp.weight", "scale"], dtype=torch.bfloat16)
+    out["subset"] = {"files": some.files, "tensors": some.tensors}
+    if rank == 0:
+        loaded, _ = _load(subset)
+        out["subset"]["loaded"] = {k: (str(t.dtype), tuple(t.shape)) for k, t in loaded.items()}
     # a bad directory on the writing rank: a path under a file
     blocker = os.path.join(root, f"blocker-{world}")
     open(blocker, "w").close()
@@ -204,3 +211,10 @@ def test_a_failure_on_one_rank_raises_on_every_rank_and_leaves_no_shard(results)
         assert "No space left" in res["full_disk"]["message"]
         assert res["left_behind"] == []  # neither final names nor temporary files
         assert res["different"]["error"] == "ArgumentMismatchError", res["different"]
+
+
+def test_a_subset_of_the_parameters_in_another_dtype(results):
+    _, per_rank = results
+    subset = per_rank[0]["subset"]
+    assert subset["files"] == ("model.safetensors",) and subset["tensors"] == 2
+    assert subset["loaded"] == {"inp.weight": ("torch.bfloat16", (9, 7)), "scale": ("torch.bfloat16", (1,))}

@@ -59,6 +59,8 @@ __all__ = [
     "hook_model_step",
     "open_engine",
     "model_parallel_names",
+    "DeepSpeedEngine",
+    "zero3_group",
     "control_group",
     "initialize",
     "safe_get_full_grad",
@@ -331,6 +333,18 @@ def _fp32_accumulation(opt) -> bool:
     return accum == torch.float32 and opt.bit16_groups_flat[0].dtype != torch.float32
 
 
+def zero3_group(index: int, params: list, names: list[str], pg, model_parallel, wire, out) -> GradGroup:
+    """ZeRO-3 ``params`` partitioned over ``pg`` as layout group ``index``: each rank holds
+    ``partition_numel()`` elements of each, back to back in this order."""
+    slots, offset = [], 0
+    for p, name in zip(params, names):
+        slots.append(
+            ParamSlot(name, tuple(p.ds_shape), p.ds_numel, offset, p.partition_numel(), name in model_parallel)
+        )
+        offset += p.partition_numel()
+    return GradGroup(index, Kind.SLICED, tuple(_compat.group_ranks(pg)), offset, wire, out, tuple(slots))
+
+
 class _Zero3(_EngineSource):
     """ZeRO-3: every parameter cut into equal slices; a rank's slices lie back to back."""
 
@@ -352,20 +366,9 @@ class _Zero3(_EngineSource):
         groups = []
         wire = self._wire_dtype()
         for index, (key, params) in enumerate(self.members.items()):
-            slots, offset = [], 0
-            for p in params:
-                name = self.names[id(p)]
-                slots.append(
-                    ParamSlot(name, tuple(p.ds_shape), p.ds_numel, offset, p.partition_numel(), name in model_parallel)
-                )
-                offset += p.partition_numel()
-            pg = pgs[key]
-            groups.append(
-                GradGroup(
-                    index, Kind.SLICED, tuple(_compat.group_ranks(pg)), offset, wire, self.out_dtype, tuple(slots)
-                )
-            )
-            self.groups[index] = pg
+            names = [self.names[id(p)] for p in params]
+            groups.append(zero3_group(index, params, names, pgs[key], model_parallel, wire, self.out_dtype))
+            self.groups[index] = pgs[key]
         self.layout = GradLayout("deepspeed-zero3", tuple(groups), tuple(n for n, _ in named))
         self.fingerprint = self.layout.fingerprint()
         self._pieces: list[Pieces] | None = None

@@ -47,8 +47,9 @@ from collgrad.grads.sources.deepspeed import (
     safe_get_full_optimizer_state,
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
+    zero3_group,
 )
-from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
+from collgrad.grads.sources.layout import GradLayout
 
 __all__ = ["open_engine_state"]
 
@@ -265,15 +266,8 @@ class _Zero3Weights(_EngineSource):
             members.setdefault(key, []).append(p)
         groups = []
         for index, (key, params) in enumerate(members.items()):
-            slots, offset = [], 0
-            for p in params:
-                name = self.names[id(p)]
-                slots.append(
-                    ParamSlot(name, tuple(p.ds_shape), p.ds_numel, offset, p.partition_numel(), name in model_parallel)
-                )
-                offset += p.partition_numel()
-            ranks = tuple(_compat.group_ranks(pgs[key]))
-            groups.append(GradGroup(index, Kind.SLICED, ranks, offset, key[1], key[1], tuple(slots)))
+            names = [self.names[id(p)] for p in params]
+            groups.append(zero3_group(index, params, names, pgs[key], model_parallel, key[1], key[1]))
             self.groups[index] = pgs[key]
         self.members = list(members.values())
         self.layout = GradLayout("deepspeed-zero3:weights", tuple(groups), tuple(n for n, _ in named))

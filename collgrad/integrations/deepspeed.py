@@ -1,0 +1,301 @@
+"""DeepSpeed's six full accessors served by collgrad: ``install()`` makes the loops users already have,
+
+    for name, p in engine.module.named_parameters():
+        g = deepspeed.utils.safe_get_full_grad(p)              # one collective per parameter
+        w = deepspeed.utils.safe_get_full_fp32_param(p)
+        m = deepspeed.utils.safe_get_full_optimizer_state(p, "exp_avg")
+
+cost one collective per bucket. The first call of a kind (gradients, fp32 weights, one optimizer state)
+gathers, with collgrad's model-wide read, a window of the parameters that follow in
+``named_parameters()`` order (about ``window_bytes``); the next calls are answered from it, each value
+handed over once. A window is dropped when its engine runs ``backward()`` or ``step()`` or a setter of
+its kind writes, so reads see new values; memory held is one window per kind at a time.
+
+DeepSpeed's semantics: the same values (bitwise: collgrad's reads are), dtype, shape and device; a
+gradient as DeepSpeed holds it (``p.grad`` where it is set; fp16 gradients scaled, as its accessor
+returns them); ``None`` for a frozen parameter. The calling rules too: every rank, the same order. Where
+DeepSpeed would hang or return garbage (ranks calling for different parameters, a read before backward
+or mid-accumulation) collgrad raises on every rank instead. Setters write this rank's part locally (no
+collective, no check between ranks, as DeepSpeed's do); an fp32 weight written also becomes the
+module's weight at once, where DeepSpeed's setter leaves the old one to the next forward. Calls
+collgrad cannot serve (an optimizer whose layout it does not know, a parameter no engine holds) go to
+DeepSpeed's original, said once in the log per reason.
+
+Which names are replaced: the six in ``deepspeed.utils`` and ``deepspeed.utils.tensor_fragment``, and
+the same functions wherever a loaded module holds them (found by identity: ``from deepspeed.utils
+import safe_get_full_grad`` binds the function itself). A module imported after ``install()`` that
+imports them from ``deepspeed.utils`` gets collgrad's. collgrad's own modules keep DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from collgrad import _compat
+from collgrad.errors import InvalidArgumentError
+
+__all__ = ["install", "uninstall", "installed", "ACCESSORS", "DEFAULT_WINDOW_BYTES"]
+
+log = logging.getLogger("collgrad.dropin")
+
+ACCESSORS = (
+    "safe_get_full_grad",
+    "safe_set_full_grad",
+    "safe_get_full_fp32_param",
+    "safe_set_full_fp32_param",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_optimizer_state",
+)
+#: A window of about one of collgrad's default buckets.
+DEFAULT_WINDOW_BYTES = 25 << 20
+
+
+@dataclass
+class _Engine:
+    """What is kept per engine: its trainable parameters in order, windows per kind, and the epoch
+    (backward and step calls seen; writes per kind)."""
+
+    names: list[str]
+    index: dict[str, int]
+    nbytes: list[int]
+    epoch: int = 0
+    written: dict[Any, int] = field(default_factory=dict)
+    known: dict[Any, bool] = field(default_factory=dict)  # per kind: collgrad knows the layout
+    windows: dict[Any, tuple[tuple[int, int], dict[str, torch.Tensor]]] = field(default_factory=dict)
+
+
+class _Served:
+    """The installed drop-in: DeepSpeed's originals, what was replaced, and the engines seen."""
+
+    def __init__(self, originals: dict[str, Callable[..., Any]], window_bytes: int) -> None:
+        self.originals = originals
+        self.window_bytes = window_bytes
+        self.replaced: list[tuple[Any, str, Any]] = []  # (module, name, what it held)
+        self.engines: weakref.WeakKeyDictionary[Any, _Engine] = weakref.WeakKeyDictionary()
+        self.owners: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}  # id(param) -> (engine, param, name)
+        self.told: set[str] = set()
+        self.unowned: weakref.WeakSet[Any] = weakref.WeakSet()  # parameters no engine held when looked up
+        self.watched: list[tuple[weakref.ref, str]] = []
+
+    # what a kind is: "grad", "fp32" or ("optim", key)
+
+    def get(self, kind: Any, param: Any, fallback: Callable[[], Any]) -> Any:
+        if kind == "grad":
+            if getattr(param, "_hp_grad", None) is None and param.grad is not None:
+                return param.grad  # DeepSpeed's first answer: a gradient the parameter holds itself
+        if not param.requires_grad:
+            return None
+        found = self._owner(param)
+        if found is None:
+            return self._fallback("no live DeepSpeed engine holds this parameter", fallback)
+        engine, name = found
+        state = self.engines[engine]
+        epoch = (state.epoch, state.written.get(kind, 0))
+        held = state.windows.get(kind)
+        if held is None or held[0] != epoch or name not in held[1]:
+            values = self._gather(engine, state, kind, name)
+            if values is None:
+                return self._fallback(f"collgrad does not know {type(engine.optimizer).__name__}'s layout", fallback)
+            held = state.windows[kind] = (epoch, values)
+        return held[1].pop(name)
+
+    def set(self, kind: Any, param: Any, value: torch.Tensor, fallback: Callable[[], Any]) -> None:
+        if kind == "grad" and param.grad is not None:
+            param.grad.copy_(value)  # as DeepSpeed's setter does
+            return
+        if not param.requires_grad:
+            return
+        found = self._owner(param)
+        if found is None:
+            self._fallback("no live DeepSpeed engine holds this parameter", fallback)
+            return
+        engine, name = found
+        state = self.engines[engine]
+        from collgrad.grads.write import write_here
+
+        if not write_here(engine, _state(kind), {name: value}):
+            self._fallback(f"collgrad does not know {type(engine.optimizer).__name__}'s layout", fallback)
+        state.written[kind] = state.written.get(kind, 0) + 1
+
+    def _gather(self, engine: Any, state: _Engine, kind: Any, start: str) -> dict[str, torch.Tensor] | None:
+        """The window of ``kind`` from ``start`` on, read by collgrad (collective); None where collgrad
+        would only call DeepSpeed's accessor itself (a layout it does not know)."""
+        import collgrad
+        from collgrad.grads.call import source_of
+
+        if kind not in state.known:  # whether collgrad reads this kind itself, or only through DeepSpeed's accessor
+            state.known[kind] = source_of(engine, _state(kind))[0].accessor is None
+        if not state.known[kind]:
+            return None
+        first = state.index[start]
+        last, size = first, 0
+        while last < len(state.names) and (last == first or size + state.nbytes[last] <= self.window_bytes):
+            size += state.nbytes[last]
+            last += 1
+        names = state.names[first:last]
+        if kind == "grad":
+            read: Any = collgrad.safe_get_full_model_grads(engine, params=names, unscale=False)
+        elif kind == "fp32":
+            read = collgrad.safe_get_full_model_fp32_params(engine, params=names)
+        else:
+            read = collgrad.safe_get_full_model_optimizer_states(engine, kind[1], params=names)
+        return dict(read)
+
+    def _owner(self, param: Any) -> tuple[Any, str] | None:
+        hit = self.owners.get(id(param))
+        if hit is not None and hit[1]() is param and hit[0]() is not None:
+            return hit[0](), hit[2]
+        if param in self.unowned:
+            return None
+        for engine in _live_engines():
+            if engine not in self.engines:
+                self._adopt(engine)
+        hit = self.owners.get(id(param))
+        if hit is not None and hit[1]() is param and hit[0]() is not None:
+            return hit[0](), hit[2]
+        self.unowned.add(param)  # not looked for again: a scan of live objects is not cheap
+        return None
+
+    def _adopt(self, engine: Any) -> None:
+        """Learn ``engine``'s parameters, and watch its backward() and step()."""
+        named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+        sizes = [getattr(p, "ds_numel", p.numel()) * 4 for _, p in named]
+        state = self.engines[engine] = _Engine([n for n, _ in named], {n: i for i, (n, _) in enumerate(named)}, sizes)
+        ref = weakref.ref(engine)
+        for n, p in named:
+            self.owners[id(p)] = (ref, weakref.ref(p), n)
+        for method in ("backward", "step"):
+            real = getattr(engine, method)
+
+            def watched(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+                state.epoch += 1
+                try:
+                    return _real(*args, **kwargs)
+                finally:
+                    state.epoch += 1
+                    state.windows.clear()
+
+            setattr(engine, method, watched)
+            self.watched.append((ref, method))
+
+    def _fallback(self, why: str, fallback: Callable[[], Any]) -> Any:
+        if why not in self.told:
+            self.told.add(why)
+            log.warning(
+                "rank %s: collgrad drop-in: %s; DeepSpeed's own accessor serves these calls", _compat.rank(), why
+            )
+        return fallback()
+
+    def forget_engines(self) -> None:
+        for ref, method in self.watched:
+            engine = ref()
+            if engine is not None:
+                engine.__dict__.pop(method, None)
+        self.watched.clear()
+        self.engines.clear()
+        self.owners.clear()
+
+
+def _state(kind: Any) -> Any:
+    from collgrad.grads.sources.base import FP32, GRAD, State
+
+    if kind == "grad":
+        return GRAD
+    return FP32 if kind == "fp32" else State("optimizer", kind[1])
+
+
+def _live_engines() -> list[Any]:
+    import gc
+
+    from collgrad.grads.sources.deepspeed import DeepSpeedEngine
+
+    return [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]
+
+
+_SERVED: _Served | None = None
+
+
+def _replacements(served: _Served) -> dict[str, Callable[..., Any]]:
+    o = served.originals
+
+    def safe_get_full_grad(param: Any) -> Any:
+        return served.get("grad", param, lambda: o["safe_get_full_grad"](param))
+
+    def safe_set_full_grad(param: Any, value: torch.Tensor) -> None:
+        served.set("grad", param, value, lambda: o["safe_set_full_grad"](param, value))
+
+    def safe_get_full_fp32_param(param: Any) -> Any:
+        return served.get("fp32", param, lambda: o["safe_get_full_fp32_param"](param))
+
+    def safe_set_full_fp32_param(param: Any, value: torch.Tensor) -> None:
+        served.set("fp32", param, value, lambda: o["safe_set_full_fp32_param"](param, value))
+
+    def safe_get_full_optimizer_state(param: Any, optim_state_key: str) -> Any:
+        fallback = lambda: o["safe_get_full_optimizer_state"](param, optim_state_key)  # noqa: E731
+        return served.get(("optim", optim_state_key), param, fallback)
+
+    def safe_set_full_optimizer_state(param: Any, value: torch.Tensor, optim_state_key: str) -> None:
+        fallback = lambda: o["safe_set_full_optimizer_state"](param, value, optim_state_key)  # noqa: E731
+        served.set(("optim", optim_state_key), param, value, fallback)
+
+    made = dict(locals())
+    out = {name: made[name] for name in ACCESSORS}
+    for name, fn in out.items():
+        fn.__module__ = __name__
+        fn.__doc__ = f"``deepspeed.utils.{name}``, served by collgrad (collgrad.integrations.deepspeed)."
+    return out
+
+
+def install(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
+    """Serve DeepSpeed's six full accessors with collgrad (see the module's docstring) until
+    ``uninstall()``. Local: call it on every rank (calls made through the accessors stay collective).
+    Installing again changes the window only."""
+    global _SERVED
+    if not isinstance(window_bytes, int) or window_bytes < 1:
+        raise InvalidArgumentError(f"rank {_compat.rank()}: window_bytes must be a positive int, got {window_bytes!r}")
+    if _SERVED is not None:
+        _SERVED.window_bytes = window_bytes
+        return
+    import collgrad.grads.sources.deepspeed  # noqa: F401 - the adapter: DeepSpeed loaded through it
+
+    # the module, from sys.modules: deepspeed.utils has a class named tensor_fragment
+    fragment = sys.modules["deepspeed.utils.tensor_fragment"]
+    originals = {name: getattr(fragment, name) for name in ACCESSORS}
+    served = _Served(originals, window_bytes)
+    new = _replacements(served)
+    for module in list(sys.modules.values()):
+        if module is None or getattr(module, "__name__", "").startswith("collgrad"):
+            continue
+        for name in ACCESSORS:
+            if getattr(module, name, None) is originals[name]:
+                served.replaced.append((module, name, originals[name]))
+                setattr(module, name, new[name])
+    _SERVED = served
+
+
+def uninstall() -> None:
+    """DeepSpeed's originals back where ``install()`` found them; engines unwatched. Local."""
+    global _SERVED
+    served, _SERVED = _SERVED, None
+    if served is None:
+        return
+    for module, name, original in served.replaced:
+        setattr(module, name, original)
+    served.forget_engines()
+
+
+@contextlib.contextmanager
+def installed(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> Iterator[None]:
+    """``install()`` for the block, ``uninstall()`` after it."""
+    install(window_bytes=window_bytes)
+    try:
+        yield
+    finally:
+        uninstall()
