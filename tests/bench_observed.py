@@ -43,6 +43,8 @@ DEEPSPEED_ROWS = [
     "collgrad_fp32_set",
     "deepspeed_consolidated_save",
     "collgrad_save",
+    "deepspeed_getters_loop",
+    "dropin_getters_loop",
     "raw_all_reduce",
     "raw_all_gather",
 ]

@@ -298,6 +298,52 @@ def _consolidated_save(s: Setting) -> Call:
     return call
 
 
+def _getters(s: Setting, functions: Mapping[str, Callable[..., Any]] | None) -> list[Any]:
+    """The documented loop: DeepSpeed's three full getters over every parameter (``functions``: the
+    ones installed in their place)."""
+    sub = s.subject
+    grad, fp32, state = (
+        (sub.full_grad, sub.full_fp32, sub.full_state)
+        if functions is None
+        else (
+            functions["safe_get_full_grad"],
+            functions["safe_get_full_fp32_param"],
+            functions["safe_get_full_optimizer_state"],
+        )
+    )
+    return [(grad(p), fp32(p), state(p, "exp_avg")) for p in sub.params]
+
+
+def _getters_loop(s: Setting) -> Call:
+    return lambda: _getters(s, None)
+
+
+def _dropin_loop(s: Setting) -> Call:
+    """The same loop with ``collgrad.integrations.deepspeed`` installed (installing and uninstalling
+    included); returns what was installed, whose records say what it sent."""
+    from collgrad.integrations import deepspeed as dropin
+
+    def call() -> Any:
+        with dropin.installed(window_bytes=s.bucket) as served:
+            _getters(s, served.functions)
+        return served
+
+    return call
+
+
+def _getters_reading(s: Setting, call: Call) -> Reading:
+    """DeepSpeed's three getters per parameter: its gradient loop and two fp32 loops."""
+    grads, states = _loop_reading(s, call), _state_loop_reading(s, call)
+    collectives = (grads.collectives or 0) + 2 * (states.collectives or 0)
+    return Reading(collectives, (grads.bytes or 0) + 2 * (states.bytes or 0))
+
+
+def _of_dropin(s: Setting, call: Call) -> Reading:
+    """One more loop; the records of the windows it read."""
+    records = call().records
+    return Reading(sum(r.collectives for r in records), sum(r.bytes for r in records))
+
+
 def _raw_all_reduce(s: Setting) -> Call:
     """The all-reduce floor: a zero-filled flat buffer of the gradient bytes (collgrad's all-reduce plan
     zero-fills its bucket too), reduced in one call."""
@@ -366,6 +412,9 @@ METHODS: tuple[Method, ...] = (
     ),
     Method("fsdp2_state_dict_save", _consolidated_save, _consolidated_reading, versus="collgrad_save", sources=FSDP2),
     Method("collgrad_save", _save, _of_saved),
+    # The documented loop of DeepSpeed's three getters, as it is and with collgrad installed in their place.
+    Method("deepspeed_getters_loop", _getters_loop, _getters_reading, versus="dropin_getters_loop", sources=DS),
+    Method("dropin_getters_loop", _dropin_loop, _of_dropin, sources=DS),
     Method("raw_all_reduce", _raw_all_reduce, _raw_all_reduce_reading),
     Method("raw_all_gather", _raw_all_gather, _raw_all_gather_reading),
 )

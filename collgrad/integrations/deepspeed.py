@@ -83,6 +83,10 @@ class _Served:
         self.told: set[str] = set()
         self.unowned: weakref.WeakSet[Any] = weakref.WeakSet()  # parameters no engine held when looked up
         self.watched: list[tuple[weakref.ref, str]] = []
+        #: what each window's read did (collectives, bytes), in order
+        self.records: list[Any] = []
+        #: the functions installed in DeepSpeed's place, by name
+        self.functions: dict[str, Callable[..., Any]] = {}
 
     # what a kind is: "grad", "fp32" or ("optim", key)
 
@@ -146,6 +150,7 @@ class _Served:
             read = collgrad.safe_get_full_model_fp32_params(engine, params=names)
         else:
             read = collgrad.safe_get_full_model_optimizer_states(engine, kind[1], params=names)
+        self.records.append(read.record)
         return dict(read)
 
     def _owner(self, param: Any) -> tuple[Any, str] | None:
@@ -269,7 +274,7 @@ def install(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
     fragment = sys.modules["deepspeed.utils.tensor_fragment"]
     originals = {name: getattr(fragment, name) for name in ACCESSORS}
     served = _Served(originals, window_bytes)
-    new = _replacements(served)
+    new = served.functions = _replacements(served)
     for module in list(sys.modules.values()):
         if module is None or getattr(module, "__name__", "").startswith("collgrad"):
             continue
@@ -292,10 +297,11 @@ def uninstall() -> None:
 
 
 @contextlib.contextmanager
-def installed(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> Iterator[None]:
-    """``install()`` for the block, ``uninstall()`` after it."""
+def installed(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> Iterator[Any]:
+    """``install()`` for the block, ``uninstall()`` after it. Yields what is installed: ``.functions``
+    (by name) and ``.records`` (what each window's read did)."""
     install(window_bytes=window_bytes)
     try:
-        yield
+        yield _SERVED
     finally:
         uninstall()

@@ -121,6 +121,7 @@ def test_floors_and_goals():
         ("deepspeed_fp32_set_loop", "collgrad_fp32_set"),
         ("deepspeed_consolidated_save", "collgrad_save"),
         ("fsdp2_state_dict_save", "collgrad_save"),
+        ("deepspeed_getters_loop", "dropin_getters_loop"),
     ]
 
 
