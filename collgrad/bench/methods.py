@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -81,9 +81,15 @@ class Setting:
     save_dir: str  # where the save methods write (rank 0), removed by ``close``
     shard: int  # save_full_model's max_shard_bytes
 
+    #: what to undo when the run ends (the drop-in installed by its row)
+    cleanups: list[Callable[[], Any]] = field(default_factory=list)
+
     def close(self) -> None:
-        """Remove what the save methods wrote. Local."""
+        """Remove what the save methods wrote, undo what they left installed. Local."""
         shutil.rmtree(self.save_dir, ignore_errors=True)
+        for undo in self.cleanups:
+            undo()
+        self.cleanups.clear()
 
     @property
     def grad_bytes(self) -> int:
@@ -319,14 +325,16 @@ def _getters_loop(s: Setting) -> Call:
 
 
 def _dropin_loop(s: Setting) -> Call:
-    """The same loop with ``collgrad.integrations.deepspeed`` installed (installing and uninstalling
-    included); returns what was installed, whose records say what it sent."""
+    """The same loop with ``collgrad.integrations.deepspeed`` installed (once, at the first call, as a
+    user installs it; ``Setting.close`` uninstalls it); returns the collectives and bytes it sent."""
     from collgrad.integrations import deepspeed as dropin
 
     def call() -> Any:
-        with dropin.installed(window_bytes=s.bucket) as served:
-            _getters(s, served.functions)
-        return served
+        served = dropin.install(window_bytes=s.bucket)
+        s.cleanups.append(dropin.uninstall)
+        before = list(served.sent)
+        _getters(s, served.functions)
+        return served.sent[0] - before[0], served.sent[1] - before[1]
 
     return call
 
@@ -339,9 +347,9 @@ def _getters_reading(s: Setting, call: Call) -> Reading:
 
 
 def _of_dropin(s: Setting, call: Call) -> Reading:
-    """One more loop; the records of the windows it read."""
-    records = call().records
-    return Reading(sum(r.collectives for r in records), sum(r.bytes for r in records))
+    """One more loop; what the drop-in sent (its windows, DeepSpeed's originals where it fell back)."""
+    collectives, sent = call()
+    return Reading(collectives, sent)
 
 
 def _raw_all_reduce(s: Setting) -> Call:

@@ -83,8 +83,10 @@ class _Served:
         self.told: set[str] = set()
         self.unowned: weakref.WeakSet[Any] = weakref.WeakSet()  # parameters no engine held when looked up
         self.watched: list[tuple[weakref.ref, str]] = []
-        #: what each window's read did (collectives, bytes), in order
+        #: what each window's read did, in order
         self.records: list[Any] = []
+        #: collectives and bytes this rank sent through the served calls: windows, DeepSpeed's originals
+        self.sent = [0, 0]
         #: the functions installed in DeepSpeed's place, by name
         self.functions: dict[str, Callable[..., Any]] = {}
 
@@ -105,7 +107,15 @@ class _Served:
         held = state.windows.get(kind)
         if held is None or held[0] != epoch or name not in held[1]:
             values = self._gather(engine, state, kind, name)
-            if values is None:
+            if values is None:  # DeepSpeed's accessor: one collective of the whole parameter (ZeRO-1/2) or share
+                from collgrad.grads.call import source_of
+                from collgrad.grads.execute import accessor_bytes
+
+                source = source_of(engine, _state(kind))[0]
+                self.sent[0] += 1
+                self.sent[1] += accessor_bytes(
+                    source, source.layout.groups[0], getattr(param, "ds_numel", param.numel())
+                )
                 return self._fallback(f"collgrad does not know {type(engine.optimizer).__name__}'s layout", fallback)
             held = state.windows[kind] = (epoch, values)
         return held[1].pop(name)
@@ -151,6 +161,8 @@ class _Served:
         else:
             read = collgrad.safe_get_full_model_optimizer_states(engine, kind[1], params=names)
         self.records.append(read.record)
+        self.sent[0] += read.record.collectives
+        self.sent[1] += read.record.bytes
         return dict(read)
 
     def _owner(self, param: Any) -> tuple[Any, str] | None:
@@ -258,16 +270,17 @@ def _replacements(served: _Served) -> dict[str, Callable[..., Any]]:
     return out
 
 
-def install(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
+def install(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> Any:
     """Serve DeepSpeed's six full accessors with collgrad (see the module's docstring) until
     ``uninstall()``. Local: call it on every rank (calls made through the accessors stay collective).
-    Installing again changes the window only."""
+    Installing again changes the window only. Returns what is installed: ``.functions`` (by name),
+    ``.records`` (what each window's read did) and ``.sent`` (collectives and bytes sent)."""
     global _SERVED
     if not isinstance(window_bytes, int) or window_bytes < 1:
         raise InvalidArgumentError(f"rank {_compat.rank()}: window_bytes must be a positive int, got {window_bytes!r}")
     if _SERVED is not None:
         _SERVED.window_bytes = window_bytes
-        return
+        return _SERVED
     import collgrad.grads.sources.deepspeed  # noqa: F401 - the adapter: DeepSpeed loaded through it
 
     # the module, from sys.modules: deepspeed.utils has a class named tensor_fragment
@@ -283,6 +296,7 @@ def install(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
                 served.replaced.append((module, name, originals[name]))
                 setattr(module, name, new[name])
     _SERVED = served
+    return served
 
 
 def uninstall() -> None:
@@ -298,10 +312,9 @@ def uninstall() -> None:
 
 @contextlib.contextmanager
 def installed(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> Iterator[Any]:
-    """``install()`` for the block, ``uninstall()`` after it. Yields what is installed: ``.functions``
-    (by name) and ``.records`` (what each window's read did)."""
-    install(window_bytes=window_bytes)
+    """``install()`` for the block, ``uninstall()`` after it. Yields what is installed (see install)."""
+    served = install(window_bytes=window_bytes)
     try:
-        yield _SERVED
+        yield served
     finally:
         uninstall()
