@@ -157,3 +157,28 @@ def test_misuse_raises_on_every_rank_and_uninstall_restores(results, config):
             assert entry["different"]["error"] == "ArgumentMismatchError", entry["different"]
             assert entry["different"]["seconds"] < 10
         assert entry["restored"] and entry["restored_holder"] and entry["unwatched"]
+
+
+def _alone(rank, world):
+    """Rank 0 calls an installed getter, the others do not: DeepSpeed's accessor would wait forever."""
+    import time
+
+    import deepspeed.utils as utils
+
+    from collgrad.integrations import deepspeed as dropin
+    from tests.deepspeed import models
+
+    eng = models.engine(models.config(2))
+    models.run_backward(eng, rank)
+    p = next(p for p in eng.module.parameters() if p.requires_grad)
+    with dropin.installed():
+        if rank == 0:
+            return attempt(lambda: utils.safe_get_full_fp32_param(p))
+        time.sleep(8)  # alive, in no collective: the caller's bounded wait runs out
+        return None
+
+
+def test_a_call_on_one_rank_only_raises_there_within_its_bounded_wait():
+    alone = run_ranks(_alone, 2, env={"COLLGRAD_TIMEOUT": "3"}, timeout=120)[0]
+    assert alone["error"] == "CollgradTimeout", alone
+    assert alone["seconds"] < 8, alone
