@@ -104,7 +104,7 @@ def save_full_model(
             _ready(path, me)
     except (OSError, ValueError, TypeError, KeyError) as caught:
         error, writers, names = caught, (0,), None
-    arguments = stable_hash((path, str(dtype), max_shard_bytes, tuple(ranks), names))
+    arguments = stable_hash((path, str(dtype), max_shard_bytes, writers, names))
     _agree(group, me, error, "check the arguments and make the directory", dispatcher.timeout, arguments)
     calls = _open_calls(model, module, dtype, names, bucket_bytes, dispatcher)
     plan = plan_shards(_entries(calls, module, dtype, names), max_shard_bytes, {"format": "pt"})
@@ -120,19 +120,8 @@ def save_full_model(
     except BaseException:
         shards.discard()
         raise
-    count = len(plan)
-    files = tuple(shard_name(k, count) for k in range(count)) + ((INDEX_NAME,) if count > 1 else ())
-    here: list[str] = []
-    try:
-        for k, temporary in shards.written:
-            os.replace(temporary, os.path.join(path, files[k]))
-            here.append(files[k])
-        if count > 1 and me == writers[0]:
-            _write_index(path, plan)
-            here.append(INDEX_NAME)
-    except OSError as caught:
-        error = caught
-    _agree(group, me, error, "give its shards their final names", dispatcher.timeout)
+    files, here = _final_names(path, plan, shards, writers, me)
+    _agree(group, me, shards.error, "give its shards their final names", dispatcher.timeout)
     seconds = time.perf_counter() - start
     records = tuple(stream.record() for stream in streams)
     tensors = sum(len(shard.entries) for shard in plan)
@@ -252,6 +241,39 @@ def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
                 continue
             seen.add(id(buffer))
             yield (f"{prefix}.{name}" if prefix else name), buffer.detach()
+
+
+def _final_names(
+    path: str, plan: tuple[Shard, ...], shards: ShardFiles, writers: tuple[int, ...], me: int
+) -> tuple[tuple[str, ...], list[str]]:
+    """This rank's shards renamed to their final names, and by the first writing rank the index added and
+    an earlier save's weights files removed: every file of the checkpoint, and those this rank wrote. A
+    failure is kept in ``shards.error`` (the temporaries not renamed yet removed) for the agreement."""
+    count = len(plan)
+    files = tuple(shard_name(k, count) for k in range(count)) + ((INDEX_NAME,) if count > 1 else ())
+    here: list[str] = []
+    try:
+        for k, temporary in shards.written:
+            os.replace(temporary, os.path.join(path, files[k]))
+            here.append(files[k])
+        if me == writers[0]:
+            if count > 1:
+                _write_index(path, plan)
+                here.append(INDEX_NAME)
+            _remove_stale(path, files)
+    except OSError as caught:
+        shards.error = caught
+        shards.discard()
+    return files, here
+
+
+def _remove_stale(path: str, files: tuple[str, ...]) -> None:
+    """Weights files an earlier save left in ``path`` that are not part of this one (``from_pretrained``
+    would load ``model.safetensors`` before an index), as ``save_pretrained`` removes them."""
+    for name in os.listdir(path):
+        stale = name == "model.safetensors" or name == INDEX_NAME or (name.startswith("model-") and "-of-" in name)
+        if stale and name.endswith((".safetensors", ".json")) and name not in files:
+            os.remove(os.path.join(path, name))
 
 
 def _write_index(path: str, plan: tuple[Shard, ...]) -> None:

@@ -140,7 +140,7 @@ class ShardFiles:
     rank: int
     #: (shard index, temporary path) of each shard this rank writes
     written: list[tuple[int, str]] = field(default_factory=list)
-    error: OSError | None = None
+    error: BaseException | None = None
     _where: dict[str, tuple[int, int, Entry]] = field(default_factory=dict)
     _files: dict[int, int] = field(default_factory=dict)
 
@@ -176,10 +176,16 @@ class ShardFiles:
         fd = self._files.get(k)
         if fd is None or self.error is not None:
             return
-        data = tensor.detach().to("cpu", entry.dtype).contiguous()
-        assert tuple(data.shape) == entry.shape or data.numel() == math.prod(entry.shape), (name, data.shape)
-        if data.numel():
-            self._write(fd, memoryview(data.reshape(-1).view(torch.uint8).numpy()), offset)
+        try:  # any failure is kept, never raised: the other ranks are in the stream's collectives
+            data = tensor.detach().to("cpu", entry.dtype).contiguous()
+            if data.numel() != math.prod(entry.shape):
+                raise InvalidArgumentError(
+                    f"rank {_compat.rank()}: {name} has {data.numel()} elements, not {entry.shape}"
+                )
+            if data.numel():
+                self._write(fd, memoryview(data.reshape(-1).view(torch.uint8).numpy()), offset)
+        except Exception as error:  # noqa: BLE001 - told to every rank by the caller
+            self.error = error
 
     def finish(self) -> None:
         """Every file of this rank flushed to the disk and closed."""

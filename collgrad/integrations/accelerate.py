@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
-
 from collgrad import _compat
 from collgrad.errors import InvalidArgumentError
 from collgrad.grads.hook import PreStepHook
@@ -45,12 +43,11 @@ def save_model(accelerator: Any, model: Any, directory: str, **kwargs: Any) -> S
     When and where: on every rank, after ``accelerator.prepare``, outside ``accelerator.backward``.
     """
     wrapper = getattr(accelerator, "deepspeed_engine_wrapped", None)
-    target = wrapper.engine if wrapper is not None else model
+    saved = save_full_model(wrapper.engine if wrapper is not None else model, directory, **kwargs)
     module = accelerator.unwrap_model(model)
-    ranks = tuple(kwargs.get("ranks", (0,)))
-    if (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0) == ranks[0]:
-        if hasattr(module, "config"):  # a Transformers model: what from_pretrained needs besides the weights
-            from collgrad.integrations.transformers import save_pretrained_files
+    # after every collective (a failure here raises on this rank alone, with nothing left to wait for)
+    if saved.written_here and saved.written_here[0] == saved.files[0] and hasattr(module, "config"):
+        from collgrad.integrations.transformers import save_pretrained_files
 
-            save_pretrained_files(module, directory)
-    return save_full_model(target, directory, **kwargs)
+        save_pretrained_files(module, directory)  # a Transformers model: what from_pretrained needs besides
+    return saved

@@ -8,8 +8,9 @@
 cost one collective per bucket. The first call of a kind (gradients, fp32 weights, one optimizer state)
 gathers, with collgrad's model-wide read, a window of the parameters that follow in
 ``named_parameters()`` order (about ``window_bytes``); the next calls are answered from it, each value
-handed over once. A window is dropped when its engine runs ``backward()`` or ``step()`` or a setter of
-its kind writes, so reads see new values; memory held is one window per kind at a time.
+handed over once. A window is dropped when its engine runs ``backward()``, ``step()`` or
+``load_checkpoint()`` or a setter of its kind writes, so reads see new values; memory held is one
+window per kind at a time.
 
 DeepSpeed's semantics: the same values (bitwise: collgrad's reads are), dtype, shape and device; a
 gradient as DeepSpeed holds it (``p.grad`` where it is set; fp16 gradients scaled, as its accessor
@@ -55,6 +56,8 @@ ACCESSORS = (
 )
 #: A window of about one of collgrad's default buckets.
 DEFAULT_WINDOW_BYTES = 25 << 20
+#: The engine's methods after which a window no longer holds the values (watched once it is seen).
+WATCHED = ("backward", "step", "load_checkpoint")
 
 
 @dataclass
@@ -82,21 +85,26 @@ class _Served:
         self.owners: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}  # id(param) -> (engine, param, name)
         self.told: set[str] = set()
         self.unowned: weakref.WeakSet[Any] = weakref.WeakSet()  # parameters no engine held when looked up
-        self.watched: list[tuple[weakref.ref, str]] = []
+        self.watched: list[tuple[weakref.ref, str, Any, Any]] = []  # (engine, method, ours, what it had)
         #: what each window's read did, in order
         self.records: list[Any] = []
         #: collectives and bytes this rank sent through the served calls: windows, DeepSpeed's originals
         self.sent = [0, 0]
         #: the functions installed in DeepSpeed's place, by name
         self.functions: dict[str, Callable[..., Any]] = {}
+        #: uninstalled: references kept to the functions call DeepSpeed's originals
+        self.closed = False
 
     # what a kind is: "grad", "fp32" or ("optim", key)
 
     def get(self, kind: Any, param: Any, fallback: Callable[[], Any]) -> Any:
-        if kind == "grad":
-            if getattr(param, "_hp_grad", None) is None and param.grad is not None:
-                return param.grad  # DeepSpeed's first answer: a gradient the parameter holds itself
-        if not param.requires_grad:
+        if self.closed:  # a reference kept past uninstall(): DeepSpeed's own
+            return fallback()
+        # DeepSpeed's order of answers: BF16_Optimizer's accumulation, a gradient the parameter holds
+        # itself, then ZeRO's partitions (``ds_id``: ZeRO-3, ``_hp_mapping``: ZeRO-1/2); else None
+        if kind == "grad" and getattr(param, "_hp_grad", None) is None and param.grad is not None:
+            return param.grad
+        if not param.requires_grad or not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):
             return None
         found = self._owner(param)
         if found is None:
@@ -121,11 +129,14 @@ class _Served:
         return held[1].pop(name)
 
     def set(self, kind: Any, param: Any, value: torch.Tensor, fallback: Callable[[], Any]) -> None:
+        if self.closed:
+            fallback()
+            return
         if kind == "grad" and param.grad is not None:
             param.grad.copy_(value)  # as DeepSpeed's setter does
             return
-        if not param.requires_grad:
-            return
+        if not param.requires_grad or not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):
+            return  # DeepSpeed's setters leave such a parameter alone
         found = self._owner(param)
         if found is None:
             self._fallback("no live DeepSpeed engine holds this parameter", fallback)
@@ -142,7 +153,7 @@ class _Served:
         """The window of ``kind`` from ``start`` on, read by collgrad (collective); None where collgrad
         would only call DeepSpeed's accessor itself (a layout it does not know)."""
         import collgrad
-        from collgrad.grads.call import source_of
+        from collgrad.grads.call import source_of, window_source
 
         if kind not in state.known:  # whether collgrad reads this kind itself, or only through DeepSpeed's accessor
             state.known[kind] = source_of(engine, _state(kind))[0].accessor is None
@@ -163,6 +174,9 @@ class _Served:
         self.records.append(read.record)
         self.sent[0] += read.record.collectives
         self.sent[1] += read.record.bytes
+        # Each window's selection keeps a source of its own (its plans are reused every step); its
+        # scratch (ZeRO-3's staging) goes with the window, so what is held stays one window per kind.
+        window_source(engine, _state(kind), names).release()
         return dict(read)
 
     def _owner(self, param: Any) -> tuple[Any, str] | None:
@@ -173,34 +187,12 @@ class _Served:
             return None
         for engine in _live_engines():
             if engine not in self.engines:
-                self._adopt(engine)
+                _adopt(self, engine)
         hit = self.owners.get(id(param))
         if hit is not None and hit[1]() is param and hit[0]() is not None:
             return hit[0](), hit[2]
         self.unowned.add(param)  # not looked for again: a scan of live objects is not cheap
         return None
-
-    def _adopt(self, engine: Any) -> None:
-        """Learn ``engine``'s parameters, and watch its backward() and step()."""
-        named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-        sizes = [getattr(p, "ds_numel", p.numel()) * 4 for _, p in named]
-        state = self.engines[engine] = _Engine([n for n, _ in named], {n: i for i, (n, _) in enumerate(named)}, sizes)
-        ref = weakref.ref(engine)
-        for n, p in named:
-            self.owners[id(p)] = (ref, weakref.ref(p), n)
-        for method in ("backward", "step"):
-            real = getattr(engine, method)
-
-            def watched(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-                state.epoch += 1
-                try:
-                    return _real(*args, **kwargs)
-                finally:
-                    state.epoch += 1
-                    state.windows.clear()
-
-            setattr(engine, method, watched)
-            self.watched.append((ref, method))
 
     def _fallback(self, why: str, fallback: Callable[[], Any]) -> Any:
         if why not in self.told:
@@ -211,13 +203,41 @@ class _Served:
         return fallback()
 
     def forget_engines(self) -> None:
-        for ref, method in self.watched:
+        """Every engine's methods as they were before it was watched (where nothing replaced ours since)."""
+        for ref, method, ours, before in reversed(self.watched):
             engine = ref()
-            if engine is not None:
-                engine.__dict__.pop(method, None)
+            if engine is None or engine.__dict__.get(method) is not ours:
+                continue
+            if before is None:
+                del engine.__dict__[method]
+            else:
+                engine.__dict__[method] = before
         self.watched.clear()
         self.engines.clear()
         self.owners.clear()
+
+
+def _adopt(served: _Served, engine: Any) -> None:
+    """Learn ``engine``'s parameters, and watch the methods after which a window is stale (WATCHED)."""
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    sizes = [getattr(p, "ds_numel", p.numel()) * 4 for _, p in named]
+    state = served.engines[engine] = _Engine([n for n, _ in named], {n: i for i, (n, _) in enumerate(named)}, sizes)
+    ref = weakref.ref(engine)
+    for n, p in named:
+        served.owners[id(p)] = (ref, weakref.ref(p), n)
+    for method in WATCHED:
+        real, before = getattr(engine, method), engine.__dict__.get(method)
+
+        def watched(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            state.epoch += 1
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                state.epoch += 1
+                state.windows.clear()
+
+        setattr(engine, method, watched)
+        served.watched.append((ref, method, watched, before))
 
 
 def _state(kind: Any) -> Any:
@@ -305,6 +325,7 @@ def uninstall() -> None:
     served, _SERVED = _SERVED, None
     if served is None:
         return
+    served.closed = True
     for module, name, original in served.replaced:
         setattr(module, name, original)
     served.forget_engines()

@@ -113,12 +113,12 @@ def save_model(trainer: Any, output_dir: str | None = None, **kwargs: Any) -> Sa
     """
     directory = output_dir if output_dir is not None else trainer.args.output_dir
     engine = getattr(trainer, "deepspeed", None)
-    model = engine if engine is not None else trainer.model
-    ranks = tuple(kwargs.get("ranks", (0,)))
-    if (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0) == ranks[0]:
+    saved = save_full_model(engine if engine is not None else trainer.model, directory, **kwargs)
+    # after every collective (a failure here raises on this rank alone, with nothing left to wait for)
+    if saved.written_here and saved.written_here[0] == saved.files[0]:  # the first writing rank
         save_pretrained_files(trainer.model, directory, getattr(trainer, "processing_class", None))
         torch.save(trainer.args, os.path.join(directory, "training_args.bin"))
-    return save_full_model(model, directory, **kwargs)
+    return saved
 
 
 def save_pretrained_files(module: Any, directory: str, processing_class: Any = None) -> None:

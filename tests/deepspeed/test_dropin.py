@@ -24,6 +24,7 @@ CONFIGS = {  # name: (stage, dtype, offload)
     "zero2_offload": (2, "fp32", True),
     "zero3_offload": (3, "fp32", True),
     "zero1_bf16_acc32": (1, "bf16_acc32", False),  # BF16_Optimizer: its fp32 and states fall back
+    "zero0_fp32": (0, "fp32", False),  # p.grad; DeepSpeed's fp32 and state getters return None there
 }
 KINDS = ("grad", "fp32", "exp_avg")
 
@@ -86,24 +87,26 @@ def _worker(rank, world):
             trainable = [(n, p) for n, p in named if p.requires_grad]
             for n, p in trainable:
                 utils.safe_set_full_grad(p, torch.full_like(theirs[n][0], 0.25))
-                utils.safe_set_full_fp32_param(p, theirs[n][1] * 0.5)
-                utils.safe_set_full_optimizer_state(p, theirs[n][2] + 1, "exp_avg")
+                if stage > 0:  # (DeepSpeed has none to give at stage 0)
+                    utils.safe_set_full_fp32_param(p, theirs[n][1] * 0.5)
+                    utils.safe_set_full_optimizer_state(p, theirs[n][2] + 1, "exp_avg")
             back = _loop(utils, trainable)
             # (BF16_Optimizer: DeepSpeed's gradient setter writes the bf16 staging gradient, its getter reads
             # the fp32 accumulation: a written gradient is not read back there, by DeepSpeed or by collgrad)
             entry["written"] = all(
                 (dtype != "fp32" or torch.equal(back[n][0], torch.full_like(theirs[n][0], 0.25)))
-                and torch.equal(back[n][1], theirs[n][1] * 0.5)
-                and torch.equal(back[n][2], theirs[n][2] + 1)
+                and (stage == 0 or torch.equal(back[n][1], theirs[n][1] * 0.5))
+                and (stage == 0 or torch.equal(back[n][2], theirs[n][2] + 1))
                 for n, _ in trainable
             )
+            entry["none_at_stage0"] = stage > 0 or all(back[n][1] is None and back[n][2] is None for n, _ in trainable)
             eng.step()
             stepped = {n: utils.safe_get_full_fp32_param(p) for n, p in trainable}
-            entry["after_step"] = [not torch.equal(stepped[n], back[n][1]) for n, _ in trainable]
+            entry["after_step"] = [stage == 0 or not torch.equal(stepped[n], back[n][1]) for n, _ in trainable]
             # misuse: a read after step (no gradient of this step), ranks asking for different parameters
             p0, mine = trainable[0][1], trainable[rank % 2][1]
             entry["after_step_grad"] = attempt(lambda p0=p0: utils.safe_get_full_grad(p0))
-            if dtype == "fp32":  # not where DeepSpeed's own accessor serves: it aborts the job there
+            if dtype == "fp32" and stage > 0:  # not where DeepSpeed's own accessor serves (it aborts the job)
                 entry["different"] = attempt(lambda mine=mine: utils.safe_get_full_fp32_param(mine))
         entry["restored"] = all(getattr(m, n) is originals[n] for m in (utils, fragment) for n in dropin.ACCESSORS)
         entry["restored_holder"] = holder.safe_get_full_grad is originals["safe_get_full_grad"]
@@ -134,6 +137,8 @@ def test_one_collective_per_window_per_kind(results, config):
         data, agreements = res[config]["calls"]
         if config == "zero1_bf16_acc32":  # gradients held whole; fp32, exp_avg: DeepSpeed's own, per parameter
             assert (data, agreements) == (2 * 10, 1), res[config]["calls"]
+        elif config == "zero0_fp32":  # p.grad, and None: nothing to send
+            assert (data, agreements) == (0, 0), res[config]["calls"]
         else:  # the small model is one window: one agreement and one gather per kind
             assert (data, agreements) == (3, 3), res[config]["calls"]
 
@@ -143,7 +148,7 @@ def test_writes_are_read_back_and_a_step_makes_reads_new(results, config):
     _, per_rank = results
     for res in per_rank:
         entry = res[config]
-        assert entry["written"]
+        assert entry["written"] and entry["none_at_stage0"]
         assert all(entry["after_step"]), entry["after_step"]
 
 
@@ -152,8 +157,9 @@ def test_misuse_raises_on_every_rank_and_uninstall_restores(results, config):
     world, per_rank = results
     for res in per_rank:
         entry = res[config]
-        assert entry["after_step_grad"]["error"] == "NotReadyError", entry["after_step_grad"]
-        if config != "zero1_bf16_acc32":  # there DeepSpeed's own fp32 accessor serves, as it is
+        if config != "zero0_fp32":  # stage 0: p.grad, as DeepSpeed returns it
+            assert entry["after_step_grad"]["error"] == "NotReadyError", entry["after_step_grad"]
+        if config not in ("zero1_bf16_acc32", "zero0_fp32"):  # DeepSpeed's own serves there, or None
             assert entry["different"]["error"] == "ArgumentMismatchError", entry["different"]
             assert entry["different"]["seconds"] < 10
         assert entry["restored"] and entry["restored_holder"] and entry["unwatched"]

@@ -133,6 +133,10 @@ def _failures(eng, rank, world, root):
     if rank == 0:
         loaded, _ = _load(subset)
         out["subset"]["loaded"] = {k: (str(t.dtype), tuple(t.shape)) for k, t in loaded.items()}
+    # saved again into the same directory, now in shards: the single file of before is gone
+    again = collgrad.save_full_model(eng, subset, max_shard_bytes=SHARD)
+    torch.distributed.barrier()
+    out["again"] = (sorted(f for f in os.listdir(subset) if not f.startswith(".")), again.files)
     # a bad directory on the writing rank: a path under a file
     blocker = os.path.join(root, f"blocker-{world}")
     open(blocker, "w").close()
@@ -218,3 +222,10 @@ def test_a_subset_of_the_parameters_in_another_dtype(results):
     subset = per_rank[0]["subset"]
     assert subset["files"] == ("model.safetensors",) and subset["tensors"] == 2
     assert subset["loaded"] == {"inp.weight": ("torch.bfloat16", (9, 7)), "scale": ("torch.bfloat16", (1,))}
+
+
+def test_a_save_into_a_used_directory_leaves_no_weights_of_the_earlier_one(results):
+    _, per_rank = results
+    listed, files = per_rank[0]["again"]
+    assert "model.safetensors" not in listed and set(files) <= set(listed)
+    assert [f for f in listed if f.endswith(".safetensors")] == [f for f in files if f.endswith(".safetensors")]

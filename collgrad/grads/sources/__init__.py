@@ -79,9 +79,9 @@ def open_source(model: Any, params: Iterable[Any] | None = None, state: State = 
 
         if fsdp2.is_fsdp2(model):
             return fsdp2.open_fsdp2(model, select(model, params, trainable=state != WEIGHTS), state, optimizer)
-    if state != GRAD:
-        return _plain_state(model, select(model, params, trainable=state != WEIGHTS), state, optimizer)
     params = None if params is None else list(params)
+    if state != GRAD:
+        return _plain_state(model, params, state, optimizer)
     named = select(model, params)
     group = _compat.default_group() if torch.distributed.is_initialized() else None
     module = weakref.ref(model)
@@ -93,17 +93,24 @@ def open_source(model: Any, params: Iterable[Any] | None = None, state: State = 
     return ReplicatedSource("torch", named, lambda: [p.grad for _, p in named], group, reselect=reselect)
 
 
-def _plain_state(model: nn.Module, named: list[tuple[str, nn.Parameter]], state: State, optimizer: Any) -> Source:
+def _plain_state(model: nn.Module, params: list[Any] | None, state: State, optimizer: Any) -> Source:
     """A plain module (one process, or replicated by DDP): its weights, or ``optimizer``'s state of each
     parameter, are whole on every rank."""
+    trainable = state != WEIGHTS
+    named = select(model, params, trainable=trainable)
     group = _compat.default_group() if torch.distributed.is_initialized() else None
+    module = weakref.ref(model)
+
+    def reselect() -> list[tuple[str, nn.Parameter]]:  # parameters can be frozen or replaced between calls
+        owner = module()
+        return select(owner, params, trainable=trainable) if owner is not None else []
+
     if state in (FP32, WEIGHTS):
-        weights = lambda: [p.detach() for _, p in named]  # noqa: E731
-        return ReplicatedSource(f"torch:{state.what}", named, weights, group, problem=_ok)
-    held = optimizer_states(optimizer, state)
-    key = state.key or ""
-    values = lambda: [per_element_state(held().get(p), key, p.numel(), n) for n, p in named]  # noqa: E731
-    return ReplicatedSource(f"torch:{state.what}", named, values, group, problem=_ok)
+        values = lambda: [p.detach() for _, p in named]  # noqa: E731
+    else:
+        held, key = optimizer_states(optimizer, state), state.key or ""
+        values = lambda: [per_element_state(held().get(p), key, p.numel(), n) for n, p in named]  # noqa: E731
+    return ReplicatedSource(f"torch:{state.what}", named, values, group, problem=_ok, reselect=reselect)
 
 
 def _ok() -> Problem:
