@@ -17,12 +17,11 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_trainer_grad_norms_example_writes_its_chart(tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install 'collgrad[plot]')")
-    png = tmp_path / "norms.png"
+def _run(tmp_path, script: str, *args: str) -> str:
+    """``examples/<script>`` run as a user runs it (CPU ranks); its standard output."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "trainer_grad_norms.py"), "--steps", "3", "--png", str(png)],
+        [sys.executable, str(ROOT / "examples" / script), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -30,22 +29,20 @@ def test_trainer_grad_norms_example_writes_its_chart(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    return proc.stdout
+
+
+def test_trainer_grad_norms_example_writes_its_chart(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install 'collgrad[plot]')")
+    png = tmp_path / "norms.png"
+    stdout = _run(tmp_path, "trainer_grad_norms.py", "--steps", "3", "--png", str(png))
+    steps = [line for line in stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3 and all("global norm" in line for line in steps)
     assert png.stat().st_size > 10_000
 
 
 def test_ema_example_saves_a_model_transformers_loads(tmp_path):
     out = tmp_path / "ema"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "ema_and_save.py"), "--out", str(out), "--steps", "3", "--check"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "from_pretrained loads the EMA model: True; equal to the EMA of the gathered weights: True" in proc.stdout
+    stdout = _run(tmp_path, "ema_and_save.py", "--out", str(out), "--steps", "3", "--check")
+    assert "from_pretrained loads the EMA model: True; equal to the EMA of the gathered weights: True" in stdout
     assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
