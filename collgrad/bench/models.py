@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -166,6 +167,11 @@ class Subject:
     optimizer_obj: Any = None  # FSDP2's torch optimizer (DeepSpeed's engine has its own)
     set_grad: Callable[[nn.Parameter, torch.Tensor], Any] | None = None
     set_fp32: Callable[[nn.Parameter, torch.Tensor], Any] | None = None
+    #: DeepSpeed's optimizer-state setter, ``(p, value, key)``
+    set_state: Callable[[nn.Parameter, torch.Tensor, str], Any] | None = None
+    #: the module's weight made a value the way DeepSpeed documents (ZeRO-3: ``GatheredParameters`` with
+    #: a modifier rank; below, a copy into the weight every rank holds): what its fp32 setter leaves out
+    set_weight: Callable[[nn.Parameter, torch.Tensor], Any] | None = None
     loop_element_size: int = field(default=0)
 
     @property
@@ -220,7 +226,21 @@ def _deepspeed(cfg: BenchConfig) -> Subject:
         consolidate=consolidate,
         set_grad=ds.safe_set_full_grad,
         set_fp32=ds.safe_set_full_fp32_param,
+        set_state=ds.safe_set_full_optimizer_state,
+        set_weight=partial(_set_weight, ds.GatheredParameters),
     )
+
+
+def _set_weight(gathered: Any, p: nn.Parameter, value: torch.Tensor) -> None:
+    """DeepSpeed's documented way to change a weight: a ZeRO-3 parameter gathered, changed on one rank and
+    partitioned again on leaving (a broadcast); below ZeRO-3 every rank holds it whole and copies."""
+    if not hasattr(p, "ds_id"):
+        with torch.no_grad():
+            p.copy_(value)
+        return
+    with gathered(p, modifier_rank=0), torch.no_grad():
+        if dist.get_rank() == 0:
+            p.copy_(value)
 
 
 def _fsdp2(cfg: BenchConfig) -> Subject:

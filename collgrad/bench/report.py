@@ -11,10 +11,12 @@ from typing import Any
 from collgrad.bench.config import BenchConfig
 from collgrad.bench.methods import floors, versus
 
-__all__ = ["ratios", "format_report", "describe", "GET_LOOPS", "PLANS", "SAVE_ANCHORS"]
+__all__ = ["ratios", "format_report", "describe", "GET_LOOPS", "PLANS", "SAVE_ANCHORS", "NOT_COUNTED"]
 
 #: The frameworks' consolidations a save is compared with (rank 0 holds the whole model).
 SAVE_ANCHORS = ("deepspeed_consolidated_save", "fsdp2_state_dict_save")
+#: Rows of the frameworks' own whose collectives and bytes are not counted ("-" in the table)
+NOT_COUNTED = (*SAVE_ANCHORS, "deepspeed_fp32_weights_set_loop")
 #: The frameworks' per-parameter getters, and collgrad's plans the best of which they are compared with.
 GET_LOOPS = ("deepspeed_loop", "full_tensor_loop")
 PLANS = ("collgrad_all_gather", "collgrad_all_reduce")

@@ -39,7 +39,7 @@ def _setting(
         loop_element_size=torch.empty(0, dtype=loop_dtype).element_size(),
     )
     share = torch.ones(-(-numel // world), dtype=dtype)
-    return Setting(subject, 1 << 20, max(1, size * numel // 8), {}, size, share, {}, "", 1 << 20)
+    return Setting(subject, 1 << 20, max(1, size * numel // 8), {}, size, share, {}, {}, "", 1 << 20)
 
 
 def _reading(name: str, setting: Setting):
@@ -119,6 +119,8 @@ def test_floors_and_goals():
         ("deepspeed_exp_avg_sq_loop", "collgrad_exp_avg_sq"),
         ("full_tensor_exp_avg_sq_loop", "collgrad_exp_avg_sq"),
         ("deepspeed_fp32_set_loop", "collgrad_fp32_set"),
+        ("deepspeed_fp32_weights_set_loop", "collgrad_fp32_set"),
+        ("deepspeed_exp_avg_set_loop", "collgrad_exp_avg_set"),
         ("deepspeed_consolidated_save", "collgrad_save"),
         ("fsdp2_state_dict_save", "collgrad_save"),
         ("deepspeed_getters_loop", "dropin_getters_loop"),

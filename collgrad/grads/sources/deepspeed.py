@@ -69,10 +69,12 @@ __all__ = [
     "safe_get_full_optimizer_state",
     "safe_set_full_fp32_param",
     "safe_set_full_optimizer_state",
+    "GatheredParameters",
     "VERSION",
 ]
 
 VERSION: str = deepspeed.__version__
+GatheredParameters = deepspeed.zero.GatheredParameters  # the documented way to change ZeRO-3 weights
 
 # DeepSpeed's engine imports its Muon optimizer module on first initialize(), and with it torch.compile's
 # torch._inductor (seconds, more on a loaded machine). Importing it with the adapter makes any process

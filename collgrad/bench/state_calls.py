@@ -1,0 +1,207 @@
+"""The rows of the rest of the training state (fp32 master weights, optimizer states, saves, the
+drop-in) and of what they are held against: the frameworks' per-parameter loops and consolidation.
+``STATE_METHODS`` is their part of the table, in report order."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping
+
+import collgrad
+from collgrad.bench.setting import DS, FSDP2, Call, Method, Reading, Setting, local_reading, loop_reading, of_result
+from collgrad.grads.shards import write_safetensors
+
+__all__ = ["STATE_METHODS"]
+
+# How records are read.
+
+
+def _state_loop_reading(s: Setting, call: Call) -> Reading:
+    """The framework's per-parameter fp32 weights or states: one collective per parameter, fp32."""
+    return loop_reading(s, 4)
+
+
+def _of_saved(s: Setting, call: Call) -> Reading:
+    """One more save; its streams' records."""
+    saved: Any = call()
+    records = saved.records
+    return Reading(sum(r.collectives for r in records), sum(r.bytes for r in records))
+
+
+def _consolidated_reading(s: Setting, call: Call) -> Reading:
+    """The frameworks' consolidation: not counted. What it sends depends on their internals (ZeRO-3
+    gathers a module's parameters at a time, but not those it keeps whole, below its persistence
+    threshold; FSDP2 each parameter); its time and memory are what the row is for."""
+    return Reading(None, None)
+
+
+def _weights_loop_reading(s: Setting, call: Call) -> Reading:
+    """DeepSpeed's setter and its documented weight change per parameter: not counted (local below
+    ZeRO-3; under it what ``GatheredParameters`` sends, a gather and a broadcast per parameter, depends
+    on DeepSpeed's internals); its time is what the row is for."""
+    return Reading(None, None)
+
+
+# How calls are built.
+
+
+def _state(key: str | None) -> Callable[[Setting], Call]:
+    """collgrad's read of the fp32 weights (``key`` None) or of the optimizer state ``key``."""
+
+    def make(s: Setting) -> Call:
+        engine, bucket, opt = s.subject.engine, s.bucket, s.subject.optimizer_obj
+        if key is None:
+            return lambda: collgrad.safe_get_full_model_fp32_params(engine, bucket_bytes=bucket)
+        return lambda: collgrad.safe_get_full_model_optimizer_states(engine, key, optimizer=opt, bucket_bytes=bucket)
+
+    return make
+
+
+def _state_loop(key: str | None) -> Callable[[Setting], Call]:
+    """The framework's per-parameter loop over the fp32 weights or the optimizer state ``key``."""
+
+    def make(s: Setting) -> Call:
+        params, weight, state = s.subject.params, s.subject.full_fp32, s.subject.full_state
+        if key is None:
+            return lambda: [weight(p) for p in params]
+        return lambda: [state(p, key) for p in params]
+
+    return make
+
+
+def _fp32_set(s: Setting) -> Call:
+    return lambda: collgrad.safe_set_full_model_fp32_params(s.subject.engine, s.fp32)
+
+
+def _fp32_set_loop(s: Setting) -> Call:
+    put = s.subject.set_fp32
+    assert put is not None  # the table runs this method for DeepSpeed only
+    by_param = [(p, s.fp32[n]) for n, p in s.subject.engine.module.named_parameters() if n in s.fp32]
+    return lambda: [put(p, v) for p, v in by_param]
+
+
+def _fp32_and_weights_loop(s: Setting) -> Call:
+    """What a DeepSpeed user writes so that the next forward uses the new weights: the fp32 setter and
+    the module's weight changed the documented way (``Subject.set_weight``), per parameter."""
+    put, weight = s.subject.set_fp32, s.subject.set_weight
+    assert put is not None and weight is not None  # the table runs this method for DeepSpeed only
+    by_param = [(p, s.fp32[n]) for n, p in s.subject.engine.module.named_parameters() if n in s.fp32]
+    return lambda: [(put(p, v), weight(p, v)) for p, v in by_param]
+
+
+def _state_set(s: Setting) -> Call:
+    engine, opt = s.subject.engine, s.subject.optimizer_obj
+    return lambda: collgrad.safe_set_full_model_optimizer_states(engine, "exp_avg", s.exp_avg, optimizer=opt)
+
+
+def _state_set_loop(s: Setting) -> Call:
+    put = s.subject.set_state
+    assert put is not None  # the table runs this method for DeepSpeed only
+    by_param = [(p, s.exp_avg[n]) for n, p in s.subject.engine.module.named_parameters() if n in s.exp_avg]
+    return lambda: [put(p, v, "exp_avg") for p, v in by_param]
+
+
+def _save(s: Setting) -> Call:
+    return lambda: collgrad.save_full_model(
+        s.subject.engine, s.save_dir, max_shard_bytes=s.shard, bucket_bytes=s.bucket
+    )
+
+
+def _consolidated_save(s: Setting) -> Call:
+    """The framework's consolidated state dict (the whole model on rank 0), written by rank 0 as one
+    safetensors file with the same writer."""
+    consolidate, path = s.subject.consolidate, os.path.join(s.save_dir, "consolidated.safetensors")
+
+    def call() -> Any:
+        state = consolidate()
+        if state:
+            os.makedirs(s.save_dir, exist_ok=True)
+            write_safetensors(path, [(n, t.detach().cpu()) for n, t in state.items()], {"format": "pt"})
+        return state
+
+    return call
+
+
+def _getters(s: Setting, functions: Mapping[str, Callable[..., Any]] | None) -> list[Any]:
+    """The documented loop: DeepSpeed's three full getters over every parameter (``functions``: the
+    ones installed in their place)."""
+    sub = s.subject
+    grad, fp32, state = (
+        (sub.full_grad, sub.full_fp32, sub.full_state)
+        if functions is None
+        else (
+            functions["safe_get_full_grad"],
+            functions["safe_get_full_fp32_param"],
+            functions["safe_get_full_optimizer_state"],
+        )
+    )
+    return [(grad(p), fp32(p), state(p, "exp_avg")) for p in sub.params]
+
+
+def _getters_loop(s: Setting) -> Call:
+    return lambda: _getters(s, None)
+
+
+def _dropin_loop(s: Setting) -> Call:
+    """The same loop with ``collgrad.integrations.deepspeed`` installed (once, at the first call, as a
+    user installs it; ``Setting.close`` uninstalls it); returns the collectives and bytes it sent."""
+    from collgrad.integrations import deepspeed as dropin
+
+    def call() -> Any:
+        served = dropin.install(window_bytes=s.bucket)
+        s.cleanups.append(dropin.uninstall)
+        before = list(served.sent)
+        _getters(s, served.functions)
+        return served.sent[0] - before[0], served.sent[1] - before[1]
+
+    return call
+
+
+def _getters_reading(s: Setting, call: Call) -> Reading:
+    """DeepSpeed's three getters per parameter: its gradient loop and two fp32 loops."""
+    grads, states = loop_reading(s, s.subject.loop_element_size), _state_loop_reading(s, call)
+    collectives = (grads.collectives or 0) + 2 * (states.collectives or 0)
+    return Reading(collectives, (grads.bytes or 0) + 2 * (states.bytes or 0))
+
+
+def _of_dropin(s: Setting, call: Call) -> Reading:
+    """One more loop; what the drop-in sent (its windows, DeepSpeed's originals where it fell back)."""
+    collectives, sent = call()
+    return Reading(collectives, sent)
+
+
+STATE_METHODS: tuple[Method, ...] = (
+    # fp32 master weights and Adam's moments, read and written, against the per-parameter loops
+    Method("deepspeed_fp32_loop", _state_loop(None), _state_loop_reading, versus="collgrad_fp32", sources=DS),
+    Method("full_tensor_fp32_loop", _state_loop(None), _state_loop_reading, versus="collgrad_fp32", sources=FSDP2),
+    Method("collgrad_fp32", _state(None), of_result),
+    *(
+        Method(f"{loop}_{key}_loop", _state_loop(key), _state_loop_reading, versus=f"collgrad_{key}", sources=where)
+        for key in ("exp_avg", "exp_avg_sq")
+        for loop, where in (("deepspeed", DS), ("full_tensor", FSDP2))
+    ),
+    Method("collgrad_exp_avg", _state("exp_avg"), of_result),
+    Method("collgrad_exp_avg_sq", _state("exp_avg_sq"), of_result),
+    # DeepSpeed's setters write this rank's part locally; the fp32 one leaves the module's weights as they
+    # were, so it is also held against the loop that changes them the documented way
+    Method("deepspeed_fp32_set_loop", _fp32_set_loop, local_reading, versus="collgrad_fp32_set", sources=DS),
+    Method("collgrad_fp32_set", _fp32_set, of_result),
+    Method(
+        "deepspeed_fp32_weights_set_loop",
+        _fp32_and_weights_loop,
+        _weights_loop_reading,
+        versus="collgrad_fp32_set",
+        sources=DS,
+    ),
+    Method("deepspeed_exp_avg_set_loop", _state_set_loop, local_reading, versus="collgrad_exp_avg_set", sources=DS),
+    Method("collgrad_exp_avg_set", _state_set, of_result),
+    # a consolidated checkpoint, against the frameworks' consolidation
+    Method(
+        "deepspeed_consolidated_save", _consolidated_save, _consolidated_reading, versus="collgrad_save", sources=DS
+    ),
+    Method("fsdp2_state_dict_save", _consolidated_save, _consolidated_reading, versus="collgrad_save", sources=FSDP2),
+    Method("collgrad_save", _save, _of_saved),
+    # the documented loop of DeepSpeed's three getters, as it is and with collgrad installed in their place
+    Method("deepspeed_getters_loop", _getters_loop, _getters_reading, versus="dropin_getters_loop", sources=DS),
+    Method("dropin_getters_loop", _dropin_loop, _of_dropin, sources=DS),
+)
