@@ -31,7 +31,7 @@ from collgrad.grads.execute import Executor
 from collgrad.grads.record import FullGradRecord
 from collgrad.grads.sources.base import GRAD, Problem, Source, State
 
-__all__ = ["safe_set_full_model_grads", "update_full_model_grads", "checksums", "set_full", "write_here"]
+__all__ = ["safe_set_full_model_grads", "update_full_model_grads", "checksums", "set_full", "write_here", "writes"]
 
 
 def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -210,7 +210,20 @@ def _which_differ(
     )
 
 
+#: Model-wide writes so far in this process (``set_full``, ``update_full_model_grads``): what was read
+#: before one may no longer hold. The drop-in's windows compare it; ``write_here``, the drop-in's own
+#: setter, leaves it (the drop-in counts its own writes per kind).
+_writes = 0
+
+
+def writes() -> int:
+    """How many model-wide writes this process has made (monotonic). Local."""
+    return _writes
+
+
 def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> FullGradRecord:
+    global _writes
+    _writes += 1  # before writing: a write that fails halfway leaves the old values no more valid
     source = call.source
     if source.accessor_set is not None:  # an optimizer collgrad does not know: DeepSpeed's setter
         for name, value in values.items():  # (local: each rank writes its own fragment or partition)

@@ -9,7 +9,8 @@ cost one collective per bucket. The first call of a kind (gradients, fp32 weight
 gathers, with collgrad's model-wide read, a window of the parameters that follow in
 ``named_parameters()`` order (about ``window_bytes``); the next calls are answered from it, each value
 handed over once. A window is dropped when its engine runs ``backward()``, ``step()`` or
-``load_checkpoint()`` or a setter of its kind writes, so reads see new values; memory held is one
+``load_checkpoint()``, a setter of its kind writes, or one of collgrad's model-wide setters does
+(``safe_set_full_model_*``, ``update_full_model_grads``), so reads see new values; memory held is one
 window per kind at a time.
 
 DeepSpeed's semantics: the same values (bitwise: collgrad's reads are), dtype, shape and device; a
@@ -111,7 +112,9 @@ class _Served:
             return self._fallback("no live DeepSpeed engine holds this parameter", fallback)
         engine, name = found
         state = self.engines[engine]
-        epoch = (state.epoch, state.written.get(kind, 0))
+        from collgrad.grads.write import writes
+
+        epoch = (state.epoch, state.written.get(kind, 0), writes())  # collgrad's model-wide setters too
         held = state.windows.get(kind)
         if held is None or held[0] != epoch or name not in held[1]:
             values = self._gather(engine, state, kind, name)
