@@ -31,6 +31,7 @@ from collgrad.bench.setting import (
     loop_reading,
     make_setting,
     of_result,
+    setter_loop,
 )
 from collgrad.bench.state_calls import STATE_METHODS
 
@@ -82,10 +83,7 @@ def _loop(norm: bool) -> Callable[[Setting], Call]:
 
 
 def _set_loop(s: Setting) -> Call:
-    put = s.subject.set_grad
-    assert put is not None  # the table runs this method for DeepSpeed only
-    by_param = [(p, s.full[n]) for n, p in s.subject.engine.module.named_parameters() if n in s.full]
-    return lambda: [put(p, g) for p, g in by_param]
+    return setter_loop(s, s.full, s.subject.set_grad)
 
 
 def _per_tensor(s: Setting) -> Call:

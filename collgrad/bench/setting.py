@@ -28,6 +28,7 @@ __all__ = [
     "make_setting",
     "loop_reading",
     "local_reading",
+    "setter_loop",
     "of_result",
 ]
 
@@ -132,6 +133,14 @@ def of_result(s: Setting, call: Call) -> Reading:
     result: Any = call()
     rec: Any = getattr(result, "record", result)
     return Reading(rec.collectives, rec.bytes, tuple(str(g.plan) for g in rec.groups), rec.plan_cached)
+
+
+def setter_loop(s: Setting, values: Mapping[str, torch.Tensor], put: Callable[..., Any] | None) -> Call:
+    """``put(p, values[name])`` per parameter, in ``named_parameters()`` order: a setter loop as users
+    write it (``put`` is None where the framework has no such setter: the table runs it only where it has)."""
+    assert put is not None
+    by_param = [(p, values[n]) for n, p in s.subject.engine.module.named_parameters() if n in values]
+    return lambda: [put(p, v) for p, v in by_param]
 
 
 def local_reading(s: Setting, call: Call) -> Reading:

@@ -8,7 +8,18 @@ import os
 from typing import Any, Callable, Mapping
 
 import collgrad
-from collgrad.bench.setting import DS, FSDP2, Call, Method, Reading, Setting, local_reading, loop_reading, of_result
+from collgrad.bench.setting import (
+    DS,
+    FSDP2,
+    Call,
+    Method,
+    Reading,
+    Setting,
+    local_reading,
+    loop_reading,
+    of_result,
+    setter_loop,
+)
 from collgrad.grads.shards import write_safetensors
 
 __all__ = ["STATE_METHODS"]
@@ -74,19 +85,15 @@ def _fp32_set(s: Setting) -> Call:
 
 
 def _fp32_set_loop(s: Setting) -> Call:
-    put = s.subject.set_fp32
-    assert put is not None  # the table runs this method for DeepSpeed only
-    by_param = [(p, s.fp32[n]) for n, p in s.subject.engine.module.named_parameters() if n in s.fp32]
-    return lambda: [put(p, v) for p, v in by_param]
+    return setter_loop(s, s.fp32, s.subject.set_fp32)
 
 
 def _fp32_and_weights_loop(s: Setting) -> Call:
     """What a DeepSpeed user writes so that the next forward uses the new weights: the fp32 setter and
     the module's weight changed the documented way (``Subject.set_weight``), per parameter."""
     put, weight = s.subject.set_fp32, s.subject.set_weight
-    assert put is not None and weight is not None  # the table runs this method for DeepSpeed only
-    by_param = [(p, s.fp32[n]) for n, p in s.subject.engine.module.named_parameters() if n in s.fp32]
-    return lambda: [(put(p, v), weight(p, v)) for p, v in by_param]
+    both = None if put is None or weight is None else (lambda p, v: (put(p, v), weight(p, v)))
+    return setter_loop(s, s.fp32, both)
 
 
 def _state_set(s: Setting) -> Call:
@@ -96,9 +103,7 @@ def _state_set(s: Setting) -> Call:
 
 def _state_set_loop(s: Setting) -> Call:
     put = s.subject.set_state
-    assert put is not None  # the table runs this method for DeepSpeed only
-    by_param = [(p, s.exp_avg[n]) for n, p in s.subject.engine.module.named_parameters() if n in s.exp_avg]
-    return lambda: [put(p, v, "exp_avg") for p, v in by_param]
+    return setter_loop(s, s.exp_avg, None if put is None else (lambda p, v: put(p, v, "exp_avg")))
 
 
 def _save(s: Setting) -> Call:
