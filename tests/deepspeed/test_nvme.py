@@ -1,7 +1,8 @@
 """ZeRO-3 with the optimizer offloaded to NVMe (DeepSpeed swaps each sub-group's fp32 state, gradients
 included, to files and back): reading equals DeepSpeed's accessor and plain PyTorch, statistics equal
 those of the full gradients, what is written is read back, and training with an edit written before
-every step (clipping on) equals plain PyTorch with the same edit - 2 and 3 ranks.
+every step (clipping on) equals plain PyTorch with the same edit; the fp32 weights and Adam's states
+equal DeepSpeed's accessors and a write of fp32 weights reaches them and the module - 2 and 3 ranks.
 
 Opt-in (``COLLGRAD_NVME=1``): it needs libaio (``apt-get install libaio-dev``) for DeepSpeed's async
 I/O op, which DeepSpeed builds on first use (1-4 minutes: too long for CI's budget). The op is built
@@ -119,7 +120,33 @@ def _worker(rank, world, path):
         # this wide model's means cancel, does not tell them apart: the distances do)
         ratio = max(_rel({n: trained[n]}, {n: edited[n]}) / bound[n] for n in trained)
         out[how] = (ratio, _rel(trained, edited), _rel(trained, plain))
+        if how == "set":  # trained: Adam's states exist
+            out["state"] = _state_checks(eng)
     return out
+
+
+def _state_checks(eng) -> dict[str, bool]:
+    """The fp32 master weights and Adam's exp_avg of swapped sub-groups, read by collgrad, against
+    DeepSpeed's accessors (bitwise); fp32 weights halved by collgrad: read back by both, and the
+    module's own weights (gathered) made the same."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    import collgrad
+
+    named = [(n, p) for n, p in eng.module.named_parameters() if p.requires_grad]
+    fp32 = collgrad.safe_get_full_model_fp32_params(eng)
+    exp_avg = collgrad.safe_get_full_model_optimizer_states(eng, "exp_avg")
+    read = all(
+        torch.equal(fp32[n], safe_get_full_fp32_param(p))
+        and torch.equal(exp_avg[n], safe_get_full_optimizer_state(p, "exp_avg"))
+        for n, p in named
+    )
+    half = {n: v * 0.5 for n, v in fp32.items()}
+    collgrad.safe_set_full_model_fp32_params(eng, half)
+    back = collgrad.safe_get_full_model_fp32_params(eng)
+    written = all(torch.equal(back[n], half[n]) and torch.equal(safe_get_full_fp32_param(p), half[n]) for n, p in named)
+    weights = _params(eng)
+    return {"read": read, "written": written, "weights": all(torch.equal(weights[n], half[n]) for n in half)}
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +182,11 @@ def test_what_is_written_is_read_back(results):
         # the readiness check reads (one swap-in per sub-group), the write swaps in once per sub-group
         done, swappable = res["write_swap_ins"]
         assert done == 2 * swappable, res["write_swap_ins"]
+
+
+def test_fp32_weights_and_adam_states_of_swapped_sub_groups(results):
+    for res in results:
+        assert res["state"] == {"read": True, "written": True, "weights": True}, res["state"]
 
 
 @pytest.mark.parametrize("how", ["set", "update"])

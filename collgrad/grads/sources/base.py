@@ -8,6 +8,7 @@ The adapters (deepspeed.py, fsdp2.py) build on these; ``collgrad.grads.sources``
 from __future__ import annotations
 
 import enum
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
@@ -314,7 +315,9 @@ class ReplicatedSource(Source):
         dtype: torch.dtype | None = None,
         reselect: Callable[[], Sequence[tuple[str, nn.Parameter]]] | None = None,
         set_grad: Callable[[nn.Parameter, torch.Tensor], None] | None = None,
+        full_shape: Callable[[nn.Parameter], tuple[int, ...]] | None = None,
     ) -> None:
+        """``full_shape(p)``: a parameter's whole shape where its own is not (a partitioned one's)."""
         self._grads = grads
         self._set_grad = set_grad  # (parameter, tensor): where a parameter without a gradient gets one
         self._reselect = reselect  # a plain module: trainable parameters can change between calls
@@ -329,7 +332,11 @@ class ReplicatedSource(Source):
         self.plans = PlanCache()
         self.model_parallel = frozenset(model_parallel)
         out = dtype or (named[0][1].dtype if named else torch.float32)
-        slots = tuple(ParamSlot(n, tuple(p.shape), p.numel(), 0, p.numel(), n in model_parallel) for n, p in named)
+        shapes = [full_shape(p) if full_shape is not None else tuple(p.shape) for _, p in named]
+        slots = tuple(
+            ParamSlot(n, shape, math.prod(shape), 0, math.prod(shape), n in model_parallel)
+            for (n, _), shape in zip(named, shapes)
+        )
         ranks = tuple(_compat.group_ranks(group)) if group is not None else (0,)
         self.layout = GradLayout(
             variant, (GradGroup(0, Kind.REPLICATED, ranks, 0, out, out, slots),), tuple(n for n, _ in named)

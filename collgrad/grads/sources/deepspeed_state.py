@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from collgrad import _compat
@@ -234,6 +235,8 @@ class _AccessorState(ReplicatedSource):
             problem=_ok,
             model_parallel=model_parallel,
             dtype=torch.float32,
+            # ZeRO-3 (NVMe-swapped sub-groups): a partitioned parameter's own shape is (0,) outside a gather
+            full_shape=lambda p: tuple(getattr(p, "ds_shape", p.shape)),
         )
         key = state.key
         self.state = state
@@ -245,8 +248,21 @@ class _AccessorState(ReplicatedSource):
             self.accessor_set = lambda p, value: safe_set_full_optimizer_state(p, value, key)
 
     def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
-        if self.state.key is None:  # DeepSpeed's setter leaves the module's weights as they were
+        if self.state.key is not None:  # DeepSpeed's fp32 setter leaves the module's weights as they were
+            return
+        if not self.accessor_gathers:
             copy_to_weights(self.params, values)
+            return
+        with torch.no_grad():  # ZeRO-3: this rank's partition of each (its fp32 slice may be on NVMe)
+            for name, value in values.items():
+                p: Any = self.params[name]
+                part = p.ds_tensor
+                start = dist.get_rank(p.ds_process_group) * part.numel()  # DeepSpeed's partitioning
+                flat = value.reshape(-1).to(torch.float32)
+                n = max(0, min(part.numel(), flat.numel() - start))  # the last partitions hold padding
+                part.data[:n].copy_(flat[start : start + n])
+                if p.data.numel() == p.ds_numel:  # held whole (persistent, or gathered)
+                    copy_to_weights({name: p}, {name: value})
 
 
 class _Zero3Weights(_EngineSource):
