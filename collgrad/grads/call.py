@@ -37,7 +37,7 @@ from collgrad.grads.plan import PLANS, GradCall, GradPlan, needs_capabilities, p
 from collgrad.grads.sources.base import GRAD, LocalGrads, Problem, Source, State
 from collgrad.grads.sources.layout import GradGroup
 
-__all__ = ["OpenCall", "FIELDS", "source_of", "window_source"]
+__all__ = ["OpenCall", "FIELDS", "source_of"]
 
 #: What every rank must pass alike, in the order of the readiness check's row.
 FIELDS = (
@@ -252,16 +252,13 @@ def _tell_invalid(model: Any, timeout_s: float, name: str) -> None:
         tell_invalid(group, len(FIELDS) + OpenCall.EXTRA, timeout_s, name)
 
 
-def source_of(model: Any, state: State = GRAD, optimizer: Any = None) -> tuple[Source, bool]:
-    """The cached Source of ``state`` of every trainable parameter of ``model`` (and whether it came from
-    the cache), as the public functions open it with the default dispatcher. Local."""
-    return _source(MODELS, default_dispatcher(), model, None, state, optimizer)
-
-
-def window_source(model: Any, state: State, params: list[str]) -> Source:
-    """The cached Source of ``state`` of the ``params`` selection of ``model`` (the default dispatcher's),
-    as a call with ``params=`` opened it. Local."""
-    return _source(MODELS, default_dispatcher(), model, params, state)[0]
+def source_of(
+    model: Any, state: State = GRAD, optimizer: Any = None, params: Iterable[Any] | None = None
+) -> tuple[Source, bool]:
+    """The cached Source of ``state`` of ``model``'s trainable parameters (``params``: that selection),
+    and whether it came from the cache, as the public functions open it with the default dispatcher.
+    Local."""
+    return _source(MODELS, default_dispatcher(), model, params, state, optimizer)
 
 
 def _source(

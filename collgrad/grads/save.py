@@ -57,6 +57,11 @@ class SavedModel:
     #: what each stream of whole tensors did (collectives, bytes sent by this rank)
     records: tuple[FullGradRecord, ...] = ()
 
+    @property
+    def first_writer(self) -> bool:
+        """This rank wrote the checkpoint's first file: the one rank to write what goes beside it."""
+        return bool(self.written_here) and self.written_here[0] == self.files[0]
+
 
 def save_full_model(
     model: Any,
@@ -97,7 +102,7 @@ def save_full_model(
     path = os.fspath(directory)
     error: BaseException | None = None
     try:
-        module = _module(model)
+        module = sources.module_of(model)
         writers = _checked(ranks, dtype, max_shard_bytes)
         names = None if params is None else [n for n, _ in select(module, params, trainable=False)]
         if me in writers:
@@ -126,16 +131,6 @@ def save_full_model(
     records = tuple(stream.record() for stream in streams)
     tensors = sum(len(shard.entries) for shard in plan)
     return SavedModel(path, files, tuple(here), tensors, sum(s.data_bytes for s in plan), seconds, records)
-
-
-def _module(model: Any) -> nn.Module:
-    """The module whose ``state_dict`` is saved: an engine's ``module``, else ``model`` itself."""
-    module = getattr(model, "module", model) if type(model).__name__.endswith("Engine") else model
-    if not isinstance(module, nn.Module):
-        raise InvalidArgumentError(
-            f"rank {_compat.rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
-        )
-    return module
 
 
 def _checked(ranks: Sequence[int], dtype: torch.dtype | None, max_shard_bytes: int) -> tuple[int, ...]:

@@ -121,10 +121,15 @@ def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], metada
         f.write(shard.header)
         for _, t in tensors:
             if t.numel():
-                f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                f.write(_bytes_of(t.detach().cpu().contiguous()))
         f.flush()
         os.fsync(f.fileno())
     return shard.data_bytes
+
+
+def _bytes_of(data: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, as they lie (no copy)."""
+    return memoryview(data.reshape(-1).view(torch.uint8).numpy())
 
 
 @dataclass
@@ -183,7 +188,7 @@ class ShardFiles:
                     f"rank {_compat.rank()}: {name} has {data.numel()} elements, not {entry.shape}"
                 )
             if data.numel():
-                self._write(fd, memoryview(data.reshape(-1).view(torch.uint8).numpy()), offset)
+                self._write(fd, _bytes_of(data), offset)
         except Exception as error:  # noqa: BLE001 - told to every rank by the caller
             self.error = error
 

@@ -208,15 +208,14 @@ def slices_step(group: GradGroup, batch: tuple[int, ...], element_size: int) -> 
         inside = tuple(f for f in slices if f.param in within)
         chunks.append(Chunk(c_lo, c_span, _strided(inside)))
     ends = [s.offset for s in slots[1:]] + [lo + span]
-    gathered = tuple(group.world * (end - s.offset) for s, end in zip(slots, ends))
-    direct = tuple(
-        k for k, (s, end) in enumerate(zip(slots, ends)) if (end - s.offset) * element_size >= DIRECT_SLICE_BYTES
-    )
+    sizes = [end - s.offset for s, end in zip(slots, ends)]  # each slice with its padding, as it lies
+    gathered = tuple(group.world * n for n in sizes)
+    direct = tuple(k for k, n in enumerate(sizes) if n * element_size >= DIRECT_SLICE_BYTES)
     rest, at = [], 0
-    for k, (s, end) in enumerate(zip(slots, ends)):
-        if k not in direct:
+    for k, n in enumerate(sizes):
+        if n * element_size < DIRECT_SLICE_BYTES:
             rest.append((k, at))
-            at += end - s.offset
+            at += n
     return SlicesStep(
         lo,
         span,

@@ -46,7 +46,7 @@ def save_model(accelerator: Any, model: Any, directory: str, **kwargs: Any) -> S
     saved = save_full_model(wrapper.engine if wrapper is not None else model, directory, **kwargs)
     module = accelerator.unwrap_model(model)
     # after every collective (a failure here raises on this rank alone, with nothing left to wait for)
-    if saved.written_here and saved.written_here[0] == saved.files[0] and hasattr(module, "config"):
+    if saved.first_writer and hasattr(module, "config"):
         from collgrad.integrations.transformers import save_pretrained_files
 
         save_pretrained_files(module, directory)  # a Transformers model: what from_pretrained needs besides

@@ -156,7 +156,7 @@ class _Served:
         """The window of ``kind`` from ``start`` on, read by collgrad (collective); None where collgrad
         would only call DeepSpeed's accessor itself (a layout it does not know)."""
         import collgrad
-        from collgrad.grads.call import source_of, window_source
+        from collgrad.grads.call import source_of
 
         if kind not in state.known:  # whether collgrad reads this kind itself, or only through DeepSpeed's accessor
             state.known[kind] = source_of(engine, _state(kind))[0].accessor is None
@@ -179,23 +179,26 @@ class _Served:
         self.sent[1] += read.record.bytes
         # Each window's selection keeps a source of its own (its plans are reused every step); its
         # scratch (ZeRO-3's staging) goes with the window, so what is held stays one window per kind.
-        window_source(engine, _state(kind), names).release()
+        source_of(engine, _state(kind), params=names)[0].release()
         return dict(read)
 
     def _owner(self, param: Any) -> tuple[Any, str] | None:
-        hit = self.owners.get(id(param))
-        if hit is not None and hit[1]() is param and hit[0]() is not None:
-            return hit[0](), hit[2]
-        if param in self.unowned:
-            return None
+        """The live engine holding ``param`` and its name there; engines not seen yet are adopted."""
+        found = self._known_owner(param)
+        if found is not None or param in self.unowned:
+            return found
         for engine in _live_engines():
             if engine not in self.engines:
                 _adopt(self, engine)
+        found = self._known_owner(param)
+        if found is None:
+            self.unowned.add(param)  # not looked for again: a scan of live objects is not cheap
+        return found
+
+    def _known_owner(self, param: Any) -> tuple[Any, str] | None:
         hit = self.owners.get(id(param))
-        if hit is not None and hit[1]() is param and hit[0]() is not None:
-            return hit[0](), hit[2]
-        self.unowned.add(param)  # not looked for again: a scan of live objects is not cheap
-        return None
+        engine = hit[0]() if hit is not None and hit[1]() is param else None
+        return None if engine is None or hit is None else (engine, hit[2])
 
     def _fallback(self, why: str, fallback: Callable[[], Any]) -> Any:
         if why not in self.told:

@@ -115,7 +115,7 @@ def save_model(trainer: Any, output_dir: str | None = None, **kwargs: Any) -> Sa
     engine = getattr(trainer, "deepspeed", None)
     saved = save_full_model(engine if engine is not None else trainer.model, directory, **kwargs)
     # after every collective (a failure here raises on this rank alone, with nothing left to wait for)
-    if saved.written_here and saved.written_here[0] == saved.files[0]:  # the first writing rank
+    if saved.first_writer:
         save_pretrained_files(trainer.model, directory, getattr(trainer, "processing_class", None))
         torch.save(trainer.args, os.path.join(directory, "training_args.bin"))
     return saved

@@ -31,10 +31,11 @@ from collgrad.grads.sources.base import (
     ReplicatedSource,
     Source,
     State,
+    always_ok,
     optimizer_states,
-    per_element_state,
     rank_in,
     select,
+    whole_values,
 )
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "open_source",
     "select",
     "control_group_of",
+    "module_of",
     "hook_model_step",
     "rank_in",
 ]
@@ -59,17 +61,16 @@ def open_source(model: Any, params: Iterable[Any] | None = None, state: State = 
     wraps, a ``fully_shard`` model, or a plain module whose ``.grad`` already holds reduced gradients
     (after DDP, or on one process). ``optimizer``: the one holding optimizer states where the model does
     not (FSDP2, a plain module). Local: no communication."""
-    if "deepspeed" in sys.modules or _looks_like_engine(model):
-        from collgrad.grads.sources import deepspeed as ds_source
+    engine = _engine_of(model)
+    if engine is not None:
+        named = select(engine.module, params, trainable=state != WEIGHTS)
+        if state == GRAD:
+            from collgrad.grads.sources import deepspeed as ds_source
 
-        engine = ds_source.find_engine(model)
-        if engine is not None:
-            named = select(engine.module, params, trainable=state != WEIGHTS)
-            if state == GRAD:
-                return ds_source.open_engine(engine, named)
-            from collgrad.grads.sources.deepspeed_state import open_engine_state
+            return ds_source.open_engine(engine, named)
+        from collgrad.grads.sources.deepspeed_state import open_engine_state
 
-            return open_engine_state(engine, named, state)
+        return open_engine_state(engine, named, state)
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(
             f"rank {_compat.rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
@@ -105,16 +106,9 @@ def _plain_state(model: nn.Module, params: list[Any] | None, state: State, optim
         owner = module()
         return select(owner, params, trainable=trainable) if owner is not None else []
 
-    if state in (FP32, WEIGHTS):
-        values = lambda: [p.detach() for _, p in named]  # noqa: E731
-    else:
-        held, key = optimizer_states(optimizer, state), state.key or ""
-        values = lambda: [per_element_state(held().get(p), key, p.numel(), n) for n, p in named]  # noqa: E731
-    return ReplicatedSource(f"torch:{state.what}", named, values, group, problem=_ok, reselect=reselect)
-
-
-def _ok() -> Problem:
-    return Problem.OK
+    held = None if state.key is None else optimizer_states(optimizer, state)
+    values = whole_values(named, state, held)
+    return ReplicatedSource(f"torch:{state.what}", named, values, group, problem=always_ok, reselect=reselect)
 
 
 def control_group_of(model: Any) -> ProcessGroup | None:
@@ -122,31 +116,51 @@ def control_group_of(model: Any) -> ProcessGroup | None:
     inspecting gradients: used to tell the other ranks when this rank's arguments are invalid."""
     if not torch.distributed.is_initialized():
         return None
-    if "deepspeed" in sys.modules or _looks_like_engine(model):
+    engine = _engine_of(model)
+    if engine is not None:
         from collgrad.grads.sources import deepspeed as ds_source
 
-        engine = ds_source.find_engine(model)
-        if engine is not None:
-            group: ProcessGroup | None = ds_source.control_group(engine)
-            return group
+        group: ProcessGroup | None = ds_source.control_group(engine)
+        return group
     return _compat.default_group()
+
+
+def module_of(model: Any) -> nn.Module:
+    """The module whose ``state_dict`` ``model`` holds: a DeepSpeed engine's ``module`` (the module it
+    wraps itself), else ``model``; InvalidArgumentError (this rank) for anything else. Local."""
+    engine = _engine_of(model)
+    module = engine.module if engine is not None else model
+    if not isinstance(module, nn.Module):
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
+        )
+    return module
 
 
 def hook_model_step(model: Any, run: Callable[[Any], None]) -> Callable[[], None]:
     """Have ``run(engine)`` called inside ``model``'s fused step (a DeepSpeed engine's ``step()``, at each
     accumulation boundary, before clipping and the update); returns the function that undoes it.
     Raises InvalidArgumentError where there is no such step."""
-    if "deepspeed" in sys.modules or _looks_like_engine(model):
+    engine = _engine_of(model)
+    if engine is not None:
         from collgrad.grads.sources import deepspeed as ds_source
 
-        engine = ds_source.find_engine(model)
-        if engine is not None:
-            return ds_source.hook_model_step(engine, run)
+        return ds_source.hook_model_step(engine, run)
     raise InvalidArgumentError(
         f"rank {_compat.rank()}: {type(model).__name__} is not a DeepSpeed engine (or a module one wraps): there is "
         "no fused step to hook. With a torch optimizer, call your function between backward() and "
         "optimizer.step() (or register it with optimizer.register_step_pre_hook)"
     )
+
+
+def _engine_of(model: Any) -> Any:
+    """The DeepSpeed engine ``model`` is or wraps, else None; DeepSpeed is imported (through the
+    adapter) only where it is loaded already or ``model`` looks like one of its engines."""
+    if "deepspeed" not in sys.modules and not _looks_like_engine(model):
+        return None
+    from collgrad.grads.sources import deepspeed as ds_source
+
+    return ds_source.find_engine(model)
 
 
 def _looks_like_engine(model: Any) -> bool:

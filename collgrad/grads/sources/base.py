@@ -31,7 +31,11 @@ __all__ = [
     "State",
     "GRAD",
     "FP32",
+    "WEIGHTS",
     "per_element_state",
+    "whole_values",
+    "always_ok",
+    "copy_to_weights",
     "optimizer_states",
     "select",
     "rank_in",
@@ -82,6 +86,24 @@ def optimizer_states(optimizer: Any, state: State) -> Callable[[], Any]:
         return owner.state if owner is not None else {}
 
     return states
+
+
+def whole_values(
+    named: Sequence[tuple[str, nn.Parameter]], state: State, states: Callable[[], Mapping[Any, Any]] | None = None
+) -> Callable[[], list[torch.Tensor]]:
+    """Where every rank holds ``state`` of each parameter whole (a plain module, stage 0, the weights
+    below ZeRO-3): the parameters themselves (weights, or fp32 where they are the master), or each
+    one's per-element optimizer state ``state.key`` from ``states()`` (``optimizer.state``)."""
+    key = state.key
+    if key is None:
+        return lambda: [p.detach() for _, p in named]
+    assert states is not None, "an optimizer state needs the optimizer's states"
+    return lambda: [per_element_state(states().get(p), key, p.numel(), n) for n, p in named]
+
+
+def always_ok() -> Problem:
+    """A state source's readiness: weights and optimizer states need no backward."""
+    return Problem.OK
 
 
 def copy_to_weights(params: Mapping[str, nn.Parameter], values: Mapping[str, torch.Tensor]) -> None:

@@ -35,8 +35,10 @@ from collgrad.grads.sources.base import (
     ReplicatedSource,
     Source,
     State,
+    always_ok,
     copy_to_weights,
     per_element_state,
+    whole_values,
 )
 from collgrad.grads.sources.deepspeed import (
     _EngineSource,
@@ -69,10 +71,10 @@ def open_engine_state(engine: Any, named: list[tuple[str, nn.Parameter]], state:
     if state == WEIGHTS:
         if kind == "DeepSpeedZeroOptimizer_Stage3":
             return _Zero3Weights(engine, named, model_parallel)
-        weights = lambda: [p.detach() for _, p in named]  # noqa: E731 - whole on every rank below ZeRO-3
+        weights = whole_values(named, state)  # whole on every rank below ZeRO-3
         variant = f"deepspeed-{kind}:weights"
         return ReplicatedSource(
-            variant, named, weights, control_group(engine), problem=_ok, model_parallel=model_parallel
+            variant, named, weights, control_group(engine), problem=always_ok, model_parallel=model_parallel
         )
     if kind == "DeepSpeedZeroOptimizer":
         return _Zero12State(engine, named, model_parallel, state)
@@ -188,17 +190,12 @@ def _replicated(
 ) -> Source:
     """Stage 0 with a torch optimizer: the module's weights are what it steps; each state is per parameter."""
     opt = engine.optimizer
-    key = state.key
-    if key is None:
-        values = lambda: [p.detach() for _, p in named]  # noqa: E731
-    else:
-        values = lambda: [per_element_state(opt.state.get(p), key, p.numel(), n) for n, p in named]  # noqa: E731
     return ReplicatedSource(
         f"deepspeed-stage0:{state.what}",
         named,
-        values,
+        whole_values(named, state, lambda: opt.state),
         control_group(engine),
-        problem=_ok,
+        problem=always_ok,
         model_parallel=model_parallel,
     )
 
@@ -232,7 +229,7 @@ class _AccessorState(ReplicatedSource):
             named,
             lambda: [None] * len(named),
             control_group(engine),
-            problem=_ok,
+            problem=always_ok,
             model_parallel=model_parallel,
             dtype=torch.float32,
             # ZeRO-3 (NVMe-swapped sub-groups): a partitioned parameter's own shape is (0,) outside a gather
@@ -301,7 +298,3 @@ class _Zero3Weights(_EngineSource):
                 parts.append(part)
             pieces.append(Pieces(parts))
         return LocalGrads(Problem.OK, pieces)
-
-
-def _ok() -> Problem:
-    return Problem.OK
