@@ -33,7 +33,7 @@ from collgrad.errors import (
     RankFailedError,
     UnknownParameterError,
 )
-from collgrad.grads import (
+from collgrad.state import (
     FullGradRecord,
     FullGrads,
     FullGradStream,

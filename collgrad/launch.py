@@ -88,7 +88,7 @@ class RankError(RuntimeError):
 # for this process, instead of importing it again in a fresh interpreter per rank (seconds each, more
 # on a loaded machine): torch, torch._dynamo (imported by the first optimizer torch.optim builds),
 # collgrad and, on DeepSpeed's CPU accelerator, collgrad's DeepSpeed adapter, which imports deepspeed
-# with the modules its first engine imports (see collgrad/grads/sources/deepspeed.py).
+# with the modules its first engine imports (see collgrad/state/adapters/deepspeed.py).
 # Importing them starts no thread and initializes no device or process group, so a fork of the server
 # is as clean as a fresh interpreter. What the server cannot give a rank is what was read at import:
 # deepspeed fixes its accelerator (DS_ACCELERATOR) when imported, so the server imports it only where
@@ -101,7 +101,7 @@ class RankError(RuntimeError):
 _SERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "collgrad")
 # collgrad's DeepSpeed adapter: it imports deepspeed and what a first engine imports (the adapter is
 # the one module of collgrad that imports deepspeed, the server's preload included).
-_DEEPSPEED_PRELOAD = ("collgrad.grads.sources.deepspeed",)
+_DEEPSPEED_PRELOAD = ("collgrad.state.adapters.deepspeed",)
 #: The forkserver of this process, once started: "accelerator" is the DS_ACCELERATOR it imported
 #: deepspeed with (None: it did not), "usable" False if it could not start (then every run spawns).
 _server: dict[str, Any] = {}

@@ -121,7 +121,7 @@ def count_collectives() -> Iterator[Calls]:
 def count_planning() -> Iterator[Counter]:
     """Calls of the two planners inside the block: the gradient plan and the dispatcher's bucket plan."""
     from collgrad.core import planner
-    from collgrad.grads import call
+    from collgrad.state import call
 
     counts: Counter = Counter()
     targets = [(planner, "plan_buckets"), (call, "plan_grads")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from collgrad.grads.sources.layout import GradGroup, Kind, ParamSlot
+from collgrad.state.adapters.layout import GradGroup, Kind, ParamSlot
 
 
 def sliced_group(sizes: list[int], world: int) -> GradGroup:

@@ -38,7 +38,7 @@ __all__ = [
 
 #: The status of a rank whose own arguments were invalid: it joins the check only to tell the others.
 INVALID = -1
-#: The status of a rank whose pre-step hook raised (collgrad/grads/hook.py): it joins whatever check the
+#: The status of a rank whose pre-step hook raised (collgrad/state/hook.py): it joins whatever check the
 #: others are in (their next collgrad call inside the hook, or the hook's own check) to tell them.
 HOOK_FAILED = -2
 #: How many times this process saw another rank's HOOK_FAILED (the hook then knows those ranks are done).

@@ -1,6 +1,6 @@
 """The model measured, and the engine it runs in: a DeepSpeed ZeRO engine or an FSDP2 ``fully_shard``.
 
-This is the benchmark's one door to the framework adapters (``collgrad.grads.sources.deepspeed`` and
+This is the benchmark's one door to the framework adapters (``collgrad.state.adapters.deepspeed`` and
 ``...fsdp2``, imported lazily here and nowhere else in the bench), so DeepSpeed is imported only on
 ranks that build a DeepSpeed engine, after ``DS_ACCELERATOR`` is in their environment.
 """
@@ -193,7 +193,7 @@ def accelerator_device() -> torch.device:
 def _deepspeed(cfg: BenchConfig) -> Subject:
     """A DeepSpeed engine of the synthetic model after one backward. DeepSpeed picks its accelerator
     itself (``DS_ACCELERATOR``, else its own detection): the engine's device is the device measured."""
-    from collgrad.grads.sources import deepspeed as ds  # the adapter: collgrad's one door to DeepSpeed
+    from collgrad.state.adapters import deepspeed as ds  # the adapter: collgrad's one door to DeepSpeed
 
     model = build_model(cfg)
     engine = ds.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-4), deepspeed_config(cfg))
@@ -245,7 +245,7 @@ def _set_weight(gathered: Any, p: nn.Parameter, value: torch.Tensor) -> None:
 
 def _fsdp2(cfg: BenchConfig) -> Subject:
     """The same synthetic model sharded with ``fully_shard`` over every rank, after one backward."""
-    from collgrad.grads.sources import fsdp2  # collgrad's one door to FSDP2
+    from collgrad.state.adapters import fsdp2  # collgrad's one door to FSDP2
 
     device = accelerator_device()
     plain = build_model(cfg).to(device)

@@ -20,7 +20,7 @@ from collgrad.bench.setting import (
     of_result,
     setter_loop,
 )
-from collgrad.grads.shards import write_safetensors
+from collgrad.state.shards import write_safetensors
 
 __all__ = ["STATE_METHODS"]
 

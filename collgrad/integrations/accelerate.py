@@ -9,9 +9,9 @@ from typing import Any, Callable
 
 from collgrad import _compat
 from collgrad.errors import InvalidArgumentError
-from collgrad.grads.hook import PreStepHook
-from collgrad.grads.hook import register_pre_step_hook as _register
-from collgrad.grads.save import SavedModel, save_full_model
+from collgrad.state.hook import PreStepHook
+from collgrad.state.hook import register_pre_step_hook as _register
+from collgrad.state.save import SavedModel, save_full_model
 
 __all__ = ["register_pre_step_hook", "save_model"]
 

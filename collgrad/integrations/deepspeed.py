@@ -112,15 +112,15 @@ class _Served:
             return self._fallback("no live DeepSpeed engine holds this parameter", fallback)
         engine, name = found
         state = self.engines[engine]
-        from collgrad.grads.write import writes
+        from collgrad.state.write import writes
 
         epoch = (state.epoch, state.written.get(kind, 0), writes())  # collgrad's model-wide setters too
         held = state.windows.get(kind)
         if held is None or held[0] != epoch or name not in held[1]:
             values = self._gather(engine, state, kind, name)
             if values is None:  # DeepSpeed's accessor: one collective of the whole parameter (ZeRO-1/2) or share
-                from collgrad.grads.call import source_of
-                from collgrad.grads.execute import accessor_bytes
+                from collgrad.state.call import source_of
+                from collgrad.state.execute import accessor_bytes
 
                 source = source_of(engine, _state(kind))[0]
                 self.sent[0] += 1
@@ -146,7 +146,7 @@ class _Served:
             return
         engine, name = found
         state = self.engines[engine]
-        from collgrad.grads.write import write_here
+        from collgrad.state.write import write_here
 
         if not write_here(engine, _state(kind), {name: value}):
             self._fallback(f"collgrad does not know {type(engine.optimizer).__name__}'s layout", fallback)
@@ -156,7 +156,7 @@ class _Served:
         """The window of ``kind`` from ``start`` on, read by collgrad (collective); None where collgrad
         would only call DeepSpeed's accessor itself (a layout it does not know)."""
         import collgrad
-        from collgrad.grads.call import source_of
+        from collgrad.state.call import source_of
 
         if kind not in state.known:  # whether collgrad reads this kind itself, or only through DeepSpeed's accessor
             state.known[kind] = source_of(engine, _state(kind))[0].accessor is None
@@ -247,7 +247,7 @@ def _adopt(served: _Served, engine: Any) -> None:
 
 
 def _state(kind: Any) -> Any:
-    from collgrad.grads.sources.base import FP32, GRAD, State
+    from collgrad.state.adapters.base import FP32, GRAD, State
 
     if kind == "grad":
         return GRAD
@@ -257,7 +257,7 @@ def _state(kind: Any) -> Any:
 def _live_engines() -> list[Any]:
     import gc
 
-    from collgrad.grads.sources.deepspeed import DeepSpeedEngine
+    from collgrad.state.adapters.deepspeed import DeepSpeedEngine
 
     return [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]
 
@@ -307,7 +307,7 @@ def install(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> Any:
     if _SERVED is not None:
         _SERVED.window_bytes = window_bytes
         return _SERVED
-    import collgrad.grads.sources.deepspeed  # noqa: F401 - the adapter: DeepSpeed loaded through it
+    import collgrad.state.adapters.deepspeed  # noqa: F401 - the adapter: DeepSpeed loaded through it
 
     # the module, from sys.modules: deepspeed.utils has a class named tensor_fragment
     fragment = sys.modules["deepspeed.utils.tensor_fragment"]

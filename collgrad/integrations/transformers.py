@@ -21,9 +21,9 @@ import torch
 from transformers import TrainerCallback
 
 from collgrad.errors import InvalidArgumentError
-from collgrad.grads.hook import PreStepHook, register_pre_step_hook
-from collgrad.grads.save import SavedModel, save_full_model
-from collgrad.grads.stats import GradStats, model_grad_stats
+from collgrad.state.hook import PreStepHook, register_pre_step_hook
+from collgrad.state.save import SavedModel, save_full_model
+from collgrad.state.stats import GradStats, model_grad_stats
 
 __all__ = ["GradStatsCallback", "grad_stats_logs", "save_model", "save_pretrained_files"]
 

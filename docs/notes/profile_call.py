@@ -3,7 +3,7 @@ wall time and main-thread CPU time of each (medians over ABBA pairs), and option
 named stages (``module:function`` or ``module:Class.method``, wrapped with ``perf_counter``).
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python docs/notes/profile_call.py --stage 2 --plan all_gather \\
-        --stages collgrad.grads.read:OpenCall,collgrad.core.dispatch:Dispatcher.run
+        --stages collgrad.state.read:OpenCall,collgrad.core.dispatch:Dispatcher.run
 
 Figures from it are in docs/notes/perf-profile.md.
 """

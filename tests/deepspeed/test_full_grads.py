@@ -346,7 +346,7 @@ def _large_slices(rank, world):
     from torch import nn
 
     import collgrad
-    from collgrad.grads.steps import DIRECT_SLICE_BYTES
+    from collgrad.state.steps import DIRECT_SLICE_BYTES
     from tests.deepspeed import models
 
     torch.manual_seed(0)

@@ -104,7 +104,7 @@ def _leaks(rank, world):
     plain(torch.ones(2, 4)).sum().backward()
     collgrad.safe_get_full_model_grads(plain, dispatcher=dispatcher)
     ref = weakref.ref(plain)
-    from collgrad.grads.model_cache import MODELS
+    from collgrad.state.model_cache import MODELS
 
     cached = len(MODELS.of(dispatcher))
     del plain

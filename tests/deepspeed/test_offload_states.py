@@ -23,7 +23,7 @@ def _worker(rank, world):
     models.run_backward(eng, rank)
     dispatcher = collgrad.Dispatcher()
     first = collgrad.safe_get_full_model_grads(eng, dispatcher=dispatcher)
-    from collgrad.grads.model_cache import MODELS
+    from collgrad.state.model_cache import MODELS
 
     (source,) = MODELS.of(dispatcher)[eng].values()
     # views of DeepSpeed's buffer (no staging: over Gloo on CPU the gather is laid out by Gloo itself)

@@ -102,7 +102,7 @@ def _worker(rank, world):
     # Non-finite values: put NaN and Inf into this rank's own partition, then compare with a full read.
     # Blocks: repeated layers, whose fragments statistics reduce as strided runs (one NaN lands in one);
     # reduced in blocks of 32 elements too (rows of a run in several blocks, tensors cut into spans).
-    from collgrad.grads import stat_blocks as stats_module
+    from collgrad.state import stat_blocks as stats_module
 
     default_block = stats_module.CPU_BLOCK_BYTES
     for name, model, block in (
@@ -132,7 +132,7 @@ def _worker(rank, world):
     # One rank's reductions raise (after the readiness check: they overlap it): every rank raises.
     eng = models.engine(models.config(2))
     models.run_backward(eng, rank)
-    from collgrad.grads import stat_reduce
+    from collgrad.state import stat_reduce
 
     reduce = stat_reduce.partials
     if rank == world - 1:

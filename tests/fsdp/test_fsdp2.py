@@ -163,7 +163,7 @@ def _worker(rank: int, world: int, hsdp: bool, root: str):
         with count_collectives() as seen:
             again = collgrad.safe_get_full_model_grads(model)
         # this step's shards are read once: later calls reuse them while FSDP2 holds the same ones
-        from collgrad.grads.model_cache import MODELS
+        from collgrad.state.model_cache import MODELS
 
         source = MODELS.of(default_dispatcher())[model][None]
         held = source._held

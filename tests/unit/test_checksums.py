@@ -2,7 +2,7 @@
 
 import torch
 
-from collgrad.grads.write import checksums
+from collgrad.state.write import checksums
 
 
 def test_equal_tensors_agree_and_any_changed_bit_is_seen():

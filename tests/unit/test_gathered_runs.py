@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.grads.sources.layout import GradGroup, Kind, ParamSlot, gathered_runs, owned_fragments
+from collgrad.state.adapters.layout import GradGroup, Kind, ParamSlot, gathered_runs, owned_fragments
 
 
 def _group(sizes, world):

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.grads.plan import (
+from collgrad.state.plan import (
     GATHER_MIN_SHARE,
     PLANS,
     GradCall,
@@ -19,7 +19,7 @@ from collgrad.grads.plan import (
     needs_capabilities,
     plan_grads,
 )
-from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
+from collgrad.state.adapters.layout import GradGroup, GradLayout, Kind, ParamSlot
 
 
 def _group(index, kind, sizes, world, pad_to=1):

@@ -1,9 +1,9 @@
 """The dependency rule, enforced: each optional or private dependency is imported in one module only.
 
-deepspeed   collgrad/grads/sources/deepspeed.py (the adapter; the benchmark reaches it through there)
+deepspeed   collgrad/state/adapters/deepspeed.py (the adapter; the benchmark reaches it through there)
 mpi4py      collgrad/backends/mpi.py
 torch._C    collgrad/_compat.py (private bindings change between torch versions)
-FSDP2       collgrad/grads/sources/fsdp2.py (its internals tell an unreduced micro-step)
+FSDP2       collgrad/state/adapters/fsdp2.py (its internals tell an unreduced micro-step)
 transformers, accelerate   collgrad/integrations/transformers.py (accelerate: read by attribute only)
 """
 
@@ -17,10 +17,10 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "collgrad"
 
 HOMES = {
-    "deepspeed": {"grads/sources/deepspeed.py"},
+    "deepspeed": {"state/adapters/deepspeed.py"},
     "mpi4py": {"backends/mpi.py"},
     "torch._C": {"_compat.py"},
-    "torch.distributed.fsdp": {"grads/sources/fsdp2.py"},
+    "torch.distributed.fsdp": {"state/adapters/fsdp2.py"},
     "transformers": {"integrations/transformers.py"},
     "accelerate": set(),
 }
@@ -64,7 +64,7 @@ def test_the_rule_sees_imports_inside_functions_and_from_imports(tmp_path):
 #: Lower layers first; a module may import its own layer and the ones below it, never one above.
 #: ``errors`` and ``_compat`` sit below all three; the top level (``collgrad/__init__``, cli, launch,
 #: bench, integrations) may import any of them.
-LAYERS = ("backends", "core", "grads")
+LAYERS = ("backends", "core", "state")
 BASE = {"collgrad.errors", "collgrad._compat"}
 
 
@@ -119,7 +119,7 @@ def test_layers_import_downwards_only():
             theirs = _layer(target)
             if theirs is None or theirs > mine:
                 wrong.append(f"{module} -> {target}")
-    assert not wrong, "imports against the layering (backends <- core <- grads):\n" + "\n".join(sorted(wrong))
+    assert not wrong, "imports against the layering (backends <- core <- state):\n" + "\n".join(sorted(wrong))
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -167,5 +167,5 @@ def test_the_layer_and_cycle_checks_see_what_they_should(tmp_path):
     assert _layer("collgrad.core.dispatch") == 1 and _layer("collgrad.backends.registry") == 0
     assert _layer("collgrad.errors") == -1 and _layer("collgrad.cli") is None
     modules = _modules()
-    edges = _edges(PACKAGE / "grads" / "read.py", modules)
+    edges = _edges(PACKAGE / "state" / "read.py", modules)
     assert "collgrad.core.dispatch" in edges and "collgrad" not in edges

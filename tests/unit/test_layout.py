@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.grads.sources.layout import GradGroup, Kind, ParamSlot, owned_fragments
+from collgrad.state.adapters.layout import GradGroup, Kind, ParamSlot, owned_fragments
 from tests.groups import sliced_group
 
 

@@ -9,9 +9,9 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.grads.sources.layout import Fragment
-from collgrad.grads.stat_blocks import Rows as _Rows
-from collgrad.grads.stat_blocks import blocks as _blocks
+from collgrad.state.adapters.layout import Fragment
+from collgrad.state.stat_blocks import Rows as _Rows
+from collgrad.state.stat_blocks import blocks as _blocks
 
 
 def _fragments(sizes_and_gaps):

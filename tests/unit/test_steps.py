@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.grads.cache import MAX_SHAPES, PlanCache
-from collgrad.grads.plan import GradCall
-from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, ParamSlot, gathered_runs, owned_fragments
-from collgrad.grads.steps import (
+from collgrad.state.cache import MAX_SHAPES, PlanCache
+from collgrad.state.plan import GradCall
+from collgrad.state.adapters.layout import Fragment, GradGroup, Kind, ParamSlot, gathered_runs, owned_fragments
+from collgrad.state.steps import (
     MIN_CHUNK_BYTES,
     PIPELINE_CHUNKS,
     Sent,
@@ -260,9 +260,9 @@ def test_the_plan_cache_keeps_at_most_its_bound_of_call_shapes():
 
 def test_what_a_rank_tells_of_its_pieces_in_the_readiness_check():
     from collgrad.core.buffers import Pieces
-    from collgrad.grads.cache import Placements
-    from collgrad.grads.placements import CHANGED, piece_count, placed, placement_print
-    from collgrad.grads.sources.layout import GradLayout
+    from collgrad.state.cache import Placements
+    from collgrad.state.placements import CHANGED, piece_count, placed, placement_print
+    from collgrad.state.adapters.layout import GradLayout
 
     group = _flat([3, 5], 2)
     layout = GradLayout("test", (group,), ("p0", "p1"))

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from collgrad.grads.sources.layout import Fragment, GradGroup, ParamSlot, owned_fragments, strided_runs
+from collgrad.state.adapters.layout import Fragment, GradGroup, ParamSlot, owned_fragments, strided_runs
 
 __all__ = [
     "PIPELINE_CHUNKS",

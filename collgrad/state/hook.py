@@ -5,7 +5,7 @@ Hugging Face Accelerate and Trainer call ``engine.backward(loss)`` and ``engine.
 so user code never sees the window between them; a pre-step hook runs in it::
 
     engine.step()  (yours, Accelerate's or Trainer's), at an accumulation boundary:
-        fn(engine) on every rank        <- every collgrad.grads function is valid here; edits count
+        fn(engine) on every rank        <- every collgrad.state function is valid here; edits count
         one small check: did fn raise on any rank?  yes -> every rank raises, no step is taken
         DeepSpeed: overflow check, clipping, optimizer.step(), zero_grad()
 
@@ -21,8 +21,8 @@ from collgrad import _compat
 from collgrad.backends import agreement
 from collgrad.core.dispatch import default_dispatcher
 from collgrad.errors import InvalidArgumentError, PreStepHookError
-from collgrad.grads import sources
-from collgrad.grads.call import FIELDS, OpenCall
+from collgrad.state import adapters
+from collgrad.state.call import FIELDS, OpenCall
 
 __all__ = ["PreStepHook", "register_pre_step_hook"]
 
@@ -52,7 +52,7 @@ class PreStepHook:
 def register_pre_step_hook(model: Any, fn: Callable[[Any], Any], *, every: int = 1) -> PreStepHook:
     """Call ``fn(engine)`` on every rank inside ``engine.step()`` at every ``every``-th gradient
     accumulation boundary, after the gradients are reduced and before DeepSpeed's overflow check,
-    clipping and optimizer update: inside ``fn`` every collgrad.grads function is valid, and gradients
+    clipping and optimizer update: inside ``fn`` every collgrad.state function is valid, and gradients
     written there are what DeepSpeed clips and steps with. It fires whoever calls ``step()`` (your
     loop, Accelerate, Trainer), once per boundary, never at other micro-steps.
 
@@ -75,9 +75,9 @@ def register_pre_step_hook(model: Any, fn: Callable[[Any], Any], *, every: int =
         if handle.boundaries % handle.every:
             return
         handle.calls += 1
-        _run_checked(handle.fn, engine, sources.control_group_of(engine))
+        _run_checked(handle.fn, engine, adapters.control_group_of(engine))
 
-    handle._remove = sources.hook_model_step(model, run)
+    handle._remove = adapters.hook_model_step(model, run)
     return handle
 
 

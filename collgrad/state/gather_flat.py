@@ -24,11 +24,11 @@ import torch
 from collgrad.backends import agreement
 from collgrad.backends.ops import Op
 from collgrad.core.buffers import Pieces
-from collgrad.grads.cache import Placements
-from collgrad.grads.placements import CHANGED, placed, sent_message
-from collgrad.grads.runner import Result, Step, all_converted, lays_out_strided, viewed
-from collgrad.grads.sources.layout import gathered_runs
-from collgrad.grads.steps import COPY_FOR_A_COLLECTIVE, flat_chunks, flat_views
+from collgrad.state.cache import Placements
+from collgrad.state.placements import CHANGED, placed, sent_message
+from collgrad.state.runner import Result, Step, all_converted, lays_out_strided, viewed
+from collgrad.state.adapters.layout import gathered_runs
+from collgrad.state.steps import COPY_FOR_A_COLLECTIVE, flat_chunks, flat_views
 
 __all__ = ["gather_flat"]
 

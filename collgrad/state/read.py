@@ -12,9 +12,9 @@ import torch
 
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher
-from collgrad.grads.call import OpenCall
-from collgrad.grads.execute import Executor
-from collgrad.grads.record import FullGradRecord
+from collgrad.state.call import OpenCall
+from collgrad.state.execute import Executor
+from collgrad.state.record import FullGradRecord
 
 __all__ = ["safe_get_full_model_grads", "iter_full_model_grads", "FullGrads", "FullGradStream", "collected"]
 

@@ -30,12 +30,12 @@ from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher
 from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, RankFailedError
-from collgrad.grads import stat_reduce
-from collgrad.grads.call import OpenCall
-from collgrad.grads.execute import accessor_bytes
-from collgrad.grads.plan import PlanKind
-from collgrad.grads.record import FullGradRecord, GroupRecord
-from collgrad.grads.sources.layout import GradGroup, Kind
+from collgrad.state import stat_reduce
+from collgrad.state.call import OpenCall
+from collgrad.state.execute import accessor_bytes
+from collgrad.state.plan import PlanKind
+from collgrad.state.record import FullGradRecord, GroupRecord
+from collgrad.state.adapters.layout import GradGroup, Kind
 
 __all__ = ["GradStat", "GradStats", "model_grad_stats", "module_of"]
 

@@ -12,7 +12,7 @@ import weakref
 from typing import Any, Hashable
 
 from collgrad.core.dispatch import Dispatcher
-from collgrad.grads.sources.base import Source
+from collgrad.state.adapters.base import Source
 
 __all__ = ["ModelCache", "MODELS"]
 

@@ -16,11 +16,11 @@ import torch
 from collgrad.backends.agreement import Field, stable_hash
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher
-from collgrad.grads.call import OpenCall
-from collgrad.grads.read import FullGrads, FullGradStream, collected
-from collgrad.grads.record import FullGradRecord
-from collgrad.grads.sources.base import FP32, Source, State
-from collgrad.grads.write import set_full
+from collgrad.state.call import OpenCall
+from collgrad.state.read import FullGrads, FullGradStream, collected
+from collgrad.state.record import FullGradRecord
+from collgrad.state.adapters.base import FP32, Source, State
+from collgrad.state.write import set_full
 
 __all__ = [
     "safe_set_full_model_fp32_params",

@@ -27,8 +27,8 @@ import torch
 from collgrad.backends.ops import Op, Primitive
 from collgrad.core.buffers import Pieces
 from collgrad.core.record import CallRecord
-from collgrad.grads.runner import Result, Step, all_converted, lays_out_strided, viewed
-from collgrad.grads.steps import SlicesStep, slices_step
+from collgrad.state.runner import Result, Step, all_converted, lays_out_strided, viewed
+from collgrad.state.steps import SlicesStep, slices_step
 
 __all__ = ["gather_sliced"]
 

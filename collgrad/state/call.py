@@ -10,7 +10,7 @@ the cache (or built), this rank's gradients located, and the ranks agreed, befor
         |
     GradPlan + bucket plans (cached with the source: a second call plans nothing)
 
-Every entry point of collgrad.grads opens its call here, so they all fail together the same way.
+Every entry point of collgrad.state opens its call here, so they all fail together the same way.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher, checked_bucket_bytes, default_dispatcher, policy_print
 from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, LayoutChangedError, NotReadyError
-from collgrad.grads import sources
-from collgrad.grads.cache import ShapePlans
-from collgrad.grads.model_cache import MODELS, ModelCache
-from collgrad.grads.placements import piece_count, placement_print
-from collgrad.grads.plan import PLANS, GradCall, GradPlan, needs_capabilities, plan_grads
-from collgrad.grads.sources.base import GRAD, LocalGrads, Problem, Source, State
-from collgrad.grads.sources.layout import GradGroup
+from collgrad.state import adapters
+from collgrad.state.cache import ShapePlans
+from collgrad.state.model_cache import MODELS, ModelCache
+from collgrad.state.placements import piece_count, placement_print
+from collgrad.state.plan import PLANS, GradCall, GradPlan, needs_capabilities, plan_grads
+from collgrad.state.adapters.base import GRAD, LocalGrads, Problem, Source, State
+from collgrad.state.adapters.layout import GradGroup
 
 __all__ = ["OpenCall", "FIELDS", "source_of"]
 
@@ -53,7 +53,7 @@ FIELDS = (
 
 
 class OpenCall:
-    """One call of a collgrad.grads entry point, ready to execute.
+    """One call of a collgrad.state entry point, ready to execute.
 
     Construction is collective over the model's data-parallel group (one small all-gather); it raises
     on every rank together when any rank's arguments are invalid or different, or when gradients
@@ -245,7 +245,7 @@ def _tell_invalid(model: Any, timeout_s: float, name: str) -> None:
     """This rank's arguments are invalid: take part in the readiness check with that verdict, so ranks
     whose arguments were fine raise too instead of waiting; the caller then re-raises its own error."""
     try:
-        group = sources.control_group_of(model)
+        group = adapters.control_group_of(model)
     except Exception:  # noqa: BLE001 - the argument error is the one to report
         group = _compat.default_group() if torch.distributed.is_initialized() else None
     if group is not None:
@@ -290,10 +290,10 @@ def _cached_source(
     try:
         per_model = models.per_model(dispatcher, model)
     except TypeError:  # not weakly referenceable, so not a model: let open_source say what is wrong
-        return sources.open_source(model, params, state, optimizer), False
+        return adapters.open_source(model, params, state, optimizer), False
     source = per_model.get(key)
     if source is not None and source.valid():
         return source, True
-    source = sources.open_source(model, params, state, optimizer)
+    source = adapters.open_source(model, params, state, optimizer)
     per_model[key] = source
     return source, False

@@ -9,10 +9,10 @@ import torch
 
 from collgrad.backends.ops import Op, Primitive
 from collgrad.core.record import CallRecord
-from collgrad.grads.call import OpenCall
-from collgrad.grads.plan import GroupPlan
-from collgrad.grads.sources.layout import GradGroup, ParamSlot
-from collgrad.grads.steps import ViewRun
+from collgrad.state.call import OpenCall
+from collgrad.state.plan import GroupPlan
+from collgrad.state.adapters.layout import GradGroup, ParamSlot
+from collgrad.state.steps import ViewRun
 
 __all__ = ["Result", "Step", "viewed", "lays_out_strided", "shaped", "no_history", "converted", "all_converted"]
 

@@ -6,8 +6,8 @@ then returns, each call and without communicating, the local buffers and whether
 Sources are cached per model by the caller while ``Source.valid()`` holds, so a second call does no
 planning work.
 
-Only ``collgrad.grads.sources.deepspeed`` imports deepspeed, and only when a DeepSpeed engine is passed;
-only ``collgrad.grads.sources.fsdp2`` touches FSDP2 internals, when a ``fully_shard`` model is passed.
+Only ``collgrad.state.adapters.deepspeed`` imports deepspeed, and only when a DeepSpeed engine is passed;
+only ``collgrad.state.adapters.fsdp2`` touches FSDP2 internals, when a ``fully_shard`` model is passed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.errors import InvalidArgumentError
-from collgrad.grads.sources.base import (
+from collgrad.state.adapters.base import (
     FP32,
     GRAD,
     WEIGHTS,
@@ -65,10 +65,10 @@ def open_source(model: Any, params: Iterable[Any] | None = None, state: State = 
     if engine is not None:
         named = select(engine.module, params, trainable=state != WEIGHTS)
         if state == GRAD:
-            from collgrad.grads.sources import deepspeed as ds_source
+            from collgrad.state.adapters import deepspeed as ds_source
 
             return ds_source.open_engine(engine, named)
-        from collgrad.grads.sources.deepspeed_state import open_engine_state
+        from collgrad.state.adapters.deepspeed_state import open_engine_state
 
         return open_engine_state(engine, named, state)
     if not isinstance(model, nn.Module):
@@ -76,7 +76,7 @@ def open_source(model: Any, params: Iterable[Any] | None = None, state: State = 
             f"rank {_compat.rank()}: expected a DeepSpeed engine or a torch.nn.Module, got {type(model).__name__}"
         )
     if "torch.distributed.fsdp" in sys.modules:  # imported by whoever called fully_shard
-        from collgrad.grads.sources import fsdp2
+        from collgrad.state.adapters import fsdp2
 
         if fsdp2.is_fsdp2(model):
             return fsdp2.open_fsdp2(model, select(model, params, trainable=state != WEIGHTS), state, optimizer)
@@ -118,7 +118,7 @@ def control_group_of(model: Any) -> ProcessGroup | None:
         return None
     engine = _engine_of(model)
     if engine is not None:
-        from collgrad.grads.sources import deepspeed as ds_source
+        from collgrad.state.adapters import deepspeed as ds_source
 
         group: ProcessGroup | None = ds_source.control_group(engine)
         return group
@@ -143,7 +143,7 @@ def hook_model_step(model: Any, run: Callable[[Any], None]) -> Callable[[], None
     Raises InvalidArgumentError where there is no such step."""
     engine = _engine_of(model)
     if engine is not None:
-        from collgrad.grads.sources import deepspeed as ds_source
+        from collgrad.state.adapters import deepspeed as ds_source
 
         return ds_source.hook_model_step(engine, run)
     raise InvalidArgumentError(
@@ -158,7 +158,7 @@ def _engine_of(model: Any) -> Any:
     adapter) only where it is loaded already or ``model`` looks like one of its engines."""
     if "deepspeed" not in sys.modules and not _looks_like_engine(model):
         return None
-    from collgrad.grads.sources import deepspeed as ds_source
+    from collgrad.state.adapters import deepspeed as ds_source
 
     return ds_source.find_engine(model)
 

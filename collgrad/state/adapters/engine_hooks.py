@@ -9,7 +9,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
-from collgrad.grads.sources.base import Source
+from collgrad.state.adapters.base import Source
 
 __all__ = ["hook_model_step", "release_on_offload"]
 

@@ -28,7 +28,7 @@ from torch import nn
 from collgrad import _compat
 from collgrad.core.buffers import Pieces
 from collgrad.errors import InvalidArgumentError
-from collgrad.grads.sources.base import (
+from collgrad.state.adapters.base import (
     WEIGHTS,
     LocalGrads,
     Problem,
@@ -40,7 +40,7 @@ from collgrad.grads.sources.base import (
     per_element_state,
     whole_values,
 )
-from collgrad.grads.sources.deepspeed import (
+from collgrad.state.adapters.deepspeed import (
     _EngineSource,
     _Zero3,
     _Zero12,
@@ -52,7 +52,7 @@ from collgrad.grads.sources.deepspeed import (
     safe_set_full_optimizer_state,
     zero3_group,
 )
-from collgrad.grads.sources.layout import GradLayout
+from collgrad.state.adapters.layout import GradLayout
 
 __all__ = ["open_engine_state"]
 

@@ -23,12 +23,12 @@ hook.py          register_pre_step_hook: a function run inside DeepSpeed's fused
 record.py        what a call did
 """
 
-from collgrad.grads.hook import PreStepHook, register_pre_step_hook
-from collgrad.grads.plan import PLANS, GradPlan, PlanKind
-from collgrad.grads.read import FullGrads, FullGradStream, iter_full_model_grads, safe_get_full_model_grads
-from collgrad.grads.record import FullGradRecord, GroupRecord
-from collgrad.grads.save import SavedModel, save_full_model
-from collgrad.grads.state import (
+from collgrad.state.hook import PreStepHook, register_pre_step_hook
+from collgrad.state.plan import PLANS, GradPlan, PlanKind
+from collgrad.state.read import FullGrads, FullGradStream, iter_full_model_grads, safe_get_full_model_grads
+from collgrad.state.record import FullGradRecord, GroupRecord
+from collgrad.state.save import SavedModel, save_full_model
+from collgrad.state.state import (
     iter_full_model_fp32_params,
     iter_full_model_optimizer_states,
     safe_get_full_model_fp32_params,
@@ -36,8 +36,8 @@ from collgrad.grads.state import (
     safe_set_full_model_fp32_params,
     safe_set_full_model_optimizer_states,
 )
-from collgrad.grads.stats import GradStat, GradStats, model_grad_stats
-from collgrad.grads.write import safe_set_full_model_grads, update_full_model_grads
+from collgrad.state.stats import GradStat, GradStats, model_grad_stats
+from collgrad.state.write import safe_set_full_model_grads, update_full_model_grads
 
 __all__ = [
     "save_full_model",

@@ -8,7 +8,7 @@ none), unpadded. That is the SLICED layout with a slice of ``ceil(d0 / n)`` rows
 
     param (5 x 9), 2 shard ranks    rank 0: rows 0-2 (27 elements)   rank 1: rows 3-4 (18, padded to 27)
 
-so every executor of collgrad.grads applies: one gather per bucket over the shard group, the
+so every executor of collgrad.state applies: one gather per bucket over the shard group, the
 statistics from the local shards, writing each rank's rows of the given value into its local shard.
 HSDP (mesh ``(replicate, shard)``): gathered over the shard dimension only; the replicate dimension
 already holds equal values. Tensor parallel (a DTensor parameter before ``fully_shard``): FSDP shards
@@ -41,8 +41,8 @@ from torch.distributed.tensor import DTensor, Shard
 from collgrad import _compat
 from collgrad.core.buffers import Pieces, SameTensors, flat_alias
 from collgrad.errors import InvalidArgumentError
-from collgrad.grads.cache import PlanCache
-from collgrad.grads.sources.base import (
+from collgrad.state.cache import PlanCache
+from collgrad.state.adapters.base import (
     FP32,
     GRAD,
     WEIGHTS,
@@ -54,7 +54,7 @@ from collgrad.grads.sources.base import (
     per_element_state,
     rank_in,
 )
-from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
+from collgrad.state.adapters.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
 
 __all__ = ["is_fsdp2", "open_fsdp2", "shard_whole", "full_state_dict"]
 

@@ -11,11 +11,11 @@ import torch
 
 from collgrad.backends.ops import Op, Primitive
 from collgrad.core.buffers import Pieces
-from collgrad.grads.cache import HeldCopies
-from collgrad.grads.runner import Result, Step, all_converted, viewed
-from collgrad.grads.sources.base import rank_in
-from collgrad.grads.sources.layout import Fragment
-from collgrad.grads.steps import CopyRows, copy_plan, reduce_step
+from collgrad.state.cache import HeldCopies
+from collgrad.state.runner import Result, Step, all_converted, viewed
+from collgrad.state.adapters.base import rank_in
+from collgrad.state.adapters.layout import Fragment
+from collgrad.state.steps import CopyRows, copy_plan, reduce_step
 
 __all__ = ["all_reduce"]
 

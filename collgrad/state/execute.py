@@ -15,15 +15,15 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from collgrad.core.record import CallRecord
-from collgrad.grads.call import OpenCall
-from collgrad.grads.gather_flat import gather_flat
-from collgrad.grads.gather_sliced import gather_sliced
-from collgrad.grads.plan import GroupPlan, PlanKind
-from collgrad.grads.record import FullGradRecord, GroupRecord
-from collgrad.grads.reduce import all_reduce
-from collgrad.grads.runner import Result, Step, converted, no_history, shaped
-from collgrad.grads.sources.base import Source
-from collgrad.grads.sources.layout import GradGroup, Kind, owned_fragments
+from collgrad.state.call import OpenCall
+from collgrad.state.gather_flat import gather_flat
+from collgrad.state.gather_sliced import gather_sliced
+from collgrad.state.plan import GroupPlan, PlanKind
+from collgrad.state.record import FullGradRecord, GroupRecord
+from collgrad.state.reduce import all_reduce
+from collgrad.state.runner import Result, Step, converted, no_history, shaped
+from collgrad.state.adapters.base import Source
+from collgrad.state.adapters.layout import GradGroup, Kind, owned_fragments
 
 __all__ = ["Executor", "Result", "accessor_bytes"]
 

@@ -29,7 +29,7 @@ from typing import Mapping
 import torch
 
 from collgrad.backends.ops import ValueEnum
-from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind
+from collgrad.state.adapters.layout import GradGroup, GradLayout, Kind
 
 __all__ = [
     "PLANS",

@@ -13,11 +13,11 @@ import torch
 
 from collgrad import _compat
 from collgrad.core.buffers import Pieces
-from collgrad.grads import stat_blocks
-from collgrad.grads.cache import PlanCache
-from collgrad.grads.sources.base import rank_in
-from collgrad.grads.sources.layout import Fragment, GradGroup, Kind, owned_fragments
-from collgrad.grads.stat_blocks import Arranged, Rows, blocks
+from collgrad.state import stat_blocks
+from collgrad.state.cache import PlanCache
+from collgrad.state.adapters.base import rank_in
+from collgrad.state.adapters.layout import Fragment, GradGroup, Kind, owned_fragments
+from collgrad.state.stat_blocks import Arranged, Rows, blocks
 
 __all__ = ["partials"]
 

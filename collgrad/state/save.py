@@ -27,13 +27,13 @@ from collgrad.backends import agreement
 from collgrad.backends.agreement import stable_hash
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import ArgumentMismatchError, CollgradError, InvalidArgumentError, RankFailedError
-from collgrad.grads import sources
-from collgrad.grads.call import OpenCall
-from collgrad.grads.read import FullGradStream
-from collgrad.grads.record import FullGradRecord
-from collgrad.grads.shards import SAFE_DTYPES, Entry, Shard, ShardFiles, plan_shards, shard_name
-from collgrad.grads.sources.base import FP32, WEIGHTS, State, select
-from collgrad.grads.sources.layout import Kind
+from collgrad.state import adapters
+from collgrad.state.call import OpenCall
+from collgrad.state.read import FullGradStream
+from collgrad.state.record import FullGradRecord
+from collgrad.state.shards import SAFE_DTYPES, Entry, Shard, ShardFiles, plan_shards, shard_name
+from collgrad.state.adapters.base import FP32, WEIGHTS, State, select
+from collgrad.state.adapters.layout import Kind
 
 __all__ = ["save_full_model", "SavedModel", "DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME"]
 
@@ -97,12 +97,12 @@ def save_full_model(
     """
     start = time.perf_counter()
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
-    group = sources.control_group_of(model)
+    group = adapters.control_group_of(model)
     me = torch.distributed.get_rank() if group is not None else 0
     path = os.fspath(directory)
     error: BaseException | None = None
     try:
-        module = sources.module_of(model)
+        module = adapters.module_of(model)
         writers = _checked(ranks, dtype, max_shard_bytes)
         names = None if params is None else [n for n, _ in select(module, params, trainable=False)]
         if me in writers:

@@ -9,9 +9,9 @@ from typing import Any, Sequence
 
 from collgrad.backends.agreement import stable_hash
 from collgrad.core.buffers import Pieces, main_run, run_view
-from collgrad.grads.cache import PlanCache
-from collgrad.grads.sources.layout import GradLayout, Kind
-from collgrad.grads.steps import Sent, sent_pieces
+from collgrad.state.cache import PlanCache
+from collgrad.state.adapters.layout import GradLayout, Kind
+from collgrad.state.steps import Sent, sent_pieces
 
 __all__ = ["placed", "sent_message", "placement_print", "piece_count", "CHANGED"]
 

@@ -2,7 +2,7 @@
 write this rank's part of it), ``LocalGrads`` (one call's view of this rank's gradients), ``Problem``
 (why they cannot be read now), ``ReplicatedSource`` (every rank holds every full gradient).
 
-The adapters (deepspeed.py, fsdp2.py) build on these; ``collgrad.grads.sources`` opens the right one.
+The adapters (deepspeed.py, fsdp2.py) build on these; ``collgrad.state.adapters`` opens the right one.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch.distributed import ProcessGroup
 from collgrad import _compat
 from collgrad.core.buffers import Pieces
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
-from collgrad.grads.cache import PlanCache, WritePlan, WriteRow
-from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
+from collgrad.state.cache import PlanCache, WritePlan, WriteRow
+from collgrad.state.adapters.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
 
 __all__ = [
     "Problem",

@@ -26,10 +26,10 @@ from collgrad.backends.agreement import Field, ranks_by_value, stable_hash
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import ArgumentMismatchError, InvalidArgumentError, NotReadyError, UnknownParameterError
-from collgrad.grads.call import OpenCall, source_of
-from collgrad.grads.execute import Executor
-from collgrad.grads.record import FullGradRecord
-from collgrad.grads.sources.base import GRAD, Problem, Source, State
+from collgrad.state.call import OpenCall, source_of
+from collgrad.state.execute import Executor
+from collgrad.state.record import FullGradRecord
+from collgrad.state.adapters.base import GRAD, Problem, Source, State
 
 __all__ = ["safe_set_full_model_grads", "update_full_model_grads", "checksums", "set_full", "write_here", "writes"]
 

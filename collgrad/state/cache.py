@@ -25,9 +25,9 @@ import torch
 from collgrad.backends.ops import Op, Primitive
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Prepared
-from collgrad.grads.plan import GradCall, GradPlan
-from collgrad.grads.stat_blocks import Arranged
-from collgrad.grads.steps import CopyPlan, ReduceStep, Sent, SlicesStep, ViewRun
+from collgrad.state.plan import GradCall, GradPlan
+from collgrad.state.stat_blocks import Arranged
+from collgrad.state.steps import CopyPlan, ReduceStep, Sent, SlicesStep, ViewRun
 
 __all__ = ["Lru", "ShapePlans", "PlanCache", "Placements", "HeldCopies", "WriteRow", "WritePlan", "MAX_SHAPES"]
 

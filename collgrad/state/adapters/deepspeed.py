@@ -48,11 +48,11 @@ from torch import nn
 from collgrad import _compat
 from collgrad.core.buffers import Pieces, PiecesCache
 from collgrad.errors import InvalidArgumentError
-from collgrad.grads.cache import PlanCache
-from collgrad.grads.sources.base import LocalGrads, Problem, ReplicatedSource, Source
-from collgrad.grads.sources.engine_hooks import hook_model_step, release_on_offload
-from collgrad.grads.sources.layout import GradGroup, GradLayout, Kind, ParamSlot
-from collgrad.grads.sources.swap import SwappedIn
+from collgrad.state.cache import PlanCache
+from collgrad.state.adapters.base import LocalGrads, Problem, ReplicatedSource, Source
+from collgrad.state.adapters.engine_hooks import hook_model_step, release_on_offload
+from collgrad.state.adapters.layout import GradGroup, GradLayout, Kind, ParamSlot
+from collgrad.state.adapters.swap import SwappedIn
 
 __all__ = [
     "find_engine",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from collgrad.core.record import CallRecord
-from collgrad.grads.plan import PlanKind
-from collgrad.grads.sources.layout import Kind
+from collgrad.state.plan import PlanKind
+from collgrad.state.adapters.layout import Kind
 
 __all__ = ["GroupRecord", "FullGradRecord"]
 
