@@ -1,4 +1,5 @@
-"""collgrad: coalesced collectives and full-model gradients for DeepSpeed ZeRO, one collective per bucket.
+"""collgrad: the partitioned training state of DeepSpeed ZeRO and FSDP2, whole and model-wide, in one
+collective per bucket; and coalesced collectives on any mix of backends.
 
 Dependency rule: torch is the only hard dependency. Only ``collgrad.backends.mpi`` imports mpi4py
 (lazily, under an MPI launcher); only the DeepSpeed adapter imports deepspeed.
@@ -14,14 +15,13 @@ from torch.distributed import ProcessGroup, ReduceOp
 from collgrad.backends.decide import Capabilities
 from collgrad.backends.ops import Op, Primitive
 from collgrad.backends.policy import Policy
-from collgrad.backends.registry import Registry
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
-from collgrad.core.record import BucketRecord, CallRecord, Decision
+from collgrad.core.record import BucketRecord, CallRecord
 from collgrad.errors import (
     AgreementError,
     ArgumentMismatchError,
     CollgradError,
-    CollgradTimeout,
+    CollgradTimeoutError,
     InvalidArgumentError,
     LayoutChangedError,
     NoBackendError,
@@ -34,79 +34,81 @@ from collgrad.errors import (
     UnknownParameterError,
 )
 from collgrad.state import (
-    FullGradRecord,
     FullGrads,
-    FullGradStream,
+    FullState,
+    FullStateStream,
     GradStat,
     GradStats,
-    GroupRecord,
     PreStepHook,
     SavedModel,
+    StateRecord,
     iter_full_model_fp32_params,
     iter_full_model_grads,
     iter_full_model_optimizer_states,
-    model_grad_stats,
     register_pre_step_hook,
     safe_get_full_model_fp32_params,
+    safe_get_full_model_grad_stats,
     safe_get_full_model_grads,
     safe_get_full_model_optimizer_states,
     safe_set_full_model_fp32_params,
     safe_set_full_model_grads,
     safe_set_full_model_optimizer_states,
+    safe_update_full_model_grads,
     save_full_model,
-    update_full_model_grads,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "save_full_model",
-    "SavedModel",
-    "safe_get_full_model_fp32_params",
-    "iter_full_model_fp32_params",
-    "safe_get_full_model_optimizer_states",
-    "iter_full_model_optimizer_states",
-    "safe_set_full_model_fp32_params",
-    "safe_set_full_model_optimizer_states",
-    "register_pre_step_hook",
-    "PreStepHook",
-    "PreStepHookError",
-    "RankFailedError",
-    "NotInitializedError",
+    # Gradients, between the boundary backward() and step()
     "safe_get_full_model_grads",
     "iter_full_model_grads",
-    "model_grad_stats",
     "safe_set_full_model_grads",
-    "update_full_model_grads",
+    "safe_update_full_model_grads",
+    "safe_get_full_model_grad_stats",
+    "register_pre_step_hook",
+    # The rest of the training state, at any time outside step()
+    "safe_get_full_model_fp32_params",
+    "iter_full_model_fp32_params",
+    "safe_set_full_model_fp32_params",
+    "safe_get_full_model_optimizer_states",
+    "iter_full_model_optimizer_states",
+    "safe_set_full_model_optimizer_states",
+    # Consolidated checkpoints
+    "save_full_model",
+    # What those calls return
+    "FullState",
+    "FullGrads",
+    "FullStateStream",
+    "StateRecord",
     "GradStats",
     "GradStat",
-    "FullGrads",
-    "FullGradStream",
-    "FullGradRecord",
-    "GroupRecord",
+    "PreStepHook",
+    "SavedModel",
+    # Coalesced collectives
     "all_reduce_coalesced",
     "all_gather_coalesced",
     "capabilities",
-    "default_dispatcher",
     "Dispatcher",
-    "Registry",
     "Policy",
-    "Capabilities",
-    "CallRecord",
-    "BucketRecord",
-    "Decision",
     "Op",
     "Primitive",
+    "CallRecord",
+    "BucketRecord",
+    # Errors: every one a CollgradError, raised on every rank together
     "CollgradError",
-    "CollgradTimeout",
     "InvalidArgumentError",
     "UnknownParameterError",
     "ArgumentMismatchError",
     "NotReadyError",
+    "NotInitializedError",
     "LayoutChangedError",
+    "PreStepHookError",
+    "RankFailedError",
+    "CollgradTimeoutError",
     "NoBackendError",
-    "AgreementError",
     "NoPrimitiveError",
+    "AgreementError",
     "PolicyError",
 ]
 
@@ -130,7 +132,7 @@ def all_reduce_coalesced(
 
     ``atomic`` (default): the tensors are written only after every bucket has completed, so an error
     leaves them as they were (one more copy of each); ``atomic=False`` reduces in place bucket by
-    bucket, without that copy. Waits are bounded (COLLGRAD_TIMEOUT) and raise CollgradTimeout.
+    bucket, without that copy. Waits are bounded (COLLGRAD_TIMEOUT) and raise CollgradTimeoutError.
     """
     return (dispatcher or default_dispatcher()).all_reduce(
         tensors, group, op, bucket_bytes=bucket_bytes, policy=policy, atomic=atomic

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from collgrad.errors import NotInitializedError
 
 __all__ = [
+    "default_group_or_none",
     "TORCH_VERSION",
     "torch_version_at_least",
     "rank",
@@ -67,6 +68,11 @@ def default_group() -> ProcessGroup:
             "(or collgrad.launch.init_from_environment()) on every rank first"
         )
     return group
+
+
+def default_group_or_none() -> ProcessGroup | None:
+    """The WORLD group, or None where torch.distributed is not initialized (one process)."""
+    return dist.group.WORLD if dist.is_initialized() else None
 
 
 def group_ranks(group: ProcessGroup) -> list[int]:

@@ -63,18 +63,18 @@ def render(caps: Capabilities, name: str) -> str:
         picks = []
         for dtype in DTYPES:
             c = caps.choice(op, dtype)
-            prim = c.primitive.value if c.primitive else "NONE"
+            chosen = c.primitive.value if c.primitive else "NONE"
             wire = f" as {_SHORT[c.wire_dtype]}" if c.wire_dtype != dtype else ""
-            picks.append(f"{_SHORT[dtype]}:{prim}{wire}")
+            picks.append(f"{_SHORT[dtype]}:{chosen}{wire}")
         lines.append(f"    choice {op.value:<10}: {' '.join(picks)}")
     return "\n".join(lines)
 
 
-def _groups(extra: Sequence[Sequence[int]]) -> list[tuple[str, dist.ProcessGroup | None, list[int]]]:
+def _groups(extra: Sequence[Sequence[int]]) -> list[tuple[str, dist.ProcessGroup, list[int]]]:
     """WORLD, one group per host if there are several, and the groups asked for with --group.
     ``new_group`` is collective over WORLD, so every rank creates every group, in the same order."""
     world = dist.get_world_size()
-    groups = [("world", _compat.default_group(), list(range(world)))]
+    groups: list[tuple[str, dist.ProcessGroup, list[int]]] = [("world", _compat.default_group(), list(range(world)))]
     # Host identity as a number, so that no object collective (and no numpy) is needed.
     mine = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
     hosts = [torch.empty_like(mine) for _ in range(world)]
@@ -85,8 +85,8 @@ def _groups(extra: Sequence[Sequence[int]]) -> list[tuple[str, dist.ProcessGroup
     if len(by_host) > 1:
         for ranks in by_host.values():
             groups.append((f"host of rank {ranks[0]}", dist.new_group(ranks), ranks))
-    for ranks in extra:
-        groups.append(("--group", dist.new_group(list(ranks)), list(ranks)))
+    for asked in extra:
+        groups.append(("--group", dist.new_group(list(asked)), list(asked)))
     return groups
 
 

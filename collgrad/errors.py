@@ -14,7 +14,7 @@ ranks waiting in a collective while others have already failed::
       NoBackendError            the process group has no backend for the tensors' device
       AgreementError            the ranks disagree on something they must share (backend, device)
       NoPrimitiveError          no primitive can carry a bucket on every rank
-      CollgradTimeout (also TimeoutError)   a bounded wait ran out (see collgrad/backends/waits.py)
+      CollgradTimeoutError (also TimeoutError)   a bounded wait ran out (see collgrad/backends/waits.py)
       PreStepHookError          a pre-step hook raised on another rank: the step was not taken
       RankFailedError           another rank failed inside the call after the ranks had agreed to go on
       NotInitializedError       no process group yet (init_process_group not called, no launcher found)
@@ -33,7 +33,7 @@ __all__ = [
     "NoBackendError",
     "AgreementError",
     "NoPrimitiveError",
-    "CollgradTimeout",
+    "CollgradTimeoutError",
     "PreStepHookError",
     "RankFailedError",
     "NotInitializedError",
@@ -91,7 +91,7 @@ class NoPrimitiveError(CollgradError):
     """No primitive can carry a bucket of this (device, dtype) on every rank of the group."""
 
 
-class CollgradTimeout(CollgradError, TimeoutError):
+class CollgradTimeoutError(CollgradError, TimeoutError):
     """A collective did not complete within collgrad's bounded wait (see collgrad/backends/waits.py)."""
 
 

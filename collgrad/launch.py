@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Tuple, TypedDict, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,17 @@ from collgrad import _compat
 from collgrad.backends import mpi as mpi_launcher  # launcher facts only: mpi4py is imported lazily there
 from collgrad.errors import NotInitializedError
 
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
+
 __all__ = ["init_from_environment", "run_local", "RankError", "default_backend"]
+
+_T = TypeVar("_T")
+#: What a rank puts on the results queue: (rank, ok, ``fn``'s result if ok else the traceback text).
+#: The result is whatever ``fn`` returned, unpickled from the rank's process: of no type known here.
+_Report = Tuple[int, bool, Any]
 
 
 def default_backend() -> str:
@@ -102,12 +112,19 @@ _SERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "collgrad")
 # collgrad's DeepSpeed adapter: it imports deepspeed and what a first engine imports (the adapter is
 # the one module of collgrad that imports deepspeed, the server's preload included).
 _DEEPSPEED_PRELOAD = ("collgrad.state.adapters.deepspeed",)
+
+
+class _Server(TypedDict, total=False):
+    accelerator: str | None
+    usable: bool
+
+
 #: The forkserver of this process, once started: "accelerator" is the DS_ACCELERATOR it imported
 #: deepspeed with (None: it did not), "usable" False if it could not start (then every run spawns).
-_server: dict[str, Any] = {}
+_server: _Server = {}
 
 
-def _context(backend: str, envs: list[dict[str, str]]) -> Any:
+def _context(backend: str, envs: list[dict[str, str]]) -> SpawnContext | ForkServerContext:
     """The start method for one run: the preloaded forkserver for CPU runs, spawn otherwise."""
     if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
@@ -116,7 +133,7 @@ def _context(backend: str, envs: list[dict[str, str]]) -> Any:
         wanted = envs[0].get("DS_ACCELERATOR")
         deepspeed = wanted == "cpu" and importlib.util.find_spec("deepspeed") is not None
         ctx.set_forkserver_preload(list(_SERVER_PRELOAD) + (list(_DEEPSPEED_PRELOAD) if deepspeed else []))
-        _server.update(accelerator=wanted if deepspeed else None, usable=_start_server(ctx, wanted))
+        _server.update({"accelerator": wanted if deepspeed else None, "usable": _start_server(ctx, wanted)})
     if not _server["usable"]:
         return mp.get_context("spawn")
     preloaded = _server["accelerator"]
@@ -125,7 +142,7 @@ def _context(backend: str, envs: list[dict[str, str]]) -> Any:
     return ctx
 
 
-def _start_server(ctx: Any, accelerator: str | None) -> bool:
+def _start_server(ctx: ForkServerContext, accelerator: str | None) -> bool:
     """Start the forkserver and fork one empty process from it; False (use spawn) if either fails (a
     preloaded module that raises something other than ImportError ends the server)."""
     # The server imports with this process's module search path (Python < 3.12 ignores the one
@@ -161,7 +178,16 @@ def _noop() -> None:
     pass
 
 
-def _entry(fn, rank, world, store_path, backend, env, args, results) -> None:
+def _entry(
+    fn: Callable[..., object],
+    rank: int,
+    world: int,
+    store_path: str,
+    backend: str,
+    env: dict[str, str],
+    args: tuple[object, ...],
+    results: Queue[_Report],
+) -> None:
     # What the rank starts with (the imported modules: thousands of objects once torch._dynamo is in)
     # lives as long as the rank: out of the collector's sight, a gc.collect() (ZeRO-3 calls one per
     # engine) walks only what the rank made since, not every module of torch again.
@@ -174,7 +200,9 @@ def _entry(fn, rank, world, store_path, backend, env, args, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        store = dist.FileStore(store_path, world)
+        # torch.distributed imports FileStore from torch._C without re-exporting it (no "as", no __all__), so
+        # mypy's strict no-implicit-reexport rejects the public spelling; torch._C is _compat's alone.
+        store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         try:
             value = fn(rank, world, *args)
@@ -189,7 +217,9 @@ def _entry(fn, rank, world, store_path, backend, env, args, results) -> None:
 _GRACE_S = 10.0
 
 
-def _exited_silently(procs: list[Any], results: Any, done: dict[int, Any], failed: dict[int, str]) -> bool:
+def _exited_silently(
+    procs: list[BaseProcess], results: Queue[_Report], done: dict[int, Any], failed: dict[int, str]
+) -> bool:
     """Record, as failed, every rank whose process ended without reporting (killed by a signal, a crash in
     native code, ``os._exit``): it never will, and waiting for it would hold the caller to the deadline.
     What an exited rank put on the queue before it ended is read first."""
@@ -205,20 +235,21 @@ def _exited_silently(procs: list[Any], results: Any, done: dict[int, Any], faile
     silent = [r for r in gone if r not in done and r not in failed]
     for r in silent:
         code = procs[r].exitcode
+        assert code is not None  # r is gone: its process has exited
         why = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         failed[r] = f"rank {r} {why} without reporting a result or an error"
     return bool(silent)
 
 
 def run_local(
-    fn: Callable[..., Any],
+    fn: Callable[..., _T],
     world_size: int,
-    *args: Any,
+    *args: object,
     backend: str = "gloo",
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
     rank_env: dict[int, dict[str, str]] | None = None,
-) -> list[Any]:
+) -> list[_T]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local rank processes; results by rank.
 
     Ranks rendezvous through a FileStore in a temporary folder. ``fn`` must be importable (defined at
@@ -236,17 +267,17 @@ def run_local(
     base_env.update(env or {})
     envs = [dict(base_env, **(rank_env or {}).get(rank, {})) for rank in range(world_size)]
     ctx = _context(backend, envs)
-    results = ctx.Queue()
+    results: Queue[_Report] = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="collgrad-") as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = []
+        procs: list[BaseProcess] = []
         for rank in range(world_size):
-            proc = ctx.Process(
+            proc: BaseProcess = ctx.Process(
                 target=_entry, args=(fn, rank, world_size, store_path, backend, envs[rank], args, results)
             )
             proc.start()
             procs.append(proc)
-        done: dict[int, Any] = {}
+        done: dict[int, Any] = {}  # fn's results, unpickled (see _Report)
         failed: dict[int, str] = {}
         deadline = time.monotonic() + timeout  # one deadline for the whole run, not one per rank
         try:

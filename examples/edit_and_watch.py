@@ -34,7 +34,7 @@ def train(rank: int, world: int) -> list[str]:
 
         # Watch: per-layer norms, max |g| and NaN/Inf counts, from each rank's own shard, in one small
         # all-gather; the same numbers on every rank.
-        stats = collgrad.model_grad_stats(engine, by="module")
+        stats = collgrad.safe_get_full_model_grad_stats(engine, by="module")
         log.append(
             f"step {step}: global norm {stats.global_norm:.4f}; "
             + ", ".join(f"{layer or '<root>'} {s.norm:.4f}" for layer, s in stats.groups.items())
@@ -45,7 +45,7 @@ def train(rank: int, world: int) -> list[str]:
         def clip(name: str, grad: torch.Tensor) -> None:
             grad.mul_(min(1.0, MAX_LAYER_NORM / (float(grad.norm()) + 1e-12)))
 
-        collgrad.update_full_model_grads(engine, clip)
+        collgrad.safe_update_full_model_grads(engine, clip)
 
         # Read back (or set directly with collgrad.safe_set_full_model_grads(engine, {name: tensor})).
         grads = collgrad.safe_get_full_model_grads(engine)

@@ -17,4 +17,4 @@ def write_edit(model: Any, how: str, edit: Callable[[str, torch.Tensor], torch.T
         grads = collgrad.safe_get_full_model_grads(model)
         collgrad.safe_set_full_model_grads(model, {n: edit(n, g) for n, g in grads.items()})
     else:
-        collgrad.update_full_model_grads(model, edit, bucket_bytes=512)
+        collgrad.safe_update_full_model_grads(model, edit, bucket_bytes=512)

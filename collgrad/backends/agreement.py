@@ -30,6 +30,7 @@ __all__ = [
     "INVALID",
     "HOOK_FAILED",
     "agree_on_call",
+    "HookFailures",
     "call_verdict",
     "stable_hash",
     "ranks_by_value",
@@ -41,8 +42,14 @@ INVALID = -1
 #: The status of a rank whose pre-step hook raised (collgrad/state/hook.py): it joins whatever check the
 #: others are in (their next collgrad call inside the hook, or the hook's own check) to tell them.
 HOOK_FAILED = -2
-#: How many times this process saw another rank's HOOK_FAILED (the hook then knows those ranks are done).
-hook_failures_seen = 0
+
+
+class HookFailures:
+    """How many times calls made through its owner (a dispatcher) saw another rank's HOOK_FAILED: the
+    pre-step hook then knows those ranks are done (see collgrad/state/hook.py)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
 
 
 def control_device_type(group: ProcessGroup, preferred: str = "cpu") -> str:
@@ -155,11 +162,13 @@ def agree_on_call(
     status: int = 0,
     device_type: str | None = None,
     meanwhile: Callable[[], None] | None = None,
+    hook_failures: HookFailures | None = None,
 ) -> list[list[int]]:
     """Exchange this rank's ``status`` and call ``fields`` with the group and raise, on every rank alike,
     if any rank's arguments were invalid (``status=INVALID``) or differ. Returns every rank's row, so
     a caller can read the other statuses it defined. Collective: every rank of ``group`` calls it with
-    the same number of fields. ``meanwhile``: see ``exchange``."""
+    the same number of fields. ``meanwhile``: see ``exchange``; ``hook_failures``: counts a pre-step
+    hook's failure on another rank, where one is seen."""
     rows = exchange(
         group,
         [status, *(f.value for f in fields)],
@@ -170,9 +179,8 @@ def agree_on_call(
     )
     error = call_verdict(rows, fields, _compat.group_ranks(group), call=call, rank=_compat.rank())
     if error is not None:
-        if isinstance(error, PreStepHookError):
-            global hook_failures_seen
-            hook_failures_seen += 1
+        if isinstance(error, PreStepHookError) and hook_failures is not None:
+            hook_failures.seen += 1
         raise error
     return rows
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.distributed import ReduceOp
@@ -35,6 +35,13 @@ from torch.distributed import ReduceOp
 from collgrad.backends.base import INT32_MAX, UNLIMITED, LocalFinding, Reason
 from collgrad.backends.ops import Op, Primitive
 from collgrad.backends.waits import poll_until
+
+#: mpi4py's objects enter untyped: mpi4py is optional, imported lazily (only under an MPI launcher) and
+#: not installed where mypy runs. The module, its communicators, requests and datatypes:
+MpiModule = Any  # mpi4py.MPI
+MpiComm = Any  # an MPI.Intracomm: COMM_WORLD, or one built for a torch group (MpiLink.communicator)
+MpiRequest = Any  # an MPI.Request of a nonblocking collective
+MpiDatatype = Any  # an MPI.Datatype
 
 NAME = "mpi"
 ENV_CUDA_AWARE = "COLLGRAD_MPI_CUDA_AWARE"
@@ -99,7 +106,7 @@ class MpiLink:
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self._env = os.environ if environ is None else environ
-        self._mpi: Any = None
+        self._mpi: MpiModule = None  # mpi4py.MPI once _import() succeeded, else None
         self._import_error: str | None = None
         self._token = 0
 
@@ -107,7 +114,7 @@ class MpiLink:
     def launched(self) -> bool:
         return any(var in self._env for var in LAUNCHER_VARS)
 
-    def _import(self) -> Any:
+    def _import(self) -> MpiModule | None:
         if self._mpi is None and self._import_error is None:
             try:
                 from mpi4py import MPI  # the one import of mpi4py in collgrad
@@ -142,7 +149,7 @@ class MpiLink:
             self._token = int(mpi.COMM_WORLD.bcast(mine, root=0))
         return self._token
 
-    def datatype(self, dtype: torch.dtype) -> Any:
+    def datatype(self, dtype: torch.dtype) -> MpiDatatype | None:
         mpi = self._mpi
         table = {
             torch.float32: mpi.FLOAT,
@@ -173,7 +180,7 @@ class MpiLink:
         return LocalFinding(Reason.OK, max_elements=UNLIMITED if state.large_counts else INT32_MAX)
 
     # -- communicators ------------------------------------------------------------------------------
-    def communicator(self, mpi_ranks: Sequence[int], torch_ranks: Sequence[int]) -> Any | None:
+    def communicator(self, mpi_ranks: Sequence[int], torch_ranks: Sequence[int]) -> MpiComm | None:
         """An MPI communicator whose rank i is the process at torch group rank i, or None.
 
         Collective over the members only (MPI_Comm_create_group). The result is checked with one
@@ -204,11 +211,11 @@ class _MpiHandle:
 
     __slots__ = ("request", "buffers")
 
-    def __init__(self, request: Any, *buffers: torch.Tensor) -> None:
+    def __init__(self, request: MpiRequest, *buffers: torch.Tensor) -> None:
         self.request = request
         self.buffers = buffers  # alive until the request completes
 
-    def wait(self, timeout_s: float, what: str, watch: Any = None) -> None:
+    def wait(self, timeout_s: float, what: str, watch: Callable[[], None] | None = None) -> None:
         poll_until(self.request.Test, timeout_s, what, watch)
 
 
@@ -221,12 +228,13 @@ class Mpi4pyChannel:
 
     primitive = Primitive.MPI4PY
 
-    def __init__(self, link: MpiLink, comm: Any) -> None:
+    def __init__(self, link: MpiLink, comm: MpiComm) -> None:
         self._link = link
         self._comm = comm
         self._mpi = link._mpi
 
-    def _buf(self, tensor: torch.Tensor) -> list[Any]:
+    def _buf(self, tensor: torch.Tensor) -> list[torch.Tensor | MpiDatatype]:
+        """mpi4py's buffer specification: [buffer, datatype]."""
         assert tensor.is_contiguous()
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()

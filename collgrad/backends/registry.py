@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,7 @@ class GroupLinks:
     (No reference to the group: the cache holds groups weakly.)"""
 
     capabilities: Capabilities
-    mpi_comm: Any = None
+    mpi_comm: mpi.MpiComm | None = None
 
 
 class Registry:

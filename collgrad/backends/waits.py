@@ -3,7 +3,7 @@
 A rank that never joins a collective (it raised, took another code path, or died) would otherwise
 keep the others waiting for the process group's own timeout (30 minutes for Gloo, 10 for DeepSpeed's
 default). collgrad waits at most ``COLLGRAD_TIMEOUT`` seconds (default 120, or ``timeout=`` on the
-Dispatcher/Registry), then raises CollgradTimeout naming the operation, the bucket and the group.
+Dispatcher/Registry), then raises CollgradTimeoutError naming the operation, the bucket and the group.
 
 After a timeout the process group still holds the unfinished collective: the group cannot be used
 for further collectives, and the job should stop (as after any NCCL/Gloo timeout).
@@ -14,10 +14,13 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from collgrad import _compat
-from collgrad.errors import CollgradTimeout, InvalidArgumentError
+from collgrad.errors import CollgradTimeoutError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from torch.distributed import Work
 
 __all__ = ["ENV_TIMEOUT", "DEFAULT_TIMEOUT_S", "timeout_from_env", "wait_work", "poll_until"]
 
@@ -43,8 +46,8 @@ def timeout_from_env(value: float | None = None, environ: Mapping[str, str] | No
 SLICE_S = 0.05
 
 
-def wait_work(work: Any, timeout_s: float, what: str, watch: Callable[[], None] | None = None) -> None:
-    """``work.wait`` bounded by ``timeout_s``; a timeout becomes CollgradTimeout naming ``what``.
+def wait_work(work: Work, timeout_s: float, what: str, watch: Callable[[], None] | None = None) -> None:
+    """``work.wait`` bounded by ``timeout_s``; a timeout becomes CollgradTimeoutError naming ``what``.
 
     With ``watch`` (Gloo only: a Gloo Work can be waited on again after a timed-out wait, while NCCL
     may abort its communicator on a wait timeout), the wait goes in slices and ``watch()`` runs
@@ -61,11 +64,11 @@ def wait_work(work: Any, timeout_s: float, what: str, watch: Callable[[], None] 
             if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
                 raise
             if watch is None or time.monotonic() >= deadline:
-                raise CollgradTimeout(_message(what, timeout_s)) from exc
+                raise CollgradTimeoutError(_message(what, timeout_s)) from exc
             watch()
 
 
-def poll_until(done: Any, timeout_s: float, what: str, watch: Callable[[], None] | None = None) -> None:
+def poll_until(done: Callable[[], bool], timeout_s: float, what: str, watch: Callable[[], None] | None = None) -> None:
     """Poll ``done()`` (an MPI request's Test) with a short back-off until true or ``timeout_s``;
     ``watch()`` runs every ``SLICE_S`` seconds (see ``wait_work``)."""
     start = time.monotonic()
@@ -74,7 +77,7 @@ def poll_until(done: Any, timeout_s: float, what: str, watch: Callable[[], None]
     while not done():
         now = time.monotonic()
         if now > deadline:
-            raise CollgradTimeout(_message(what, timeout_s))
+            raise CollgradTimeoutError(_message(what, timeout_s))
         if watch is not None and now > next_watch:
             watch()
             next_watch = now + SLICE_S

@@ -108,11 +108,13 @@ def _set(check: bool) -> Callable[[Setting], Call]:
 
 
 def _update(s: Setting) -> Call:
-    return lambda: collgrad.update_full_model_grads(s.subject.engine, lambda n, g: None, bucket_bytes=s.small_bucket)
+    return lambda: collgrad.safe_update_full_model_grads(
+        s.subject.engine, lambda n, g: None, bucket_bytes=s.small_bucket
+    )
 
 
 def _stats(s: Setting) -> Call:
-    return lambda: collgrad.model_grad_stats(s.subject.engine)
+    return lambda: collgrad.safe_get_full_model_grad_stats(s.subject.engine)
 
 
 def _raw_all_reduce(s: Setting) -> Call:

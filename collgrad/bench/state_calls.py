@@ -153,7 +153,7 @@ def _dropin_loop(s: Setting) -> Call:
     from collgrad.integrations import deepspeed as dropin
 
     def call() -> Any:
-        served = dropin.install(window_bytes=s.bucket)
+        served = dropin.install(s.subject.engine, window_bytes=s.bucket)
         s.cleanups.append(dropin.uninstall)
         before = list(served.sent)
         _getters(s, served.functions)

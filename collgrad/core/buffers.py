@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import weakref
-from typing import Any, Callable, Iterator, Literal, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -13,8 +13,16 @@ __all__ = ["adjacent_view", "flat_alias", "Pieces", "PiecesCache", "SameTensors"
 
 #: A 1-D view of the storage span some pieces cover, and each piece's offset in it.
 Placed = Tuple[torch.Tensor, Tuple[int, ...]]
-#: Where pieces lie as plain data, without a tensor (see ``Pieces._known``).
-Known = Tuple[Any, ...]
+#: A key of ``Pieces.memo``: a name, or a name and two piece indices.
+MemoKey = Union[str, Tuple[str, int, int]]
+#: ``Pieces.memo``: values of several types (an offset, a tuple of piece indices, a hash, what
+#: collgrad.state works out from the placement), one type per key, each read back under an annotation
+#: of that type; Any as the one type that holds them all and reads back as each.
+Memo = Dict[MemoKey, Any]
+#: Where pieces lie as plain data, without a tensor (see ``_known``): the pieces' starts, their numel,
+#: each piece's offset in the span (None: they share no storage), the span's numel, whether they tile
+#: it, and the memo.
+Known = Tuple[List[int], int, Optional[Tuple[int, ...]], int, bool, Memo]
 
 
 def adjacent_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -72,7 +80,7 @@ class Pieces:
         self._tiling: Placed | None | Literal[False] = False
         #: Values derived from where the pieces lie (plain data, no tensors), shared by the Pieces a
         #: PiecesCache builds for the same fragments: computed once while they stay.
-        self.memo: dict[Any, Any] = {}
+        self.memo: Memo = {}
 
     @property
     def pieces(self) -> list[torch.Tensor]:
@@ -200,7 +208,9 @@ class Pieces:
             return self.piece(j)  # exactly one piece (DeepSpeed's ZeRO-1/2 list: one per fragment)
         at = self._in_order(max(j, 0), bisect.bisect_left(self.starts, offset + numel) - 1)
         if at is not None:  # pieces back to back in their storage (ZeRO-3's slices): the span's view
-            return self.placement()[0][at + offset - self.starts[max(j, 0)] :][:numel]  # type: ignore[index]
+            placed = self.placement()
+            assert placed is not None  # _in_order found them in its span
+            return placed[0][at + offset - self.starts[max(j, 0)] :][:numel]
         parts = [part for part, _ in self._spans(offset, numel)]
         if len(parts) == 1:
             return parts[0]

@@ -8,7 +8,7 @@ A rank whose own arguments are invalid still takes part in that exchange with an
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
@@ -69,11 +69,9 @@ def policy_print(policy: Policy | None) -> int:
     return stable_hash(None if policy is None else (sorted(policy.force), sorted(policy.forbid)))
 
 
-def checked_reduce(tensors: Sequence[Any], op: ReduceOp.RedOpType) -> list[torch.Tensor]:
+def checked_reduce(tensors: Sequence[object], op: ReduceOp.RedOpType) -> list[torch.Tensor]:
     """This rank's arguments of an all-reduce, checked; InvalidArgumentError names the first bad one."""
-    out = list(tensors)
-    for i, t in enumerate(out):
-        _check_tensor(t, f"tensors[{i}]")
+    out = [_check_tensor(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
     for i, t in enumerate(out):
         if op == ReduceOp.AVG and not (t.is_floating_point() or t.is_complex()):
             raise InvalidArgumentError(
@@ -83,16 +81,20 @@ def checked_reduce(tensors: Sequence[Any], op: ReduceOp.RedOpType) -> list[torch
 
 
 def checked_gather(
-    outputs: Sequence[Any], inputs: Sequence[Any], world: int
+    outputs: Sequence[object], inputs: Sequence[object], world: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """This rank's arguments of an all-gather, checked: every output holds ``world`` inputs' elements,
     in the input's dtype, on its device."""
-    outs, ins = list(outputs), list(inputs)
-    if len(outs) != len(ins):
-        raise InvalidArgumentError(f"rank {_compat.rank()}: {len(outs)} outputs for {len(ins)} inputs")
-    for i, (out, inp) in enumerate(zip(outs, ins)):
-        _check_tensor(inp, f"inputs[{i}]")
-        _check_tensor(out, f"outputs[{i}]")
+    given_outs, given_ins = list(outputs), list(inputs)
+    if len(given_outs) != len(given_ins):
+        raise InvalidArgumentError(f"rank {_compat.rank()}: {len(given_outs)} outputs for {len(given_ins)} inputs")
+    outs: list[torch.Tensor] = []
+    ins: list[torch.Tensor] = []
+    for i, (given_out, given_in) in enumerate(zip(given_outs, given_ins)):
+        inp = _check_tensor(given_in, f"inputs[{i}]")
+        out = _check_tensor(given_out, f"outputs[{i}]")
+        outs.append(out)
+        ins.append(inp)
         if out.numel() != world * inp.numel() or out.dtype != inp.dtype or out.device != inp.device:
             raise InvalidArgumentError(
                 f"rank {_compat.rank()}: outputs[{i}] must have world_size * inputs[{i}].numel() = "
@@ -115,7 +117,12 @@ def told_if_invalid(group: ProcessGroup, check: bool, timeout_s: float, call: st
 
 
 def call_fields(
-    op: Op, tensors: Sequence[torch.Tensor], reduce_op: Any, cap: int, policy: Policy | None, atomic: bool
+    op: Op,
+    tensors: Sequence[torch.Tensor],
+    reduce_op: ReduceOp.RedOpType | None,
+    cap: int,
+    policy: Policy | None,
+    atomic: bool,
 ) -> list[Field]:
     """What every rank must pass alike for a coalesced call: it decides the number, size and kind of the
     collectives each rank issues."""
@@ -132,7 +139,8 @@ def call_fields(
     ]
 
 
-def _check_tensor(t: Any, name: str) -> None:
+def _check_tensor(t: object, name: str) -> torch.Tensor:
+    """``t``, once found to be a dense tensor with storage (InvalidArgumentError naming ``name`` if not)."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"rank {_compat.rank()}: {name} is a {type(t).__name__}, not a torch.Tensor")
     if t.layout is not torch.strided or t.is_meta:
@@ -140,3 +148,4 @@ def _check_tensor(t: Any, name: str) -> None:
             f"rank {_compat.rank()}: {name}: only dense (strided) tensors with storage can be communicated, "
             f"got {t.layout}"
         )
+    return t

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from collgrad import _compat
-from collgrad.backends.agreement import agree_on_call
+from collgrad.backends.agreement import HookFailures, agree_on_call
 from collgrad.backends.ops import Op, Primitive
 from collgrad.backends.policy import Policy
 from collgrad.backends.registry import Registry
@@ -78,6 +78,8 @@ class Dispatcher:
         self.fault_hook: Callable[[FaultPoint], None] | None = None
         #: Seconds any collective of this dispatcher may wait (COLLGRAD_TIMEOUT, default 120).
         self.timeout = timeout_from_env(timeout) if timeout is not None or registry is None else registry.timeout
+        #: Another rank's pre-step hook failures seen by this dispatcher's calls (collgrad/state/hook.py).
+        self.hook_failures = HookFailures()
 
     # -- public operations --------------------------------------------------------------------------
     def all_reduce(
@@ -133,7 +135,7 @@ class Dispatcher:
         """A public call whose arguments this rank found valid: the argument check, then the plan."""
         if check:
             fields = call_fields(op, inputs, reduce_op, cap, policy, atomic)
-            agree_on_call(group, fields, timeout_s=self.timeout, call=CALL_NAMES[op])
+            agree_on_call(group, fields, timeout_s=self.timeout, call=CALL_NAMES[op], hook_failures=self.hook_failures)
         prepared = self.prepare(op, inputs, group, bucket_bytes=cap, policy=policy)
         return self.run(prepared, inputs, outputs, group, reduce_op, atomic=atomic)
 

@@ -10,7 +10,7 @@ collective, so it cannot be confused with the bucket's own collective)::
     poll responded until == group size       add responded += 1 and raise RankFailedError
     failed == size: every rank raised        (the collective can never complete)
       -> the bucket falls back, on every rank alike, to one collective per tensor
-    otherwise -> raise CollgradError (with this rank's reason; CollgradTimeout if some rank never answered)
+    otherwise -> raise CollgradError (with this rank's reason; CollgradTimeoutError if some rank never answered)
 
 Either every rank falls back together and the results are those of the per-tensor path, or every
 rank raises within seconds (each bounded by the collgrad timeout). Keys are namespaced by group and
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from collgrad import _compat
-from collgrad.errors import CollgradError, CollgradTimeout
+from collgrad.errors import CollgradError, CollgradTimeoutError
 
 __all__ = ["BucketFailures", "FaultPoint", "next_call"]
 
@@ -89,7 +89,7 @@ class BucketFailures:
         pause = 1e-4
         while self.store.add(self._key(bucket, "responded"), 0) < len(self.ranks):
             if time.monotonic() > deadline:
-                raise CollgradTimeout(
+                raise CollgradTimeoutError(
                     f"rank {me}: bucket {bucket} could not be sent ({reason}) and not every rank of group "
                     f"{self.ranks} answered within {timeout_s:g} s; the group is no longer usable: stop the job"
                 )

@@ -9,7 +9,7 @@ out into strided outputs itself (``Capabilities.strided_gather``), so those tens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ __all__ = ["InFlight", "Work", "start", "finish", "record"]
 class InFlight:
     bucket: Bucket
     handles: Sequence[Handle]
-    buffers: tuple[Any, ...]
+    buffers: tuple[torch.Tensor, ...]
     in_place: bool = False  # the packed buffer *is* the working memory: nothing to unpack
     fallback: str = ""  # why this bucket went per tensor after its primitive raised on every rank
 
@@ -243,5 +243,5 @@ def record(bucket: Bucket, collectives: int, fallback: str = "") -> BucketRecord
         bytes=bucket.numel * torch.empty((), dtype=wire).element_size(),
         tensors=len({s.tensor for s in bucket.segments}),
         collectives=collectives,
-        fallback=fallback,
+        fallback_reason=fallback,
     )

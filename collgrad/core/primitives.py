@@ -10,14 +10,14 @@ call does not check (backends/ccl.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from collgrad import _compat
-from collgrad.backends.mpi import Mpi4pyChannel, MpiLink
+from collgrad.backends.mpi import Mpi4pyChannel, MpiComm, MpiLink
 from collgrad.backends.ops import Primitive
 from collgrad.backends.waits import wait_work
 from collgrad.errors import CollgradError
@@ -27,7 +27,7 @@ __all__ = ["Handle", "TorchHandle", "Channel", "FlatChannel", "CoalescedChannel"
 
 class Handle(Protocol):
     def wait(self, timeout_s: float, what: str, watch: Callable[[], None] | None = None) -> None:
-        """Block until the call completes, at most ``timeout_s``; raise CollgradTimeout naming ``what``.
+        """Block until the call completes, at most ``timeout_s``; raise CollgradTimeoutError naming ``what``.
         ``watch`` may be run while waiting and raises to abandon the wait."""
 
 
@@ -111,7 +111,7 @@ _TORCH_CHANNELS: dict[Primitive, Callable[[ProcessGroup, str], Channel]] = {
 
 
 def make_channel(
-    primitive: Primitive, group: ProcessGroup, backend: str, mpi: MpiLink | None = None, mpi_comm: Any = None
+    primitive: Primitive, group: ProcessGroup, backend: str, mpi: MpiLink | None = None, mpi_comm: MpiComm | None = None
 ) -> Channel:
     """The one place channels are built: torch.distributed primitives over ``group``'s ``backend``, or
     mpi4py over ``mpi_comm`` (the communicator the registry built for the group)."""

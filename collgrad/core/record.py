@@ -23,7 +23,13 @@ class BucketRecord:
     bytes: int  # bytes of this rank's contribution, in the wire dtype
     tensors: int  # distinct tensors with elements in this bucket
     collectives: int  # collective calls issued for this bucket
-    fallback: str = ""  # set when the agreed primitive raised on every rank and the bucket went per tensor
+    #: Why the bucket went per tensor (the agreed primitive raised on every rank); empty when it did not.
+    fallback_reason: str = ""
+
+    @property
+    def fallback(self) -> bool:
+        """The bucket fell back to one collective per tensor (as ``Decision.fallback``)."""
+        return bool(self.fallback_reason)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from collgrad.state.save import SavedModel, save_full_model
 __all__ = ["register_pre_step_hook", "save_model"]
 
 
-def register_pre_step_hook(accelerator: Any, fn: Callable[[Any], Any], *, every: int = 1) -> PreStepHook:
+# The accelerator, the model and the DeepSpeed engine are framework objects: they enter untyped (Any).
+def register_pre_step_hook(accelerator: Any, fn: Callable[[Any], object], *, every: int = 1) -> PreStepHook:
     """``collgrad.register_pre_step_hook`` on the DeepSpeed engine of ``accelerator``: ``fn(engine)``
     runs inside ``accelerator.backward(loss)`` at every ``every``-th accumulation boundary (where
     ``accelerator.sync_gradients`` is true), before DeepSpeed clips and steps.

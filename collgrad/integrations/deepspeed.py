@@ -10,7 +10,7 @@ gathers, with collgrad's model-wide read, a window of the parameters that follow
 ``named_parameters()`` order (about ``window_bytes``); the next calls are answered from it, each value
 handed over once. A window is dropped when its engine runs ``backward()``, ``step()`` or
 ``load_checkpoint()``, a setter of its kind writes, or one of collgrad's model-wide setters does
-(``safe_set_full_model_*``, ``update_full_model_grads``), so reads see new values; memory held is one
+(``safe_set_full_model_*``, ``safe_update_full_model_grads``), so reads see new values; memory held is one
 window per kind at a time.
 
 DeepSpeed's semantics: the same values (bitwise: collgrad's reads are), dtype, shape and device; a
@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -42,6 +43,9 @@ import torch
 
 from collgrad import _compat
 from collgrad.errors import InvalidArgumentError
+from collgrad.state.kinds import FP32, GRAD, Grad, OptimizerState, StateKind
+from collgrad.state.read import FullState
+from collgrad.state.record import StateRecord
 
 __all__ = ["install", "uninstall", "installed", "ACCESSORS", "DEFAULT_WINDOW_BYTES"]
 
@@ -70,9 +74,10 @@ class _Engine:
     index: dict[str, int]
     nbytes: list[int]
     epoch: int = 0
-    written: dict[Any, int] = field(default_factory=dict)
-    known: dict[Any, bool] = field(default_factory=dict)  # per kind: collgrad knows the layout
-    windows: dict[Any, tuple[tuple[int, int], dict[str, torch.Tensor]]] = field(default_factory=dict)
+    written: dict[StateKind, int] = field(default_factory=dict)
+    known: dict[StateKind, bool] = field(default_factory=dict)  # per kind: collgrad knows the layout
+    #: per kind: the epoch it was read at (engine calls, this kind's writes, model-wide writes), values
+    windows: dict[StateKind, tuple[tuple[int, int, int], dict[str, torch.Tensor]]] = field(default_factory=dict)
 
 
 class _Served:
@@ -83,12 +88,12 @@ class _Served:
         self.window_bytes = window_bytes
         self.replaced: list[tuple[Any, str, Any]] = []  # (module, name, what it held)
         self.engines: weakref.WeakKeyDictionary[Any, _Engine] = weakref.WeakKeyDictionary()
-        self.owners: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}  # id(param) -> (engine, param, name)
+        # id(param) -> (engine, param, name); the engine is a framework object
+        self.owners: dict[int, tuple[weakref.ref[Any], weakref.ref[torch.nn.Parameter], str]] = {}
         self.told: set[str] = set()
-        self.unowned: weakref.WeakSet[Any] = weakref.WeakSet()  # parameters no engine held when looked up
-        self.watched: list[tuple[weakref.ref, str, Any, Any]] = []  # (engine, method, ours, what it had)
+        self.watched: list[tuple[weakref.ref[Any], str, Any, Any]] = []  # (engine, method, ours, what it had)
         #: what each window's read did, in order
-        self.records: list[Any] = []
+        self.records: list[StateRecord] = []
         #: collectives and bytes this rank sent through the served calls: windows, DeepSpeed's originals
         self.sent = [0, 0]
         #: the functions installed in DeepSpeed's place, by name
@@ -96,25 +101,25 @@ class _Served:
         #: uninstalled: references kept to the functions call DeepSpeed's originals
         self.closed = False
 
-    # what a kind is: "grad", "fp32" or ("optim", key)
-
-    def get(self, kind: Any, param: Any, fallback: Callable[[], Any]) -> Any:
+    def get(self, kind: StateKind, param: Any, fallback: Callable[[], Any]) -> Any:
         if self.closed:  # a reference kept past uninstall(): DeepSpeed's own
             return fallback()
+        from collgrad.state.adapters import deepspeed as ds_adapter
+
         # DeepSpeed's order of answers: BF16_Optimizer's accumulation, a gradient the parameter holds
-        # itself, then ZeRO's partitions (``ds_id``: ZeRO-3, ``_hp_mapping``: ZeRO-1/2); else None
-        if kind == "grad" and getattr(param, "_hp_grad", None) is None and param.grad is not None:
+        # itself, then ZeRO's partitions; else None
+        if kind == GRAD and ds_adapter.own_grad(param) is not None:
             return param.grad
-        if not param.requires_grad or not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):
+        if not param.requires_grad or not ds_adapter.zero_managed(param):
             return None
         found = self._owner(param)
         if found is None:
-            return self._fallback("no live DeepSpeed engine holds this parameter", fallback)
+            return self._fallback("no engine passed to install() holds this parameter", fallback)
         engine, name = found
         state = self.engines[engine]
-        from collgrad.state.write import writes
+        from collgrad.state.model_cache import MODELS
 
-        epoch = (state.epoch, state.written.get(kind, 0), writes())  # collgrad's model-wide setters too
+        epoch = (state.epoch, state.written.get(kind, 0), MODELS.writes(engine))  # collgrad's model-wide setters too
         held = state.windows.get(kind)
         if held is None or held[0] != epoch or name not in held[1]:
             values = self._gather(engine, state, kind, name)
@@ -122,44 +127,44 @@ class _Served:
                 from collgrad.state.call import source_of
                 from collgrad.state.execute import accessor_bytes
 
-                source = source_of(engine, _state(kind))[0]
+                source = source_of(engine, kind)[0]
                 self.sent[0] += 1
-                self.sent[1] += accessor_bytes(
-                    source, source.layout.groups[0], getattr(param, "ds_numel", param.numel())
-                )
+                self.sent[1] += accessor_bytes(source, source.layout.groups[0], ds_adapter.full_numel(param))
                 return self._fallback(f"collgrad does not know {type(engine.optimizer).__name__}'s layout", fallback)
             held = state.windows[kind] = (epoch, values)
         return held[1].pop(name)
 
-    def set(self, kind: Any, param: Any, value: torch.Tensor, fallback: Callable[[], Any]) -> None:
+    def set(self, kind: StateKind, param: Any, value: torch.Tensor, fallback: Callable[[], Any]) -> None:
         if self.closed:
             fallback()
             return
-        if kind == "grad" and param.grad is not None:
+        from collgrad.state.adapters import deepspeed as ds_adapter
+
+        if kind == GRAD and param.grad is not None:
             param.grad.copy_(value)  # as DeepSpeed's setter does
             return
-        if not param.requires_grad or not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):
+        if not param.requires_grad or not ds_adapter.zero_managed(param):
             return  # DeepSpeed's setters leave such a parameter alone
         found = self._owner(param)
         if found is None:
-            self._fallback("no live DeepSpeed engine holds this parameter", fallback)
+            self._fallback("no engine passed to install() holds this parameter", fallback)
             return
         engine, name = found
         state = self.engines[engine]
         from collgrad.state.write import write_here
 
-        if not write_here(engine, _state(kind), {name: value}):
+        if not write_here(engine, kind, {name: value}):
             self._fallback(f"collgrad does not know {type(engine.optimizer).__name__}'s layout", fallback)
         state.written[kind] = state.written.get(kind, 0) + 1
 
-    def _gather(self, engine: Any, state: _Engine, kind: Any, start: str) -> dict[str, torch.Tensor] | None:
+    def _gather(self, engine: Any, state: _Engine, kind: StateKind, start: str) -> dict[str, torch.Tensor] | None:
         """The window of ``kind`` from ``start`` on, read by collgrad (collective); None where collgrad
         would only call DeepSpeed's accessor itself (a layout it does not know)."""
         import collgrad
         from collgrad.state.call import source_of
 
         if kind not in state.known:  # whether collgrad reads this kind itself, or only through DeepSpeed's accessor
-            state.known[kind] = source_of(engine, _state(kind))[0].accessor is None
+            state.known[kind] = source_of(engine, kind)[0].accessor is None
         if not state.known[kind]:
             return None
         first = state.index[start]
@@ -168,37 +173,30 @@ class _Served:
             size += state.nbytes[last]
             last += 1
         names = state.names[first:last]
-        if kind == "grad":
-            read: Any = collgrad.safe_get_full_model_grads(engine, params=names, unscale=False)
-        elif kind == "fp32":
-            read = collgrad.safe_get_full_model_fp32_params(engine, params=names)
+        if isinstance(kind, Grad):
+            read: FullState = collgrad.safe_get_full_model_grads(engine, params=names, unscale=False)
+        elif isinstance(kind, OptimizerState):
+            read = collgrad.safe_get_full_model_optimizer_states(engine, kind.key, params=names)
         else:
-            read = collgrad.safe_get_full_model_optimizer_states(engine, kind[1], params=names)
+            read = collgrad.safe_get_full_model_fp32_params(engine, params=names)
         self.records.append(read.record)
         self.sent[0] += read.record.collectives
         self.sent[1] += read.record.bytes
         # Each window's selection keeps a source of its own (its plans are reused every step); its
         # scratch (ZeRO-3's staging) goes with the window, so what is held stays one window per kind.
-        source_of(engine, _state(kind), params=names)[0].release()
+        source_of(engine, kind, params=names)[0].release()
         return dict(read)
 
     def _owner(self, param: Any) -> tuple[Any, str] | None:
-        """The live engine holding ``param`` and its name there; engines not seen yet are adopted."""
-        found = self._known_owner(param)
-        if found is not None or param in self.unowned:
-            return found
-        for engine in _live_engines():
-            if engine not in self.engines:
-                _adopt(self, engine)
-        found = self._known_owner(param)
-        if found is None:
-            self.unowned.add(param)  # not looked for again: a scan of live objects is not cheap
-        return found
-
-    def _known_owner(self, param: Any) -> tuple[Any, str] | None:
+        """The engine holding ``param`` (one of those served) and its name there."""
         hit = self.owners.get(id(param))
         engine = hit[0]() if hit is not None and hit[1]() is param else None
         return None if engine is None or hit is None else (engine, hit[2])
+
+    def adopt(self, engine: Any) -> None:
+        """Serve ``engine``'s parameters (once per engine)."""
+        if engine not in self.engines:
+            _adopt(self, engine)
 
     def _fallback(self, why: str, fallback: Callable[[], Any]) -> Any:
         if why not in self.told:
@@ -225,8 +223,10 @@ class _Served:
 
 def _adopt(served: _Served, engine: Any) -> None:
     """Learn ``engine``'s parameters, and watch the methods after which a window is stale (WATCHED)."""
+    from collgrad.state.adapters import deepspeed as ds_adapter
+
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    sizes = [getattr(p, "ds_numel", p.numel()) * 4 for _, p in named]
+    sizes = [ds_adapter.full_numel(p) * 4 for _, p in named]
     state = served.engines[engine] = _Engine([n for n, _ in named], {n: i for i, (n, _) in enumerate(named)}, sizes)
     ref = weakref.ref(engine)
     for n, p in named:
@@ -246,89 +246,80 @@ def _adopt(served: _Served, engine: Any) -> None:
         served.watched.append((ref, method, watched, before))
 
 
-def _state(kind: Any) -> Any:
-    from collgrad.state.adapters.base import FP32, GRAD, State
-
-    if kind == "grad":
-        return GRAD
-    return FP32 if kind == "fp32" else State("optimizer", kind[1])
-
-
-def _live_engines() -> list[Any]:
-    import gc
-
-    from collgrad.state.adapters.deepspeed import DeepSpeedEngine
-
-    return [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]
-
-
-_SERVED: _Served | None = None
-
-
 def _replacements(served: _Served) -> dict[str, Callable[..., Any]]:
     o = served.originals
 
     def safe_get_full_grad(param: Any) -> Any:
-        return served.get("grad", param, lambda: o["safe_get_full_grad"](param))
+        return served.get(GRAD, param, lambda: o["safe_get_full_grad"](param))
 
     def safe_set_full_grad(param: Any, value: torch.Tensor) -> None:
-        served.set("grad", param, value, lambda: o["safe_set_full_grad"](param, value))
+        served.set(GRAD, param, value, lambda: o["safe_set_full_grad"](param, value))
 
     def safe_get_full_fp32_param(param: Any) -> Any:
-        return served.get("fp32", param, lambda: o["safe_get_full_fp32_param"](param))
+        return served.get(FP32, param, lambda: o["safe_get_full_fp32_param"](param))
 
     def safe_set_full_fp32_param(param: Any, value: torch.Tensor) -> None:
-        served.set("fp32", param, value, lambda: o["safe_set_full_fp32_param"](param, value))
+        served.set(FP32, param, value, lambda: o["safe_set_full_fp32_param"](param, value))
 
     def safe_get_full_optimizer_state(param: Any, optim_state_key: str) -> Any:
         fallback = lambda: o["safe_get_full_optimizer_state"](param, optim_state_key)  # noqa: E731
-        return served.get(("optim", optim_state_key), param, fallback)
+        return served.get(OptimizerState(optim_state_key), param, fallback)
 
     def safe_set_full_optimizer_state(param: Any, value: torch.Tensor, optim_state_key: str) -> None:
         fallback = lambda: o["safe_set_full_optimizer_state"](param, value, optim_state_key)  # noqa: E731
-        served.set(("optim", optim_state_key), param, value, fallback)
+        served.set(OptimizerState(optim_state_key), param, value, fallback)
 
     made = dict(locals())
     out = {name: made[name] for name in ACCESSORS}
     for name, fn in out.items():
+        fn.served = served  # how install() and uninstall() find what is installed
         fn.__module__ = __name__
         fn.__doc__ = f"``deepspeed.utils.{name}``, served by collgrad (collgrad.integrations.deepspeed)."
     return out
 
 
-def install(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> Any:
-    """Serve DeepSpeed's six full accessors with collgrad (see the module's docstring) until
-    ``uninstall()``. Local: call it on every rank (calls made through the accessors stay collective).
-    Installing again changes the window only. Returns what is installed: ``.functions`` (by name),
-    ``.records`` (what each window's read did) and ``.sent`` (collectives and bytes sent)."""
-    global _SERVED
+def install(*engines: Any, window_bytes: int = DEFAULT_WINDOW_BYTES) -> _Served:
+    """Serve DeepSpeed's six full accessors with collgrad for the parameters of ``engines`` (see the
+    module's docstring) until ``uninstall()``; parameters of any other engine go to DeepSpeed's own.
+    Local: call it on every rank with the same engines (calls made through the accessors stay
+    collective). Installing again adds engines and changes the window. Returns what is installed:
+    ``.functions`` (by name), ``.records`` (what each window's read did) and ``.sent`` (collectives
+    and bytes sent)."""
     if not isinstance(window_bytes, int) or window_bytes < 1:
         raise InvalidArgumentError(f"rank {_compat.rank()}: window_bytes must be a positive int, got {window_bytes!r}")
-    if _SERVED is not None:
-        _SERVED.window_bytes = window_bytes
-        return _SERVED
-    import collgrad.state.adapters.deepspeed  # noqa: F401 - the adapter: DeepSpeed loaded through it
+    from collgrad.state.adapters import deepspeed as ds_adapter  # DeepSpeed loaded through the adapter
 
-    # the module, from sys.modules: deepspeed.utils has a class named tensor_fragment
-    fragment = sys.modules["deepspeed.utils.tensor_fragment"]
-    originals = {name: getattr(fragment, name) for name in ACCESSORS}
-    served = _Served(originals, window_bytes)
-    new = served.functions = _replacements(served)
-    for module in list(sys.modules.values()):
-        if module is None or getattr(module, "__name__", "").startswith("collgrad"):
-            continue
-        for name in ACCESSORS:
-            if getattr(module, name, None) is originals[name]:
-                served.replaced.append((module, name, originals[name]))
-                setattr(module, name, new[name])
-    _SERVED = served
+    found = [ds_adapter.find_engine(e) for e in engines]
+    if any(f is None for f in found):
+        wrong = next(type(e).__name__ for e, f in zip(engines, found) if f is None)
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: install() takes the DeepSpeed engines to serve (or the modules they wrap), "
+            f"got a {wrong}"
+        )
+    fragment = ds_adapter.accessor_module()
+    served = _installed(fragment)
+    if served is None:
+        originals = {name: getattr(fragment, name) for name in ACCESSORS}
+        served = _Served(originals, window_bytes)
+        new = served.functions = _replacements(served)
+        for module in list(sys.modules.values()):
+            if module is None or getattr(module, "__name__", "").startswith("collgrad"):
+                continue
+            for name in ACCESSORS:
+                if getattr(module, name, None) is originals[name]:
+                    served.replaced.append((module, name, originals[name]))
+                    setattr(module, name, new[name])
+    served.window_bytes = window_bytes
+    for engine in found:
+        served.adopt(engine)
     return served
 
 
 def uninstall() -> None:
     """DeepSpeed's originals back where ``install()`` found them; engines unwatched. Local."""
-    global _SERVED
-    served, _SERVED = _SERVED, None
+    import collgrad.state.adapters.deepspeed as ds_adapter
+
+    served = _installed(ds_adapter.accessor_module())
     if served is None:
         return
     served.closed = True
@@ -337,10 +328,17 @@ def uninstall() -> None:
     served.forget_engines()
 
 
+def _installed(fragment: types.ModuleType) -> _Served | None:
+    """What is installed, found on the function installed in DeepSpeed's place (the installation is the
+    only record of itself: nothing of it is kept in this module)."""
+    served = getattr(getattr(fragment, ACCESSORS[0], None), "served", None)
+    return served if isinstance(served, _Served) and not served.closed else None
+
+
 @contextlib.contextmanager
-def installed(*, window_bytes: int = DEFAULT_WINDOW_BYTES) -> Iterator[Any]:
-    """``install()`` for the block, ``uninstall()`` after it. Yields what is installed (see install)."""
-    served = install(window_bytes=window_bytes)
+def installed(*engines: Any, window_bytes: int = DEFAULT_WINDOW_BYTES) -> Iterator[_Served]:
+    """``install(*engines)`` for the block, ``uninstall()`` after it. Yields what is installed (see install)."""
+    served = install(*engines, window_bytes=window_bytes)
     try:
         yield served
     finally:

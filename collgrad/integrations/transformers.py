@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 from collgrad.errors import InvalidArgumentError
 from collgrad.state.hook import PreStepHook, register_pre_step_hook
 from collgrad.state.save import SavedModel, save_full_model
-from collgrad.state.stats import GradStats, model_grad_stats
+from collgrad.state.stats import GradStats, safe_get_full_model_grad_stats
 
 __all__ = ["GradStatsCallback", "grad_stats_logs", "save_model", "save_pretrained_files"]
 
@@ -39,7 +39,9 @@ def grad_stats_logs(stats: GradStats) -> dict[str, float]:
     return logs
 
 
-class GradStatsCallback(TrainerCallback):
+# transformers is not installed where mypy runs (the lint env), so TrainerCallback is Any there;
+# unused-ignore: with transformers installed (it ships py.typed) the base is typed and nothing is ignored.
+class GradStatsCallback(TrainerCallback):  # type: ignore[misc, unused-ignore]
     """Logs per-module gradient norms, the global norm and the count of non-finite gradient elements
     at every logging step. ``by``: ``"module"`` (default), ``"param"`` or a function name -> group.
 
@@ -47,6 +49,10 @@ class GradStatsCallback(TrainerCallback):
     which then log before it adds its entries; ``GradStatsCallback.attach(trainer)`` puts it first.
     Entries always reach ``trainer.state.log_history``.
     """
+
+    # The Trainer's objects (TrainingArguments, TrainerState, TrainerControl, the trainer and its model)
+    # enter untyped (Any): transformers is an optional extra.
+    _args: Any
 
     def __init__(self, by: str | Callable[[str], str] = "module") -> None:
         if not (by in ("module", "param") or callable(by)):
@@ -57,7 +63,7 @@ class GradStatsCallback(TrainerCallback):
         self._state: Any = None
 
     @classmethod
-    def attach(cls, trainer: Any, **kwargs: Any) -> GradStatsCallback:
+    def attach(cls, trainer: Any, **kwargs: str | Callable[[str], str]) -> GradStatsCallback:
         """A new callback, first in ``trainer``'s list (before the reporters)."""
         callback = cls(**kwargs)
         trainer.callback_handler.callbacks.insert(0, callback)
@@ -66,14 +72,16 @@ class GradStatsCallback(TrainerCallback):
     def _logs_next_step(self) -> bool:
         """The step about to be taken will be logged (DefaultFlowCallback's rule, one step ahead)."""
         state = self._state
-        step = state.global_step + 1
+        step: int = state.global_step + 1
         if self._args.logging_first_step and step == 1:
             return True
-        return self._args.logging_strategy == "steps" and state.logging_steps > 0 and step % state.logging_steps == 0
+        strategy: str = self._args.logging_strategy  # an IntervalStrategy, a str enum
+        every: int = state.logging_steps
+        return strategy == "steps" and every > 0 and step % every == 0
 
     def _collect(self, model: Any) -> None:
         if self._logs_next_step():
-            self.pending = grad_stats_logs(model_grad_stats(model, by=self.by))
+            self.pending = grad_stats_logs(safe_get_full_model_grad_stats(model, by=self.by))
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._args, self._state = args, state
@@ -87,7 +95,7 @@ class GradStatsCallback(TrainerCallback):
         if self.hook is None and model is not None:
             self._collect(model)
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
         if self.pending is None or logs is None or "loss" not in logs:
             return
         logs.update(self.pending)

@@ -1,22 +1,23 @@
-"""Model-wide gradients: source -> plan -> steps -> execute.
+"""The partitioned training state, model-wide: kinds -> layout -> adapters -> call -> plan -> execute.
 
-sources/         where each rank's owned gradient lives: base.py (Source, LocalGrads, Problem, ...),
-                 layout.py (plain data), deepspeed.py (the only module that imports deepspeed; its
-                 engine hooks and NVMe swapping in engine_hooks.py, swap.py), fsdp2.py; the package
-                 itself opens the right one. Read without communicating
+kinds.py         the kinds of state as typed values: GRAD, FP32, WEIGHTS, OptimizerState(key)
+layout.py        pure: which flat range of which parameter each rank holds, for any kind (frozen data)
+adapters/        a model resolved once (``resolve``: a DeepSpeed engine, an FSDP2 root, a plain module)
+                 into sources that say where this rank's part lies: base.py (Source, LocalGrads,
+                 Problem), deepspeed.py (the only module that imports deepspeed; every kind of its state;
+                 engine_hooks.py, swap.py), fsdp2.py (the only one that reaches into FSDP2)
 plan.py          pure: layout + call arguments + agreed capabilities -> GradPlan (frozen)
 steps.py         pure: each step of a plan as frozen data (cuts, reduce steps, copy plans, sliced steps)
 cache.py         what a source keeps between calls: typed, LRU-bounded per call shape
-model_cache.py   sources per dispatcher and model (weakly)
-call.py          opening a call: arguments, cached source and plans, readiness agreed on every rank
+model_cache.py   sources per dispatcher and model (weakly), and each model's write count
+call.py          opening a call: arguments checked, source taken, readiness agreed on every rank
 placements.py    where a rank's pieces lie, as told in the readiness check
 execute.py       the executor: one function per plan kind, each only moves bytes (runner.py: what they
                  share; gather_flat.py, gather_sliced.py, reduce.py)
-read.py          safe_get_full_model_grads, iter_full_model_grads
+read.py          safe_get_full_model_grads, iter_full_model_grads; FullState, FullGrads, FullStateStream
 state.py         the fp32 master weights and optimizer states, read and written the same way
-                 (sources: deepspeed_state.py, fsdp2.py)
-write.py         safe_set_full_model_grads, update_full_model_grads
-stats.py         model_grad_stats: per-parameter statistics without building any full gradient
+write.py         safe_set_full_model_grads, safe_update_full_model_grads
+stats.py         safe_get_full_model_grad_stats: per-parameter statistics without any full gradient
                  (stat_blocks.py: pure blocks; stat_reduce.py: this rank's reductions)
 save.py          save_full_model: a consolidated checkpoint streamed into safetensors shards (shards.py)
 hook.py          register_pre_step_hook: a function run inside DeepSpeed's fused step(), where they are valid
@@ -24,9 +25,9 @@ record.py        what a call did
 """
 
 from collgrad.state.hook import PreStepHook, register_pre_step_hook
-from collgrad.state.plan import PLANS, GradPlan, PlanKind
-from collgrad.state.read import FullGrads, FullGradStream, iter_full_model_grads, safe_get_full_model_grads
-from collgrad.state.record import FullGradRecord, GroupRecord
+from collgrad.state.kinds import FP32, GRAD, WEIGHTS, OptimizerState, StateKind
+from collgrad.state.read import FullGrads, FullState, FullStateStream, iter_full_model_grads, safe_get_full_model_grads
+from collgrad.state.record import GroupRecord, StateRecord
 from collgrad.state.save import SavedModel, save_full_model
 from collgrad.state.state import (
     iter_full_model_fp32_params,
@@ -36,32 +37,35 @@ from collgrad.state.state import (
     safe_set_full_model_fp32_params,
     safe_set_full_model_optimizer_states,
 )
-from collgrad.state.stats import GradStat, GradStats, model_grad_stats
-from collgrad.state.write import safe_set_full_model_grads, update_full_model_grads
+from collgrad.state.stats import GradStat, GradStats, safe_get_full_model_grad_stats
+from collgrad.state.write import safe_set_full_model_grads, safe_update_full_model_grads
 
 __all__ = [
-    "save_full_model",
-    "SavedModel",
     "safe_get_full_model_grads",
+    "iter_full_model_grads",
+    "safe_set_full_model_grads",
+    "safe_update_full_model_grads",
+    "safe_get_full_model_grad_stats",
+    "register_pre_step_hook",
     "safe_get_full_model_fp32_params",
     "iter_full_model_fp32_params",
+    "safe_set_full_model_fp32_params",
     "safe_get_full_model_optimizer_states",
     "iter_full_model_optimizer_states",
-    "safe_set_full_model_fp32_params",
     "safe_set_full_model_optimizer_states",
-    "iter_full_model_grads",
+    "save_full_model",
+    "FullState",
     "FullGrads",
-    "FullGradStream",
-    "FullGradRecord",
+    "FullStateStream",
+    "StateRecord",
     "GroupRecord",
-    "GradPlan",
-    "PlanKind",
-    "PLANS",
-    "model_grad_stats",
-    "safe_set_full_model_grads",
-    "update_full_model_grads",
     "GradStats",
     "GradStat",
-    "register_pre_step_hook",
     "PreStepHook",
+    "SavedModel",
+    "StateKind",
+    "OptimizerState",
+    "GRAD",
+    "FP32",
+    "WEIGHTS",
 ]

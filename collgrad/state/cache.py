@@ -27,7 +27,7 @@ from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Prepared
 from collgrad.state.plan import GradCall, GradPlan
 from collgrad.state.stat_blocks import Arranged
-from collgrad.state.steps import CopyPlan, ReduceStep, Sent, SlicesStep, ViewRun
+from collgrad.state.steps import CopyPlan, Sent, ViewRun
 
 __all__ = ["Lru", "ShapePlans", "PlanCache", "Placements", "HeldCopies", "WriteRow", "WritePlan", "MAX_SHAPES"]
 
@@ -85,10 +85,6 @@ class ShapePlans:
     primitives: dict[tuple[int, Op, torch.dtype], Primitive | None] = field(default_factory=dict)
     #: (entry point, step, bucket bytes, strided, whole) -> the dispatcher's bucket plan
     bucket_plans: dict[tuple[str, Hashable, int, bool, bool], Prepared] = field(default_factory=dict)
-    #: (group index, batch, dtype of this rank's buffer) -> a sliced gather step
-    slices_steps: dict[tuple[int, tuple[int, ...], torch.dtype], SlicesStep] = field(default_factory=dict)
-    #: (group index, batch, rank in group) -> an all-reduce step
-    reduce_steps: dict[tuple[int, tuple[int, ...], int], ReduceStep] = field(default_factory=dict)
     #: (group index, batch, rank in group, moved off its device) -> its copy plan
     copies: dict[tuple[int, tuple[int, ...], int, bool], HeldCopies] = field(default_factory=dict)
 

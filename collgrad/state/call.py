@@ -30,12 +30,13 @@ from collgrad.core.dispatch import Dispatcher, checked_bucket_bytes, default_dis
 from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, LayoutChangedError, NotReadyError
 from collgrad.state import adapters
+from collgrad.state.adapters.base import LocalGrads, Problem, Source
 from collgrad.state.cache import ShapePlans
+from collgrad.state.kinds import GRAD, StateKind
+from collgrad.state.layout import LayoutGroup
 from collgrad.state.model_cache import MODELS, ModelCache
 from collgrad.state.placements import piece_count, placement_print
-from collgrad.state.plan import PLANS, GradCall, GradPlan, needs_capabilities, plan_grads
-from collgrad.state.adapters.base import GRAD, LocalGrads, Problem, Source, State
-from collgrad.state.adapters.layout import GradGroup
+from collgrad.state.plan import PLANS, GradCall, GradPlan, PlanKind, Route, needs_capabilities, plan_grads
 
 __all__ = ["OpenCall", "FIELDS", "source_of"]
 
@@ -63,40 +64,51 @@ class OpenCall:
     where this rank can read them; its result is ``early`` (None where it did not run), and it is
     discarded, with the call, if the check fails. It ends after the others may have gone on: it should
     return a failure rather than raise, and the caller tell the others in its next collective (as
-    ``model_grad_stats`` does with a flag), or they wait for this rank until the bounded wait runs out.
+    ``safe_get_full_model_grad_stats`` does with a flag), or they wait for this rank until the bounded wait runs out.
     """
 
     EXTRA = 2
 
     def __init__(
         self,
-        model: Any,
-        params: Iterable[Any] | None,
-        bucket_bytes: int | None,
-        plan: str,
-        unscale: bool,
-        policy: Policy | None,
-        dispatcher: Dispatcher | None,
+        model: object,
         *,
-        streaming: bool,
         name: str,
+        streaming: bool = False,
+        kind: StateKind = GRAD,
+        params: Iterable[object] | None = None,
+        bucket_bytes: int | None = None,
+        plan: str = "auto",
+        unscale: bool = False,
+        policy: Policy | None = None,
+        dispatcher: Dispatcher | None = None,
+        optimizer: Any = None,
         extra: Callable[[Source], Sequence[Field]] | None = None,
         meanwhile: Callable[[OpenCall], Any] | None = None,
         models: ModelCache = MODELS,
-        state: State = GRAD,
-        optimizer: Any = None,
     ) -> None:
+        """``model``: what the caller passed, or a ``Model`` it resolved already (a call that opens
+        several, as ``save_full_model``, resolves once). ``name``: the public function, compared between
+        ranks and named in errors; ``streaming``: results are handed over bucket by bucket; ``unscale``:
+        fp16 gradients are divided by the loss scale; ``optimizer``: the one holding optimizer states
+        where the model does not."""
         self.name = name
+        self.kind: StateKind = kind
+        self.models = models
         self.dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
+        resolved = model if isinstance(model, adapters.Model) else None
         try:  # every argument is checked before any collective; a rank with bad ones tells the others
+            if resolved is None:  # first: a rank whose other arguments are invalid tells the model's group
+                resolved = adapters.resolve(model)
+            self.model: adapters.Model = resolved
             cap = _checked(plan, bucket_bytes, policy)
-            state = state.checked()
-            self.source, self.layout_cached = _source(models, self.dispatcher, model, params, state, optimizer)
+            kind = kind.checked()
+            self.source, self.layout_cached = _source(models, self.dispatcher, resolved, params, kind, optimizer)
             extra_fields = list(extra(self.source)) if extra is not None else []
             extra_fields += [Field(f"unused {i}", 0) for i in range(self.EXTRA - len(extra_fields))]
             self.local: LocalGrads = self.source.read()
         except (TypeError, ValueError, KeyError):  # InvalidArgumentError, and the adapter's own checks
-            _tell_invalid(model, self.dispatcher.timeout, name)
+            _tell_invalid(resolved, self.dispatcher.timeout, name)
             raise
         self.call = GradCall(plan, cap, streaming)
         self.policy = policy
@@ -110,7 +122,7 @@ class OpenCall:
             if meanwhile is not None and self.local.problem is Problem.OK:
                 self.early = meanwhile(self)
 
-        rows = _agree(self.source, self.local, _fields(self) + extra_fields, self.dispatcher.timeout, name, early)
+        rows = _agree(self.source, self.local, _fields(self) + extra_fields, self.dispatcher, name, early)
         #: Every rank's print of where its gradient pieces lie (its storage order), and how many pieces
         #: it holds, by global rank: a gather of partitions as they lie checks the print against what it
         #: cached, and sizes a placements exchange by the counts (no extra collective for either).
@@ -136,10 +148,25 @@ class OpenCall:
                 if needs_capabilities(group, self.call, accessor):  # collective on first use: only if needed
                     found = self.primitive(group, Op.ALL_GATHER, group.wire_dtype)
                     gather_ok[i] = found not in (None, Primitive.PER_TENSOR)
-            self.plans.gradient_plan = plan_grads(self.source.layout, self.call, gather_ok, accessor)
+            layout = self.source.layout
+            ranks = {i: adapters.rank_in(g) for i, g in enumerate(layout.groups)}
+            self.plans.gradient_plan = plan_grads(layout, self.call, gather_ok, accessor, self._route, ranks)
         return self.plans.gradient_plan
 
-    def primitive(self, group: GradGroup, op: Op, dtype: torch.dtype) -> Primitive | None:
+    def _route(self, index: int, kind: PlanKind) -> Route:
+        """How group ``index``'s collectives of ``kind`` run under this call's policy, from the agreed
+        capabilities (collective the first time, on every rank alike)."""
+        group = self.source.layout.groups[index]
+        if kind is PlanKind.ALL_REDUCE:
+            return Route(per_tensor=self.primitive(group, Op.ALL_REDUCE, group.out_dtype) is Primitive.PER_TENSOR)
+        dtype = group.wire_dtype
+        primitive = self.primitive(group, Op.ALL_GATHER, dtype)
+        return Route(
+            coalesced=primitive is Primitive.COALESCED,
+            laid_out_by_backend=primitive is Primitive.FLAT and self.capabilities(group).strided_gather(dtype),
+        )
+
+    def primitive(self, group: LayoutGroup, op: Op, dtype: torch.dtype) -> Primitive | None:
         """The registry's choice of primitive for ``op`` on ``dtype`` over ``group``, under this call's
         policy. Asked once (collective the first time, on every rank alike), cached with the source."""
         key = (group.index, op, dtype)
@@ -147,7 +174,7 @@ class OpenCall:
             self.plans.primitives[key] = self.capabilities(group).choice(op, dtype).primitive
         return self.plans.primitives[key]
 
-    def capabilities(self, group: GradGroup) -> Capabilities:
+    def capabilities(self, group: LayoutGroup) -> Capabilities:
         """What the registry agreed ``group`` can run, under this call's policy (the same on every
         rank; collective the first time, cached by the registry)."""
         return self.dispatcher.registry.capabilities(
@@ -214,7 +241,7 @@ def _agree(
     source: Source,
     local: LocalGrads,
     fields: list[Field],
-    timeout_s: float,
+    dispatcher: Dispatcher,
     name: str,
     meanwhile: Callable[[], None],
 ) -> list[list[int]] | None:
@@ -228,7 +255,13 @@ def _agree(
         meanwhile()
         return None
     rows = agree_on_call(
-        source.control_group, fields, timeout_s=timeout_s, call=name, status=int(local.problem), meanwhile=meanwhile
+        source.control_group,
+        fields,
+        timeout_s=dispatcher.timeout,
+        call=name,
+        status=int(local.problem),
+        meanwhile=meanwhile,
+        hook_failures=dispatcher.hook_failures,
     )
     ranks = _compat.group_ranks(source.control_group)
     bad = [(ranks[i], Problem(row[0])) for i, row in enumerate(rows) if row[0] != Problem.OK]
@@ -241,59 +274,47 @@ def _agree(
     return rows
 
 
-def _tell_invalid(model: Any, timeout_s: float, name: str) -> None:
+def _tell_invalid(model: adapters.Model | None, timeout_s: float, name: str) -> None:
     """This rank's arguments are invalid: take part in the readiness check with that verdict, so ranks
-    whose arguments were fine raise too instead of waiting; the caller then re-raises its own error."""
-    try:
-        group = adapters.control_group_of(model)
-    except Exception:  # noqa: BLE001 - the argument error is the one to report
-        group = _compat.default_group() if torch.distributed.is_initialized() else None
+    whose arguments were fine raise too instead of waiting; the caller then re-raises its own error.
+    ``model``: None where what was passed is no model (the default group is told)."""
+    group = model.control_group if model is not None else _compat.default_group_or_none()
     if group is not None:
         tell_invalid(group, len(FIELDS) + OpenCall.EXTRA, timeout_s, name)
 
 
 def source_of(
-    model: Any, state: State = GRAD, optimizer: Any = None, params: Iterable[Any] | None = None
+    model: object, kind: StateKind = GRAD, optimizer: Any = None, params: Iterable[object] | None = None
 ) -> tuple[Source, bool]:
-    """The cached Source of ``state`` of ``model``'s trainable parameters (``params``: that selection),
+    """The cached Source of ``kind`` of ``model``'s trainable parameters (``params``: that selection),
     and whether it came from the cache, as the public functions open it with the default dispatcher.
     Local."""
-    return _source(MODELS, default_dispatcher(), model, params, state, optimizer)
+    resolved = model if isinstance(model, adapters.Model) else adapters.resolve(model)
+    return _source(MODELS, default_dispatcher(), resolved, params, kind, optimizer)
 
 
 def _source(
     models: ModelCache,
     dispatcher: Dispatcher,
-    model: Any,
-    params: Iterable[Any] | None,
-    state: State = GRAD,
-    optimizer: Any = None,
+    model: adapters.Model,
+    params: Iterable[object] | None,
+    kind: StateKind,
+    optimizer: Any,
 ) -> tuple[Source, bool]:
-    """The cached Source of ``state`` of ``model`` for this ``params`` selection (and ``optimizer``) if
+    """The cached Source of ``kind`` of ``model`` for this ``params`` selection (and ``optimizer``) if
     its layout still holds, else a new one (and an empty model or selection refused). Cached in
     ``models`` per dispatcher, weakly per model: released with the model."""
-    source, cached = _cached_source(models, dispatcher, model, params, state, optimizer)
+    params = None if params is None else list(params)
+    selection = None if params is None else tuple(p if isinstance(p, str) else id(p) for p in params)
+    # the optimizer weakly: equal while alive, and a dead one's key matches no new optimizer
+    key = selection if kind == GRAD else (selection, kind, None if optimizer is None else weakref.ref(optimizer))
+    per_model = models.per_model(dispatcher, model.target)
+    source = per_model.get(key)
+    cached = source is not None and source.valid()
+    if source is None or not cached:
+        source = per_model[key] = model.open(params, kind, optimizer)
     if not source.layout.order:
         raise InvalidArgumentError(
             f"rank {_compat.rank()}: no trainable parameter is selected (an empty model, or an empty params=)"
         )
     return source, cached
-
-
-def _cached_source(
-    models: ModelCache, dispatcher: Dispatcher, model: Any, params: Iterable[Any] | None, state: State, optimizer: Any
-) -> tuple[Source, bool]:
-    params = None if params is None else list(params)
-    selection = None if params is None else tuple(p if isinstance(p, str) else id(p) for p in params)
-    # the optimizer weakly: equal while alive, and a dead one's key matches no new optimizer
-    key = selection if state == GRAD else (selection, state, None if optimizer is None else weakref.ref(optimizer))
-    try:
-        per_model = models.per_model(dispatcher, model)
-    except TypeError:  # not weakly referenceable, so not a model: let open_source say what is wrong
-        return adapters.open_source(model, params, state, optimizer), False
-    source = per_model.get(key)
-    if source is not None and source.valid():
-        return source, True
-    source = adapters.open_source(model, params, state, optimizer)
-    per_model[key] = source
-    return source, False

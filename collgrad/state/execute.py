@@ -15,15 +15,15 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from collgrad.core.record import CallRecord
+from collgrad.state.adapters.base import Source
 from collgrad.state.call import OpenCall
 from collgrad.state.gather_flat import gather_flat
 from collgrad.state.gather_sliced import gather_sliced
+from collgrad.state.layout import LayoutGroup, Partitioning, owned_fragments
 from collgrad.state.plan import GroupPlan, PlanKind
-from collgrad.state.record import FullGradRecord, GroupRecord
+from collgrad.state.record import GroupRecord, StateRecord
 from collgrad.state.reduce import all_reduce
 from collgrad.state.runner import Result, Step, converted, no_history, shaped
-from collgrad.state.adapters.base import Source
-from collgrad.state.adapters.layout import GradGroup, Kind, owned_fragments
 
 __all__ = ["Executor", "Result", "accessor_bytes"]
 
@@ -36,7 +36,7 @@ class Executor:
         #: False: where this rank holds a gradient whole (no collective), hand out the tensor itself
         self.copy = copy
         self.group_records: list[GroupRecord] = []
-        self.accessor_collectives = 0
+        self.per_param_collectives = 0
         self.accessor_bytes = 0
         self._kinds: dict[PlanKind, Callable[[Step], Result]] = {
             PlanKind.ACCESSOR: self._accessor,
@@ -45,12 +45,12 @@ class Executor:
             PlanKind.ALL_REDUCE: all_reduce,
         }
 
-    def record(self) -> FullGradRecord:
+    def record(self) -> StateRecord:
         c = self.call
-        return FullGradRecord(
+        return StateRecord(
             c.source.layout.variant,
             tuple(self.group_records),
-            self.accessor_collectives,
+            self.per_param_collectives,
             c.local.loss_scale,
             c.unscale,
             c.cached,
@@ -76,7 +76,7 @@ class Executor:
             if not gplan.batches:
                 self._note(gplan, group, calls)
 
-    def _note(self, gplan: GroupPlan, group: GradGroup, calls: list[CallRecord]) -> None:
+    def _note(self, gplan: GroupPlan, group: LayoutGroup, calls: list[CallRecord]) -> None:
         rec = GroupRecord(group.index, group.kind, gplan.kind, group.group_ranks, len(group.params), tuple(calls))
         if self.group_records and self.group_records[-1].group == group.index:
             self.group_records[-1] = rec
@@ -92,7 +92,7 @@ class Executor:
         for k in step.batch:
             slot = step.group.params[k]
             grad = accessor(c.source.params[slot.name])
-            self.accessor_collectives += 1
+            self.per_param_collectives += 1
             self.accessor_bytes += accessor_bytes(c.source, step.group, slot.numel)
             if c.unscale:
                 grad = grad / c.local.loss_scale
@@ -102,7 +102,7 @@ class Executor:
     def _local(self, step: Step) -> Result:
         """What this rank already holds: copies, or with ``copy=False`` the tensors themselves."""
         copy, group, batch, buffer = self.copy, step.group, step.batch, step.buffer
-        if group.kind is Kind.REPLICATED:
+        if group.kind is Partitioning.REPLICATED:
             params, out_dtype = group.params, group.out_dtype
             # copy=False: the optimizer's tensor itself (no autograd history to cut: a .grad, a _hp_grad),
             # not a new tensor object per gradient
@@ -122,7 +122,7 @@ class Executor:
         return out
 
 
-def accessor_bytes(source: Source, group: GradGroup, numel: int) -> int:
+def accessor_bytes(source: Source, group: LayoutGroup, numel: int) -> int:
     """What DeepSpeed's per-parameter accessor sends for a parameter of ``numel`` elements: ZeRO-1/2
     and BF16_Optimizer all-reduce the whole of it in fp32 (a zero-filled buffer holding this rank's
     fragment), ZeRO-3 all-gathers this rank's fp32 partition."""
@@ -132,6 +132,6 @@ def accessor_bytes(source: Source, group: GradGroup, numel: int) -> int:
 
 
 def _gather(step: Step) -> Result:
-    if step.group.kind is Kind.PARTITIONED_FLAT:
+    if step.group.kind is Partitioning.PARTITIONED_FLAT:
         return gather_flat(step)
     return gather_sliced(step)

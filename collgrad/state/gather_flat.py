@@ -25,9 +25,9 @@ from collgrad.backends import agreement
 from collgrad.backends.ops import Op
 from collgrad.core.buffers import Pieces
 from collgrad.state.cache import Placements
+from collgrad.state.layout import gathered_runs
 from collgrad.state.placements import CHANGED, placed, sent_message
-from collgrad.state.runner import Result, Step, all_converted, lays_out_strided, viewed
-from collgrad.state.adapters.layout import gathered_runs
+from collgrad.state.runner import Result, Step, all_converted, viewed
 from collgrad.state.steps import COPY_FOR_A_COLLECTIVE, flat_chunks, flat_views
 
 __all__ = ["gather_flat"]
@@ -52,7 +52,7 @@ def gather_flat(step: Step) -> Result:
     message = sent_message(buffer)
     capacity = max(1, call.call.bucket_bytes // (world * full.element_size()))
     chunks = flat_chunks(numel, held.head, capacity, COPY_FOR_A_COLLECTIVE // full.element_size())
-    if len(chunks) > 1 and lays_out_strided(step):
+    if len(chunks) > 1 and step.gplan.route.laid_out_by_backend:
         rows = full.view(world, numel)
         inputs = [message.range(lo, n).to(device).view(1, n) for lo, n in chunks]
         outputs = [rows[:, lo : lo + n] for lo, n in chunks]

@@ -24,23 +24,22 @@ from typing import Callable
 
 import torch
 
-from collgrad.backends.ops import Op, Primitive
+from collgrad.backends.ops import Op
 from collgrad.core.buffers import Pieces
 from collgrad.core.record import CallRecord
-from collgrad.state.runner import Result, Step, all_converted, lays_out_strided, viewed
-from collgrad.state.steps import SlicesStep, slices_step
+from collgrad.state.runner import Result, Step, all_converted, viewed
+from collgrad.state.steps import SlicesStep
 
 __all__ = ["gather_sliced"]
 
 
 def gather_sliced(step: Step) -> Result:
     """Step ``step`` of a sliced gather: the batch's full gradients."""
-    call, group, buffer, batch = step.call, step.group, step.buffer, step.batch
+    call, group, buffer = step.call, step.group, step.buffer
     assert isinstance(buffer, Pieces)
-    key = (group.index, batch, buffer.dtype)
-    plan = call.plans.slices_steps.get(key)
-    if plan is None:  # pure layout: cached with the source
-        plan = call.plans.slices_steps[key] = slices_step(group, batch, buffer.given[0].element_size())
+    plan = step.gplan.steps[step.b]  # made with the call's plan
+    assert isinstance(plan, SlicesStep), "a sliced gather step without its layout"
+    assert buffer.dtype == group.wire_dtype, "a rank's slices in another dtype than the layout's"
     device = call.source.device
     local = buffer.range(plan.lo, plan.span).to(device)  # a view of the source's flat buffer, or one move
     result = torch.empty(group.world * plan.span, dtype=group.wire_dtype, device=device)
@@ -51,9 +50,10 @@ def gather_sliced(step: Step) -> Result:
         out.extend((name, view) for name, view in zip(plan.names, made) if view is not None)
         assert len(out) == len(plan.names), "a parameter without its view"
 
-    if call.primitive(group, Op.ALL_GATHER, group.wire_dtype) is Primitive.COALESCED:
+    route = step.gplan.route
+    if route.coalesced:
         _coalesced(step, plan, local, result, shape)
-    elif lays_out_strided(step) and _one_input(plan):
+    elif route.laid_out_by_backend and _one_input(plan):
         _laid_out_by_backend(step, plan, local, result, shape)
     elif plan.direct:
         _direct(step, plan, local, result, shape)

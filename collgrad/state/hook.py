@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from torch.distributed import ProcessGroup
+
 from collgrad import _compat
 from collgrad.backends import agreement
 from collgrad.core.dispatch import default_dispatcher
@@ -49,7 +51,7 @@ class PreStepHook:
         return self._remove is not None
 
 
-def register_pre_step_hook(model: Any, fn: Callable[[Any], Any], *, every: int = 1) -> PreStepHook:
+def register_pre_step_hook(model: object, fn: Callable[[Any], Any], *, every: int = 1) -> PreStepHook:
     """Call ``fn(engine)`` on every rank inside ``engine.step()`` at every ``every``-th gradient
     accumulation boundary, after the gradients are reduced and before DeepSpeed's overflow check,
     clipping and optimizer update: inside ``fn`` every collgrad.state function is valid, and gradients
@@ -69,31 +71,35 @@ def register_pre_step_hook(model: Any, fn: Callable[[Any], Any], *, every: int =
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise InvalidArgumentError(f"rank {_compat.rank()}: every must be a positive int, got {every!r}")
     handle = PreStepHook(fn, every)
+    resolved = adapters.resolve(model)
+    group = resolved.control_group
 
     def run(engine: Any) -> None:
         handle.boundaries += 1
         if handle.boundaries % handle.every:
             return
         handle.calls += 1
-        _run_checked(handle.fn, engine, adapters.control_group_of(engine))
+        _run_checked(handle.fn, engine, group)
 
-    handle._remove = adapters.hook_model_step(model, run)
+    handle._remove = resolved.hook_step(run)
     return handle
 
 
-def _run_checked(fn: Callable[[Any], Any], engine: Any, group: Any) -> None:
-    """``fn(engine)``, then one small check over ``group`` so that every rank raises if it raised on any."""
-    seen = agreement.hook_failures_seen
+def _run_checked(fn: Callable[[Any], Any], engine: Any, group: ProcessGroup | None) -> None:
+    """``fn(engine)``, then one small check over ``group`` so that every rank raises if it raised on any.
+    Another rank's failure is seen by the collgrad calls ``fn`` makes through the default dispatcher."""
+    failures = default_dispatcher().hook_failures
+    seen = failures.seen
     try:
         fn(engine)
     except BaseException:
-        if group is not None and agreement.hook_failures_seen == seen:
+        if group is not None and failures.seen == seen:
             try:  # the others learn it in whatever check they are in
                 _tell(group, agreement.HOOK_FAILED)
             except PreStepHookError:
                 pass  # this rank's own exception is the one to raise
         raise
-    if agreement.hook_failures_seen != seen:
+    if failures.seen != seen:
         # fn went on after a collgrad call inside it raised because another rank's hook had failed:
         # those ranks are done, so there is no check to join; stop here too.
         raise PreStepHookError(
@@ -103,7 +109,7 @@ def _run_checked(fn: Callable[[Any], Any], engine: Any, group: Any) -> None:
         _tell(group, 0)
 
 
-def _tell(group: Any, status: int) -> None:
+def _tell(group: ProcessGroup, status: int) -> None:
     """One row in the shape of every collgrad call's argument check, so that a rank whose hook raised
     early meets the others' next check wherever they are; raises PreStepHookError if any rank failed."""
     agreement.agree_on_call(

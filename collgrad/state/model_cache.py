@@ -1,6 +1,8 @@
-"""The gradient sources of each model, kept between calls: per dispatcher, per model, both weakly.
+"""What collgrad keeps of each model between calls: its sources, per dispatcher, per model, both
+weakly; and how many model-wide writes it has had.
 
     ModelCache.of(dispatcher)[model][params selection] -> Source   (reused while Source.valid())
+    ModelCache.writes(model) -> int                                (what was read before may be stale)
 
 A dispatcher or a model that goes away takes its sources with it. ``MODELS`` is the default instance
 the public functions use; pass another ``ModelCache`` (e.g. in tests) to keep sources apart.
@@ -27,6 +29,7 @@ class ModelCache:
         self._by_dispatcher: weakref.WeakKeyDictionary[Dispatcher, weakref.WeakKeyDictionary[Any, PerModel]] = (
             weakref.WeakKeyDictionary()
         )
+        self._writes: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     def of(self, dispatcher: Dispatcher) -> weakref.WeakKeyDictionary[Any, PerModel]:
         """The models ``dispatcher`` has opened sources for, each with its sources by selection."""
@@ -35,10 +38,19 @@ class ModelCache:
             found = self._by_dispatcher[dispatcher] = weakref.WeakKeyDictionary()
         return found
 
-    def per_model(self, dispatcher: Dispatcher, model: Any) -> PerModel:
+    def per_model(self, dispatcher: Dispatcher, model: object) -> PerModel:
         """``model``'s sources under ``dispatcher``; raises TypeError if ``model`` cannot be held weakly
         (then it is no model)."""
         return self.of(dispatcher).setdefault(model, {})
+
+    def wrote(self, model: object) -> None:
+        """A model-wide write into ``model`` begins (counted before it starts: one that fails halfway
+        leaves what was read before no more valid). Local."""
+        self._writes[model] = self._writes.get(model, 0) + 1
+
+    def writes(self, model: object) -> int:
+        """How many model-wide writes ``model`` has had (monotonic while it lives). Local."""
+        return self._writes.get(model, 0)
 
 
 #: The cache behind the public functions.

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from collgrad.backends.agreement import stable_hash
 from collgrad.core.buffers import Pieces, main_run, run_view
 from collgrad.state.cache import PlanCache
-from collgrad.state.adapters.layout import GradLayout, Kind
+from collgrad.state.layout import Partitioning, StateLayout
 from collgrad.state.steps import Sent, sent_pieces
 
 __all__ = ["placed", "sent_message", "placement_print", "piece_count", "CHANGED"]
@@ -41,16 +41,16 @@ def sent_message(buffer: Pieces) -> Pieces:
     return Pieces([run_view(buffer, run), *others] if run else others)
 
 
-def _gathered_as_they_lie(layout: GradLayout, buffers: Sequence[Any]) -> list[tuple[int, Pieces]]:
+def _gathered_as_they_lie(layout: StateLayout, buffers: Sequence[Any]) -> list[tuple[int, Pieces]]:
     """(group index, buffer) of every group gathered as its partitions lie (ZeRO-1/2)."""
     return [
         (layout.groups[position].index, buffer)
         for position, buffer in enumerate(buffers)
-        if isinstance(buffer, Pieces) and layout.groups[position].kind is Kind.PARTITIONED_FLAT
+        if isinstance(buffer, Pieces) and layout.groups[position].kind is Partitioning.PARTITIONED_FLAT
     ]
 
 
-def placement_print(layout: GradLayout, plans: PlanCache, buffers: Sequence[Any]) -> int:
+def placement_print(layout: StateLayout, plans: PlanCache, buffers: Sequence[Any]) -> int:
     """What this rank tells the others of where its gradient pieces lie: a print of them if the
     placements cached in ``plans`` still hold for every group, else ``CHANGED``, which makes every
     rank exchange placements again before such a gather."""
@@ -66,7 +66,7 @@ def placement_print(layout: GradLayout, plans: PlanCache, buffers: Sequence[Any]
     return stable_hash(prints) & ((1 << 62) - 1)
 
 
-def piece_count(layout: GradLayout, buffers: Sequence[Any]) -> int:
+def piece_count(layout: StateLayout, buffers: Sequence[Any]) -> int:
     """The most pieces this rank holds in any group gathered as its partitions lie: a placements
     exchange pads every rank's row to three numbers per piece of the largest count told."""
     return max((len(placed(buffer).pieces) for _, buffer in _gathered_as_they_lie(layout, buffers)), default=0)

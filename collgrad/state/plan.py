@@ -24,18 +24,22 @@ Steps ("batches") are runs of whole parameters, in layout order::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping, Union
 
 import torch
 
 from collgrad.backends.ops import ValueEnum
-from collgrad.state.adapters.layout import GradGroup, GradLayout, Kind
+from collgrad.state.layout import LayoutGroup, Partitioning, StateLayout
+from collgrad.state.steps import ReduceStep, SlicesStep, reduce_step, slices_step
 
 __all__ = [
     "PLANS",
     "GATHER_MIN_SHARE",
     "PlanKind",
     "GradCall",
+    "Route",
+    "StepLayout",
+    "step_layouts",
     "GroupPlan",
     "GradPlan",
     "needs_capabilities",
@@ -70,6 +74,27 @@ class GradCall:
 
 
 @dataclass(frozen=True)
+class Route:
+    """How a group's collectives run, fixed from the agreed capabilities when the plan is made (so that
+    no executor asks the registry). The default: one flat collective per bucket, laid out by a copy of
+    collgrad's where the layout is not rank-major already."""
+
+    #: all_gather: the agreed primitive gathers per parameter straight into place (NCCL/XCCL).
+    coalesced: bool = False
+    #: all_gather: the agreed primitive is a flat gather and every rank's backend lays a coalesced
+    #: gather out into strided output views itself (Gloo's copy out of its staging), with the coalesced
+    #: primitive allowed by the policy: strided outputs, no reorder copy of collgrad's.
+    laid_out_by_backend: bool = False
+    #: all_reduce: the group's reductions go one collective per tensor (no bucket primitive agreed),
+    #: so the per-parameter views are made before the sum.
+    per_tensor: bool = False
+
+
+#: The layout of one step: an all-reduce's fill, or a sliced gather's slices (collgrad/state/steps.py).
+StepLayout = Union[ReduceStep, SlicesStep]
+
+
+@dataclass(frozen=True)
 class GroupPlan:
     group: int  # position in ``layout.groups``
     kind: PlanKind
@@ -77,6 +102,10 @@ class GroupPlan:
     batches: tuple[tuple[int, ...], ...]
     #: Bytes one step may take (results, or gathered slices); None where the group is one step.
     budget: int | None
+    #: How the group's collectives run.
+    route: Route = Route()
+    #: Per step, its layout where the kind has one (all_reduce; all_gather of SLICED groups); else empty.
+    steps: tuple[StepLayout, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,40 +118,40 @@ class GradPlan:
         return sum(len(g.batches) for g in self.groups)
 
 
-def needs_capabilities(group: GradGroup, call: GradCall, accessor: bool = False) -> bool:
+def needs_capabilities(group: LayoutGroup, call: GradCall, accessor: bool = False) -> bool:
     """Whether ``choose_kind`` looks at ``gather_ok`` for this group: only then must the caller ask
     the registry (collective over the group the first time)."""
     return not (
         accessor
-        or group.kind is Kind.REPLICATED
+        or group.kind is Partitioning.REPLICATED
         or group.world == 1
         or call.plan != "auto"
-        or (call.streaming and group.kind is Kind.PARTITIONED_FLAT)
+        or (call.streaming and group.kind is Partitioning.PARTITIONED_FLAT)
     )
 
 
-def choose_kind(group: GradGroup, call: GradCall, gather_ok: bool, accessor: bool = False) -> PlanKind:
+def choose_kind(group: LayoutGroup, call: GradCall, gather_ok: bool, accessor: bool = False) -> PlanKind:
     """The plan kind of one group. ``gather_ok``: the group's agreed capabilities have a bucket
     primitive (not per-tensor) for an all-gather of its wire dtype. ``accessor``: the source has no
     layout and only DeepSpeed's per-parameter accessor can read it."""
     if accessor:
         return PlanKind.ACCESSOR
-    if group.kind is Kind.REPLICATED or group.world == 1:
+    if group.kind is Partitioning.REPLICATED or group.world == 1:
         return PlanKind.LOCAL
     if call.plan != "auto":
         return PlanKind(call.plan)
-    if call.streaming and group.kind is Kind.PARTITIONED_FLAT:
+    if call.streaming and group.kind is Partitioning.PARTITIONED_FLAT:
         return PlanKind.ALL_REDUCE  # a bucket of whole parameters is complete by itself
     if not gather_ok:
         return PlanKind.ALL_REDUCE
-    if group.kind is Kind.PARTITIONED_FLAT:
+    if group.kind is Partitioning.PARTITIONED_FLAT:
         wanted = sum(p.numel for p in group.params)
         if wanted < GATHER_MIN_SHARE * group.world * group.partition_numel:
             return PlanKind.ALL_REDUCE
     return PlanKind.ALL_GATHER
 
 
-def batch_params(group: GradGroup, kind: PlanKind, call: GradCall) -> tuple[tuple[tuple[int, ...], ...], int | None]:
+def batch_params(group: LayoutGroup, kind: PlanKind, call: GradCall) -> tuple[tuple[tuple[int, ...], ...], int | None]:
     """The steps of one group, and the byte budget of a step (None: one step).
 
     Sliced all-gathers (ZeRO-3, FSDP2) go by buckets of gathered bytes (the staging buffer is one bucket); when
@@ -136,7 +165,7 @@ def batch_params(group: GradGroup, kind: PlanKind, call: GradCall) -> tuple[tupl
         return (), None
     if kind is PlanKind.ACCESSOR:
         return tuple((k,) for k in indices), None
-    sliced_gather = kind is PlanKind.ALL_GATHER and group.kind is Kind.SLICED
+    sliced_gather = kind is PlanKind.ALL_GATHER and group.kind is Partitioning.SLICED
     if not (sliced_gather or (call.streaming and kind in (PlanKind.ALL_REDUCE, PlanKind.LOCAL))):
         return (indices,), None
     itemsize = torch.empty((), dtype=group.out_dtype).element_size()
@@ -155,12 +184,38 @@ def batch_params(group: GradGroup, kind: PlanKind, call: GradCall) -> tuple[tupl
     return tuple(batches), budget
 
 
-def plan_grads(layout: GradLayout, call: GradCall, gather_ok: Mapping[int, bool], accessor: bool = False) -> GradPlan:
-    """The plan of one call. ``gather_ok[i]``: for ``layout.groups[i]``, whether the agreed
-    capabilities have a bucket all-gather primitive (see ``choose_kind``)."""
+def plan_grads(
+    layout: StateLayout,
+    call: GradCall,
+    gather_ok: Mapping[int, bool],
+    accessor: bool = False,
+    routes: Callable[[int, PlanKind], Route] | None = None,
+    ranks: Mapping[int, int] | None = None,
+) -> GradPlan:
+    """The plan of one call, complete before any data moves. ``gather_ok[i]``: for
+    ``layout.groups[i]``, whether the agreed capabilities have a bucket all-gather primitive (see
+    ``choose_kind``); ``routes(i, kind)``: how group ``i``'s collectives run, asked only for groups that
+    communicate (default: flat); ``ranks[i]``: this rank's position in group ``i``, for the steps'
+    layouts (without it, the plan has none: enough to test the choice of kinds and batches)."""
     groups = []
     for i, group in enumerate(layout.groups):
         kind = choose_kind(group, call, gather_ok.get(i, False), accessor)
         batches, budget = batch_params(group, kind, call)
-        groups.append(GroupPlan(i, kind, batches, budget))
+        communicates = kind in (PlanKind.ALL_GATHER, PlanKind.ALL_REDUCE)
+        route = routes(i, kind) if routes is not None and communicates else Route()
+        steps = step_layouts(group, kind, batches, ranks[i]) if ranks is not None else ()
+        groups.append(GroupPlan(i, kind, batches, budget, route, steps))
     return GradPlan(call, tuple(groups))
+
+
+def step_layouts(
+    group: LayoutGroup, kind: PlanKind, batches: tuple[tuple[int, ...], ...], rank: int
+) -> tuple[StepLayout, ...]:
+    """Each step's layout: an all-reduce's fill for this rank (at position ``rank`` in the group), or a
+    sliced gather's slices; none for the other kinds."""
+    if kind is PlanKind.ALL_REDUCE:
+        return tuple(reduce_step(group, batch, rank) for batch in batches)
+    if kind is PlanKind.ALL_GATHER and group.kind is Partitioning.SLICED:
+        size = torch.empty((), dtype=group.wire_dtype).element_size()
+        return tuple(slices_step(group, batch, size) for batch in batches)
+    return ()

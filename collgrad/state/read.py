@@ -6,7 +6,7 @@ Thin entry points: open the call (arguments, source, readiness, plan: call.py), 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -14,24 +14,37 @@ from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher
 from collgrad.state.call import OpenCall
 from collgrad.state.execute import Executor
-from collgrad.state.record import FullGradRecord
+from collgrad.state.kinds import Grad, StateKind
+from collgrad.state.record import StateRecord
 
-__all__ = ["safe_get_full_model_grads", "iter_full_model_grads", "FullGrads", "FullGradStream", "collected"]
+__all__ = [
+    "safe_get_full_model_grads",
+    "iter_full_model_grads",
+    "FullState",
+    "FullGrads",
+    "FullStateStream",
+    "collected",
+]
 
 
-class FullGrads(dict[str, torch.Tensor]):
-    """``dict[name, Tensor]`` of full gradients, plus ``record`` (what was done) and
-    ``model_parallel`` (names of tensor- or expert-parallel shards: full across the data-parallel
-    group, still local across tensor/expert-parallel ranks)."""
+class FullState(dict[str, torch.Tensor]):
+    """``dict[name, Tensor]`` of one kind of state, each tensor whole, plus ``kind`` (which state),
+    ``record`` (what was done) and ``model_parallel`` (names of tensor- or expert-parallel shards: whole
+    across the data-parallel group, still local across tensor/expert-parallel ranks)."""
 
-    record: FullGradRecord
+    kind: StateKind
+    record: StateRecord
     model_parallel: frozenset[str]
 
 
+class FullGrads(FullState):
+    """The full gradients (``kind`` is ``GRAD``): what ``safe_get_full_model_grads`` returns."""
+
+
 def safe_get_full_model_grads(
-    model: Any,
+    model: object,
     *,
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     bucket_bytes: int | None = None,
     plan: str = "auto",
     unscale: bool = True,
@@ -63,40 +76,45 @@ def safe_get_full_model_grads(
     """
     call = OpenCall(
         model,
-        params,
-        bucket_bytes,
-        plan,
-        unscale,
-        policy,
-        dispatcher,
-        streaming=False,
         name="safe_get_full_model_grads",
+        params=params,
+        bucket_bytes=bucket_bytes,
+        plan=plan,
+        unscale=unscale,
+        policy=policy,
+        dispatcher=dispatcher,
     )
-    return collected(call, copy)
+    grads = collected(call, copy)
+    assert isinstance(grads, FullGrads)
+    return grads
 
 
-def collected(call: OpenCall, copy: bool = True) -> FullGrads:
-    """Every result of the opened ``call``, in ``named_parameters()`` order. Collective, as its steps."""
+def collected(call: OpenCall, copy: bool = True) -> FullState:
+    """Every result of the opened ``call``, in ``named_parameters()`` order (``FullGrads`` for gradients).
+    Collective, as its steps."""
     executor = Executor(call, copy=copy)
     found: dict[str, torch.Tensor] = {}
     for results in executor.steps():
         found.update(results)
-    grads = FullGrads()
+    out = FullGrads() if isinstance(call.kind, Grad) else FullState()
     for name in call.source.layout.order:
         if name in found:
-            grads[name] = found[name]
-    grads.record = executor.record()
-    grads.model_parallel = call.source.model_parallel
-    return grads
+            out[name] = found[name]
+    out.kind = call.kind
+    out.record = executor.record()
+    out.model_parallel = call.source.model_parallel
+    return out
 
 
-class FullGradStream:
-    """``(name, gradient)`` pairs, one bucket of whole parameters at a time; ``record()`` tells what was
-    done so far. Every rank must consume it to the end (each bucket is a collective)."""
+class FullStateStream:
+    """``(name, tensor)`` pairs of one kind of state (``kind``), one bucket of whole parameters at a
+    time; ``record()`` tells what was done so far. Every rank must consume it to the end (each bucket is
+    a collective)."""
 
     def __init__(self, call: OpenCall, copy: bool = True) -> None:
         self._executor = Executor(call, copy=copy)
         self._iter = self._generate()
+        self.kind: StateKind = call.kind
         self.model_parallel = call.source.model_parallel
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -105,7 +123,7 @@ class FullGradStream:
     def __next__(self) -> tuple[str, torch.Tensor]:
         return next(self._iter)
 
-    def record(self) -> FullGradRecord:
+    def record(self) -> StateRecord:
         return self._executor.record()
 
     def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -116,16 +134,16 @@ class FullGradStream:
 
 
 def iter_full_model_grads(
-    model: Any,
+    model: object,
     *,
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     bucket_bytes: int | None = None,
     plan: str = "auto",
     unscale: bool = True,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
     copy: bool = True,
-) -> FullGradStream:
+) -> FullStateStream:
     """The same gradients as ``safe_get_full_model_grads``, as ``(name, tensor)`` pairs streamed one
     bucket of whole parameters at a time (in bucket order), so that collgrad holds about two buckets
     at a time whatever the model size (a parameter larger than a bucket is one bucket by itself).
@@ -135,9 +153,17 @@ def iter_full_model_grads(
     checked, on every rank together, when this is called (not at the first ``next``). ``copy``: as
     for ``safe_get_full_model_grads``.
     """
-    return FullGradStream(
+    return FullStateStream(
         OpenCall(
-            model, params, bucket_bytes, plan, unscale, policy, dispatcher, streaming=True, name="iter_full_model_grads"
+            model,
+            name="iter_full_model_grads",
+            streaming=True,
+            params=params,
+            bucket_bytes=bucket_bytes,
+            plan=plan,
+            unscale=unscale,
+            policy=policy,
+            dispatcher=dispatcher,
         ),
         copy,
     )

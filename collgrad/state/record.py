@@ -5,16 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from collgrad.core.record import CallRecord
+from collgrad.state.layout import Partitioning
 from collgrad.state.plan import PlanKind
-from collgrad.state.adapters.layout import Kind
 
-__all__ = ["GroupRecord", "FullGradRecord"]
+__all__ = ["GroupRecord", "StateRecord"]
 
 
 @dataclass(frozen=True)
 class GroupRecord:
     group: int
-    kind: Kind
+    kind: Partitioning
     plan: PlanKind
     ranks: tuple[int, ...]
     params: int
@@ -26,12 +26,12 @@ class GroupRecord:
 
 
 @dataclass(frozen=True)
-class FullGradRecord:
+class StateRecord:
     """What a full-gradient call did: per gradient group, the plan and the collectives' records."""
 
     variant: str
     groups: tuple[GroupRecord, ...]
-    #: Collectives of DeepSpeed's accessor (``plan`` ``accessor``: one per parameter; the field keeps its name).
+    #: Collectives of DeepSpeed's per-parameter accessor (``plan`` ``accessor``: one per parameter).
     per_param_collectives: int
     loss_scale: float
     unscaled: bool

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from collgrad.backends.ops import Op, Primitive
+from collgrad.backends.ops import Op
 from collgrad.core.buffers import Pieces
-from collgrad.state.cache import HeldCopies
-from collgrad.state.runner import Result, Step, all_converted, viewed
 from collgrad.state.adapters.base import rank_in
-from collgrad.state.adapters.layout import Fragment
-from collgrad.state.steps import CopyRows, copy_plan, reduce_step
+from collgrad.state.cache import HeldCopies
+from collgrad.state.layout import Fragment
+from collgrad.state.runner import Result, Step, all_converted, viewed
+from collgrad.state.steps import CopyRows, ReduceStep, copy_plan
 
 __all__ = ["all_reduce"]
 
@@ -28,9 +28,8 @@ def all_reduce(step: Step) -> Result:
     device = call.source.device
     rank = rank_in(group)
     key = (group.index, batch, rank)  # the batch itself: calls batch differently
-    plan = call.plans.reduce_steps.get(key)
-    if plan is None:  # pure layout: cached with the source
-        plan = call.plans.reduce_steps[key] = reduce_step(group, batch, rank)
+    plan = step.gplan.steps[step.b]  # made with the call's plan
+    assert isinstance(plan, ReduceStep), "an all-reduce step without its layout"
     result = torch.empty(plan.total, dtype=group.out_dtype, device=device)
     for lo, n in plan.gaps:  # only what no fragment of this rank fills
         result[lo : lo + n].zero_()
@@ -44,7 +43,7 @@ def all_reduce(step: Step) -> Result:
     _fill(step, (*key, moved), result, buffer, mine)
     # The bucket as one tensor (one collective, no per-tensor bookkeeping), unless the registry sends
     # one collective per tensor for this group (then it needs the per-parameter views first).
-    per_tensor = call.primitive(group, Op.ALL_REDUCE, group.out_dtype) is Primitive.PER_TENSOR
+    per_tensor = step.gplan.route.per_tensor
     out: Result = []
 
     def shape() -> None:  # made while the sum is in flight (or before, for one collective per tensor)

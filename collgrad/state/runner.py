@@ -7,14 +7,14 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from collgrad.backends.ops import Op, Primitive
+from collgrad.backends.ops import Op
 from collgrad.core.record import CallRecord
 from collgrad.state.call import OpenCall
+from collgrad.state.layout import LayoutGroup, ParamSlot
 from collgrad.state.plan import GroupPlan
-from collgrad.state.adapters.layout import GradGroup, ParamSlot
 from collgrad.state.steps import ViewRun
 
-__all__ = ["Result", "Step", "viewed", "lays_out_strided", "shaped", "no_history", "converted", "all_converted"]
+__all__ = ["Result", "Step", "viewed", "shaped", "no_history", "converted", "all_converted"]
 
 #: A step's results: (parameter name, full gradient) each.
 Result = list[tuple[str, torch.Tensor]]
@@ -28,7 +28,7 @@ class Step:
         self,
         call: OpenCall,
         gplan: GroupPlan,
-        group: GradGroup,
+        group: LayoutGroup,
         buffer: Any,
         b: int,
         batch: tuple[int, ...],
@@ -86,15 +86,6 @@ def viewed(buffer: torch.Tensor, runs: Sequence[ViewRun], count: int) -> list[to
         for k, view in zip(run.positions, rows.unbind(0)):
             out[k] = view
     return out
-
-
-def lays_out_strided(step: Step) -> bool:
-    """Whether ``step``'s gathers hand the backend strided outputs: the agreed choice is a flat gather,
-    and every rank's backend lays a coalesced gather out into strided views itself with the coalesced
-    primitive allowed (a policy forcing ``flat`` or forbidding ``coalesced`` keeps the flat gather)."""
-    caps = step.call.capabilities(step.group)
-    dtype = step.group.wire_dtype
-    return caps.choice(Op.ALL_GATHER, dtype).primitive is Primitive.FLAT and caps.strided_gather(dtype)
 
 
 def shaped(grad: torch.Tensor, slot: ParamSlot) -> torch.Tensor:

@@ -17,10 +17,11 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.backends import agreement
@@ -28,12 +29,13 @@ from collgrad.backends.agreement import stable_hash
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import ArgumentMismatchError, CollgradError, InvalidArgumentError, RankFailedError
 from collgrad.state import adapters
+from collgrad.state.adapters.base import select
 from collgrad.state.call import OpenCall
-from collgrad.state.read import FullGradStream
-from collgrad.state.record import FullGradRecord
+from collgrad.state.kinds import FP32, WEIGHTS, StateKind
+from collgrad.state.layout import Partitioning
+from collgrad.state.read import FullStateStream
+from collgrad.state.record import StateRecord
 from collgrad.state.shards import SAFE_DTYPES, Entry, Shard, ShardFiles, plan_shards, shard_name
-from collgrad.state.adapters.base import FP32, WEIGHTS, State, select
-from collgrad.state.adapters.layout import Kind
 
 __all__ = ["save_full_model", "SavedModel", "DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME"]
 
@@ -55,7 +57,7 @@ class SavedModel:
     bytes: int
     seconds: float
     #: what each stream of whole tensors did (collectives, bytes sent by this rank)
-    records: tuple[FullGradRecord, ...] = ()
+    records: tuple[StateRecord, ...] = ()
 
     @property
     def first_writer(self) -> bool:
@@ -64,13 +66,13 @@ class SavedModel:
 
 
 def save_full_model(
-    model: Any,
+    model: object,
     directory: str | os.PathLike[str],
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     ranks: Sequence[int] = (0,),
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     bucket_bytes: int | None = None,
     dispatcher: Dispatcher | None = None,
 ) -> SavedModel:
@@ -97,26 +99,35 @@ def save_full_model(
     """
     start = time.perf_counter()
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
-    group = adapters.control_group_of(model)
-    me = torch.distributed.get_rank() if group is not None else 0
     path = os.fspath(directory)
     error: BaseException | None = None
+    resolved: adapters.Model | None = None
     try:
-        module = adapters.module_of(model)
-        writers = _checked(ranks, dtype, max_shard_bytes)
-        names = None if params is None else [n for n, _ in select(module, params, trainable=False)]
-        if me in writers:
-            _ready(path, me)
+        resolved = adapters.resolve(model)
+    except InvalidArgumentError as caught:
+        error = caught
+    group = resolved.control_group if resolved is not None else _compat.default_group_or_none()
+    me = torch.distributed.get_rank() if group is not None else 0
+    writers: tuple[int, ...] = (0,)
+    names: list[str] | None = None
+    try:
+        if resolved is not None:
+            writers = _checked(ranks, dtype, max_shard_bytes)
+            names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
+            if me in writers:
+                _ready(path, me)
     except (OSError, ValueError, TypeError, KeyError) as caught:
         error, writers, names = caught, (0,), None
     arguments = stable_hash((path, str(dtype), max_shard_bytes, writers, names))
     _agree(group, me, error, "check the arguments and make the directory", dispatcher.timeout, arguments)
-    calls = _open_calls(model, module, dtype, names, bucket_bytes, dispatcher)
+    assert resolved is not None  # else _agree raised
+    module = resolved.module
+    calls = _open_calls(resolved, dtype, names, bucket_bytes, dispatcher)
     plan = plan_shards(_entries(calls, module, dtype, names), max_shard_bytes, {"format": "pt"})
     shards = ShardFiles(plan, path, writers, me)
     if me in writers:
         shards.create()
-    streams: list[FullGradStream] = []
+    streams: list[FullStateStream] = []
     try:
         for name, tensor in _tensors(calls, module, names, streams):
             shards.put(name, tensor)
@@ -159,12 +170,11 @@ def _ready(path: str, rank: int) -> None:
 
 
 #: An opened stream's call, and its state.
-Opened = tuple[OpenCall, State]
+Opened = tuple[OpenCall, StateKind]
 
 
 def _open_calls(
-    model: Any,
-    module: nn.Module,
+    model: adapters.Model,
     dtype: torch.dtype | None,
     names: list[str] | None,
     bucket_bytes: int | None,
@@ -173,18 +183,25 @@ def _open_calls(
     """The calls whose streams bring the parameters whole (each opened on every rank together): the
     module's weights, or with ``dtype`` the fp32 master weights of the trainable ones and the module's
     weights of the frozen ones."""
-    named = select(module, names, trainable=False)
+    named = select(model.module, names, trainable=False)
+    wanted: list[tuple[StateKind, list[str]]]
     if dtype is None:
         wanted = [(WEIGHTS, [n for n, _ in named])]
     else:
         trainable = [n for n, p in named if p.requires_grad]
         wanted = [(FP32, trainable), (WEIGHTS, [n for n, p in named if not p.requires_grad])]
-    opened = []
+    opened: list[Opened] = []
     for state, chosen in wanted:
         if chosen:
-            name = f"save_full_model:{state.what}"
+            name = f"save_full_model:{state.label}"
             call = OpenCall(
-                model, chosen, bucket_bytes, "auto", False, None, dispatcher, streaming=True, name=name, state=state
+                model,
+                name=name,
+                streaming=True,
+                kind=state,
+                params=chosen,
+                bucket_bytes=bucket_bytes,
+                dispatcher=dispatcher,
             )
             opened.append((call, state))
     return opened
@@ -193,7 +210,7 @@ def _open_calls(
 def _whole_here(call: OpenCall) -> bool:
     """Every rank holds these weights whole (ZeRO-1/2, stage 0, a plain module): read them as they are,
     each in its own dtype, with no stream."""
-    return all(g.kind is Kind.REPLICATED for g in call.source.layout.groups) and call.source.accessor is None
+    return all(g.kind is Partitioning.REPLICATED for g in call.source.layout.groups) and call.source.accessor is None
 
 
 def _entries(calls: list[Opened], module: nn.Module, dtype: torch.dtype | None, names: list[str] | None) -> list[Entry]:
@@ -213,7 +230,7 @@ def _entries(calls: list[Opened], module: nn.Module, dtype: torch.dtype | None, 
 
 
 def _tensors(
-    calls: list[Opened], module: nn.Module, names: list[str] | None, streams: list[FullGradStream]
+    calls: list[Opened], module: nn.Module, names: list[str] | None, streams: list[FullStateStream]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor to save, whole, one bucket at a time (each stream opened is added to ``streams``),
     then (without ``params=``) the persistent buffers. As held: ShardFiles converts each as planned."""
@@ -221,7 +238,7 @@ def _tensors(
         if _whole_here(call):
             yield from ((name, p.detach()) for name, p in call.source.params.items())
             continue
-        streams.append(FullGradStream(call, copy=False))
+        streams.append(FullStateStream(call, copy=False))
         yield from streams[-1]
     if names is None:
         yield from _persistent_buffers(module)
@@ -284,7 +301,9 @@ def _write_index(path: str, plan: tuple[Shard, ...]) -> None:
     os.replace(temporary, os.path.join(path, INDEX_NAME))
 
 
-def _agree(group: Any, me: int, error: BaseException | None, what: str, timeout_s: float, arguments: int = 0) -> None:
+def _agree(
+    group: ProcessGroup | None, me: int, error: BaseException | None, what: str, timeout_s: float, arguments: int = 0
+) -> None:
     """Every rank learns whether any rank failed to ``what`` (and, with ``arguments``, whether every rank
     passed the same): this rank raises its own failure, the others RankFailedError naming it."""
     code = 0 if error is None else (getattr(error, "errno", None) or 255)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collgrad.state.adapters.layout import Fragment, strided_runs
+from collgrad.state.layout import Fragment, strided_runs
 
 __all__ = ["CPU_BLOCK_BYTES", "Rows", "Spans", "Block", "Arranged", "blocks"]
 

@@ -14,9 +14,9 @@ import torch
 from collgrad import _compat
 from collgrad.core.buffers import Pieces
 from collgrad.state import stat_blocks
-from collgrad.state.cache import PlanCache
 from collgrad.state.adapters.base import rank_in
-from collgrad.state.adapters.layout import Fragment, GradGroup, Kind, owned_fragments
+from collgrad.state.cache import PlanCache
+from collgrad.state.layout import Fragment, LayoutGroup, Partitioning, owned_fragments
 from collgrad.state.stat_blocks import Arranged, Rows, blocks
 
 __all__ = ["partials"]
@@ -24,7 +24,7 @@ __all__ = ["partials"]
 _Reduced = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[int], torch.Tensor]]
 
 
-def _arranged(plans: PlanCache, group: GradGroup, buffer: Pieces, placement: tuple[int, ...]) -> Arranged:
+def _arranged(plans: PlanCache, group: LayoutGroup, buffer: Pieces, placement: tuple[int, ...]) -> Arranged:
     """The arrangement for ``placement`` (the offset of each piece in its storage span), from the cache
     while the pieces stay where they are (DeepSpeed keeps its buffers: the usual case)."""
     found = plans.arrangements.get(group.index)
@@ -49,10 +49,10 @@ def _arranged(plans: PlanCache, group: GradGroup, buffer: Pieces, placement: tup
     return found
 
 
-def _fragments(group: GradGroup, buffer: Pieces) -> tuple[Fragment, ...]:
+def _fragments(group: LayoutGroup, buffer: Pieces) -> tuple[Fragment, ...]:
     """This rank's fragments of ``group`` in ``buffer``: its owned ones, or every gradient whole (one
     piece each) where the group is replicated."""
-    if group.kind is Kind.REPLICATED:
+    if group.kind is Partitioning.REPLICATED:
         return tuple(Fragment(k, 0, start, p.numel()) for k, (start, p) in enumerate(zip(buffer.starts, buffer.pieces)))
     return owned_fragments(group, rank_in(group))
 
@@ -63,11 +63,11 @@ def _block_elements(buffer: Pieces) -> int:
     return stat_blocks.CPU_BLOCK_BYTES // buffer.given[0].element_size() if buffer.device.type == "cpu" else 0
 
 
-def _reduce(plans: PlanCache, group: GradGroup, buffer: Any) -> _Reduced:
+def _reduce(plans: PlanCache, group: LayoutGroup, buffer: Any) -> _Reduced:
     """Per result (a fragment, or a span of one): the parameter it belongs to, its L2 norm (accumulated
     in fp32 at least), its min and its max; and the i-th result's view (for the rare count of
     non-finite elements)."""
-    if group.kind is Kind.REPLICATED:  # full gradients, often views of one flat buffer (BF16_Optimizer)
+    if group.kind is Partitioning.REPLICATED:  # full gradients, often views of one flat buffer (BF16_Optimizer)
         buffer = Pieces([buffer[k] for k in range(len(group.params))])
         if buffer.placement() is None:
             views = buffer.pieces
@@ -79,7 +79,7 @@ def _reduce(plans: PlanCache, group: GradGroup, buffer: Any) -> _Reduced:
     return _reduce_arranged(_arranged(plans, group, buffer, placement), span, buffer)
 
 
-def _reduce_where_they_lie(group: GradGroup, buffer: Pieces) -> _Reduced:
+def _reduce_where_they_lie(group: LayoutGroup, buffer: Pieces) -> _Reduced:
     """Pieces in different storages: views of each fragment where it lies, in blocks."""
     block = _block_elements(buffer)
     views: list[torch.Tensor] = []
@@ -141,7 +141,7 @@ def _one_by_one(views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, 
     return torch.stack(_compat.vector_norms(views)), torch.stack(lows), torch.stack(highs)
 
 
-def partials(plans: PlanCache, group: GradGroup, buffer: Any) -> torch.Tensor:
+def partials(plans: PlanCache, group: LayoutGroup, buffer: Any) -> torch.Tensor:
     """[3, P] float64 on the CPU: sum of squares, max |g| and non-finite count over this rank's
     elements of each parameter."""
     out = torch.zeros(3, len(group.params), dtype=torch.float64)

@@ -3,7 +3,7 @@ per-element states (``exp_avg``, ``exp_avg_sq``, ...), read whole in one collect
 written back by each rank where it owns them (no bulk collective).
 
 The same machinery as the gradients (call.py, execute.py): the source reads the tensors the optimizer
-steps instead of the gradient buffers (sources/deepspeed_state.py, sources/fsdp2.py), laid out as the
+steps instead of the gradient buffers (adapters/deepspeed.py, adapters/fsdp2.py), laid out as the
 gradients are, so every plan, executor and record applies unchanged.
 """
 
@@ -16,10 +16,11 @@ import torch
 from collgrad.backends.agreement import Field, stable_hash
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher
+from collgrad.state.adapters.base import Source
 from collgrad.state.call import OpenCall
-from collgrad.state.read import FullGrads, FullGradStream, collected
-from collgrad.state.record import FullGradRecord
-from collgrad.state.adapters.base import FP32, Source, State
+from collgrad.state.kinds import FP32, OptimizerState, StateKind
+from collgrad.state.read import FullState, FullStateStream, collected
+from collgrad.state.record import StateRecord
 from collgrad.state.write import set_full
 
 __all__ = [
@@ -33,14 +34,14 @@ __all__ = [
 
 
 def safe_get_full_model_fp32_params(
-    model: Any,
+    model: object,
     *,
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     bucket_bytes: int | None = None,
     plan: str = "auto",
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
-) -> FullGrads:
+) -> FullState:
     """The full fp32 master weight of every trainable parameter of ``model``, in one collective per
     bucket: ``{name: tensor}`` in ``named_parameters()`` order (tied parameters once), each shaped like
     the parameter, in the dtype and on the device ``deepspeed.utils.safe_get_full_fp32_param`` returns
@@ -55,37 +56,57 @@ def safe_get_full_model_fp32_params(
     outside ``step()`` (no backward is needed). Invalid or different arguments raise on every rank
     together before any value moves. Nothing is modified; the values are fresh tensors.
     """
-    call = _open(model, params, bucket_bytes, plan, policy, dispatcher, FP32, None, "safe_get_full_model_fp32_params")
+    call = _open(
+        model,
+        "safe_get_full_model_fp32_params",
+        FP32,
+        streaming=False,
+        params=params,
+        bucket_bytes=bucket_bytes,
+        plan=plan,
+        policy=policy,
+        dispatcher=dispatcher,
+    )
     return collected(call)
 
 
 def iter_full_model_fp32_params(
-    model: Any,
+    model: object,
     *,
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     bucket_bytes: int | None = None,
     plan: str = "auto",
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
-) -> FullGradStream:
+) -> FullStateStream:
     """The same fp32 master weights as ``safe_get_full_model_fp32_params``, as ``(name, tensor)`` pairs
     streamed one bucket of whole parameters at a time (collgrad holds about two buckets). Same calling
     rules, plus: every rank must consume the whole iteration (each bucket is a collective)."""
-    call = _open(model, params, bucket_bytes, plan, policy, dispatcher, FP32, None, "iter_full_model_fp32_params")
-    return FullGradStream(call)
+    call = _open(
+        model,
+        "iter_full_model_fp32_params",
+        FP32,
+        streaming=True,
+        params=params,
+        bucket_bytes=bucket_bytes,
+        plan=plan,
+        policy=policy,
+        dispatcher=dispatcher,
+    )
+    return FullStateStream(call)
 
 
 def safe_get_full_model_optimizer_states(
-    model: Any,
+    model: object,
     key: str,
     *,
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     optimizer: Any = None,
     bucket_bytes: int | None = None,
     plan: str = "auto",
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
-) -> FullGrads:
+) -> FullState:
     """The optimizer's per-element state ``key`` (``"exp_avg"``, ``"exp_avg_sq"``, ...) of every
     trainable parameter of ``model``, whole, in one collective per bucket: ``{name: tensor}`` shaped
     like the parameter, as ``deepspeed.utils.safe_get_full_optimizer_state(param, key)`` returns it and
@@ -97,42 +118,62 @@ def safe_get_full_model_optimizer_states(
     which keys it holds. Same calling rules as ``safe_get_full_model_fp32_params``; torch optimizers
     create their states in their first ``step()``.
     """
-    state = State("optimizer", key)
+    kind = OptimizerState(key)
+    name = "safe_get_full_model_optimizer_states"
     call = _open(
-        model, params, bucket_bytes, plan, policy, dispatcher, state, optimizer, "safe_get_full_model_optimizer_states"
+        model,
+        name,
+        kind,
+        streaming=False,
+        optimizer=optimizer,
+        params=params,
+        bucket_bytes=bucket_bytes,
+        plan=plan,
+        policy=policy,
+        dispatcher=dispatcher,
     )
     return collected(call)
 
 
 def iter_full_model_optimizer_states(
-    model: Any,
+    model: object,
     key: str,
     *,
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     optimizer: Any = None,
     bucket_bytes: int | None = None,
     plan: str = "auto",
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
-) -> FullGradStream:
+) -> FullStateStream:
     """The same states as ``safe_get_full_model_optimizer_states``, streamed one bucket of whole
     parameters at a time; every rank must consume the whole iteration."""
-    state = State("optimizer", key)
+    kind = OptimizerState(key)
+    name = "iter_full_model_optimizer_states"
     call = _open(
-        model, params, bucket_bytes, plan, policy, dispatcher, state, optimizer, "iter_full_model_optimizer_states"
+        model,
+        name,
+        kind,
+        streaming=True,
+        optimizer=optimizer,
+        params=params,
+        bucket_bytes=bucket_bytes,
+        plan=plan,
+        policy=policy,
+        dispatcher=dispatcher,
     )
-    return FullGradStream(call)
+    return FullStateStream(call)
 
 
 def safe_set_full_model_fp32_params(
-    model: Any,
+    model: object,
     values: Mapping[str, torch.Tensor],
     *,
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     check: bool = True,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
-) -> FullGradRecord:
+) -> StateRecord:
     """Make ``values`` (name -> full fp32 weight, any dtype and device; a subset allowed) the fp32 master
     weights the optimizer steps from, and the module's own weights with them: ZeRO-1/2's replicated
     low-precision copy, ZeRO-3's partitions and the parameters it holds whole, BF16_Optimizer's bf16
@@ -148,59 +189,61 @@ def safe_set_full_model_fp32_params(
 
 
 def safe_set_full_model_optimizer_states(
-    model: Any,
+    model: object,
     key: str,
     values: Mapping[str, torch.Tensor],
     *,
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     optimizer: Any = None,
     check: bool = True,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
-) -> FullGradRecord:
+) -> StateRecord:
     """Make ``values`` (name -> full tensor shaped like the parameter) the optimizer's per-element state
     ``key`` (``"exp_avg"``, ...) of those parameters, each rank writing what it owns. ``optimizer``: as
     for ``safe_get_full_model_optimizer_states``. Same calling rules as
     ``safe_set_full_model_fp32_params``."""
-    state = State("optimizer", key)
+    state = OptimizerState(key)
     return set_full(
         model, values, params, check, policy, dispatcher, "safe_set_full_model_optimizer_states", state, optimizer
     )
 
 
 def _open(
-    model: Any,
-    params: Iterable[Any] | None,
+    model: object,
+    name: str,
+    kind: StateKind,
+    *,
+    streaming: bool,
+    params: Iterable[str | torch.Tensor] | None,
     bucket_bytes: int | None,
     plan: str,
     policy: Policy | None,
     dispatcher: Dispatcher | None,
-    state: State,
-    optimizer: Any,
-    name: str,
+    optimizer: Any = None,
 ) -> OpenCall:
-    """The call opened on every rank together (arguments, source, agreement; see OpenCall)."""
+    """The call opened on every rank together (arguments, source, agreement; see OpenCall); nothing to
+    unscale: master weights and optimizer states are true values."""
     return OpenCall(
         model,
-        params,
-        bucket_bytes,
-        plan,
-        False,  # nothing to unscale: master weights and optimizer states are true values
-        policy,
-        dispatcher,
-        streaming=name.startswith("iter_"),
         name=name,
-        extra=_key_field(state),
-        state=state,
+        streaming=streaming,
+        kind=kind,
+        params=params,
+        bucket_bytes=bucket_bytes,
+        plan=plan,
+        policy=policy,
+        dispatcher=dispatcher,
         optimizer=optimizer,
+        extra=_key_field(kind),
     )
 
 
-def _key_field(state: State) -> Callable[[Source], Sequence[Field]]:
+def _key_field(state: StateKind) -> Callable[[Source], Sequence[Field]]:
     """The state's key, compared between ranks (and checked: a non-empty string)."""
 
     def extra(source: Source) -> Sequence[Field]:
-        if state.what != "optimizer":
+        if not isinstance(state, OptimizerState):
             return []
         return [Field("optimizer state key", stable_hash(state.key), shown=False)]
 

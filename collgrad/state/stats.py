@@ -20,24 +20,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
 from collgrad import _compat
+from collgrad.backends.agreement import Field
 from collgrad.backends.ops import Op
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher
 from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, RankFailedError
 from collgrad.state import stat_reduce
+from collgrad.state.adapters.base import Source
 from collgrad.state.call import OpenCall
 from collgrad.state.execute import accessor_bytes
+from collgrad.state.layout import LayoutGroup, Partitioning
 from collgrad.state.plan import PlanKind
-from collgrad.state.record import FullGradRecord, GroupRecord
-from collgrad.state.adapters.layout import GradGroup, Kind
+from collgrad.state.record import GroupRecord, StateRecord
 
-__all__ = ["GradStat", "GradStats", "model_grad_stats", "module_of"]
+__all__ = ["GradStat", "GradStats", "safe_get_full_model_grad_stats", "module_of"]
 
 
 class GradStat(NamedTuple):
@@ -63,14 +65,14 @@ class GradStat(NamedTuple):
 
 @dataclass(frozen=True)
 class GradStats:
-    """What ``model_grad_stats`` returns: identical on every rank."""
+    """What ``safe_get_full_model_grad_stats`` returns: identical on every rank."""
 
     global_norm: float
     params: Mapping[str, GradStat]
     groups: Mapping[str, GradStat]
     #: Names of tensor- or expert-parallel shards: their statistics are of this rank's shard.
     model_parallel: frozenset[str]
-    record: FullGradRecord
+    record: StateRecord
 
 
 def module_of(name: str) -> str:
@@ -79,10 +81,10 @@ def module_of(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def model_grad_stats(
-    model: Any,
+def safe_get_full_model_grad_stats(
+    model: object,
     *,
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     by: str | Callable[[str], str] = "param",
     unscale: bool = True,
     policy: Policy | None = None,
@@ -100,24 +102,21 @@ def model_grad_stats(
     """
     group_of = _group_of(by)
 
-    def extra(_source: Any) -> list[Any]:
+    def extra(_source: Source) -> list[Field]:
         if group_of is None:
             raise InvalidArgumentError(
                 f"rank {_compat.rank()}: by must be 'param', 'module' or a function name -> group, got {by!r}"
             )
         return []
 
-    name = "model_grad_stats"
+    name = "safe_get_full_model_grad_stats"
     call = OpenCall(
         model,
-        params,
-        None,
-        "auto",
-        unscale,
-        policy,
-        dispatcher,
-        streaming=False,
         name=name,
+        params=params,
+        unscale=unscale,
+        policy=policy,
+        dispatcher=dispatcher,
         extra=extra,
         meanwhile=_local_partials,
     )
@@ -125,24 +124,24 @@ def model_grad_stats(
     layout = call.source.layout
     scale = call.local.loss_scale if call.unscale else 1.0
     records: tuple[GroupRecord, ...] = ()
-    accessor_collectives = accessor_sent = 0
+    per_param_collectives = per_param_sent = 0
     if call.source.accessor is not None:  # no known layout: DeepSpeed's accessor, one call per parameter
         by_param = {name: _full_stat(call.source.accessor(call.source.params[name]), scale) for name in layout.order}
-        accessor_collectives = len(layout.order)
+        per_param_collectives = len(layout.order)
         group = layout.groups[0]
-        accessor_sent = sum(accessor_bytes(call.source, group, slot.numel) for slot in group.params)
+        per_param_sent = sum(accessor_bytes(call.source, group, slot.numel) for slot in group.params)
     else:
         by_param, records = _combined(call, scale)
     ordered = {name: by_param[name] for name in layout.order if name in by_param}
-    record = FullGradRecord(
+    record = StateRecord(
         layout.variant,
         records,
-        accessor_collectives,
+        per_param_collectives,
         call.local.loss_scale,
         call.unscale,
         call.cached,
         call.layout_cached,
-        accessor_sent,
+        per_param_sent,
     )
     return GradStats(
         global_norm=math.sqrt(math.fsum(s.norm * s.norm for s in ordered.values())),
@@ -196,7 +195,7 @@ def _combined(call: OpenCall, scale: float) -> tuple[dict[str, GradStat], tuple[
     for position, group in enumerate(call.source.layout.groups):
         mine = torch.zeros(3, len(group.params), dtype=torch.float64) if failure else call.early[position]
         calls: list[CallRecord] = []
-        if group.kind is not Kind.REPLICATED and group.world > 1:
+        if group.kind is not Partitioning.REPLICATED and group.world > 1:
             mine, told = _gather(call, position, group, mine, calls, failure is not None)
             failed.update(told)
         kind = PlanKind.ALL_GATHER if calls else PlanKind.LOCAL
@@ -211,13 +210,13 @@ def _combined(call: OpenCall, scale: float) -> tuple[dict[str, GradStat], tuple[
     if failed:
         raise RankFailedError(
             f"rank(s) {sorted(failed)} failed reducing their gradients (their own errors say why); "
-            f"model_grad_stats returns nothing [seen by rank {_compat.rank()}]"
+            f"safe_get_full_model_grad_stats returns nothing [seen by rank {_compat.rank()}]"
         )
     return by_param, tuple(records)
 
 
 def _gather(
-    call: OpenCall, position: int, group: GradGroup, mine: torch.Tensor, calls: list[CallRecord], failed: bool
+    call: OpenCall, position: int, group: LayoutGroup, mine: torch.Tensor, calls: list[CallRecord], failed: bool
 ) -> tuple[torch.Tensor, list[int]]:
     """Every rank's partials, combined in rank order: the same result on every rank; and the ranks
     that said (``failed``, one more number each) that they have none."""

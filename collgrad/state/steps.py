@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from collgrad.state.adapters.layout import Fragment, GradGroup, ParamSlot, owned_fragments, strided_runs
+from collgrad.state.layout import Fragment, LayoutGroup, ParamSlot, owned_fragments, strided_runs
 
 __all__ = [
     "PIPELINE_CHUNKS",
@@ -84,7 +84,7 @@ class ReduceStep(NamedTuple):
     views: tuple[ViewRun, ...]
 
 
-def reduce_step(group: GradGroup, batch: tuple[int, ...], rank: int) -> ReduceStep:
+def reduce_step(group: LayoutGroup, batch: tuple[int, ...], rank: int) -> ReduceStep:
     """The ``ReduceStep`` of ``batch`` for the rank at position ``rank`` in ``group``."""
     total = 0
     where: dict[int, int] = {}
@@ -194,7 +194,7 @@ class SlicesStep(NamedTuple):
     rest: tuple[tuple[int, int], ...]
 
 
-def slices_step(group: GradGroup, batch: tuple[int, ...], element_size: int) -> SlicesStep:
+def slices_step(group: LayoutGroup, batch: tuple[int, ...], element_size: int) -> SlicesStep:
     """The ``SlicesStep`` of ``batch`` (a non-empty run of ``group``'s parameters) for slices of
     ``element_size`` bytes per element."""
     slots = [group.params[k] for k in batch]

@@ -1,4 +1,4 @@
-"""Writing full gradients back: ``safe_set_full_model_grads`` and ``update_full_model_grads``.
+"""Writing full gradients back: ``safe_set_full_model_grads`` and ``safe_update_full_model_grads``.
 
 Every rank passes the same full values; each writes only the elements it owns, where the optimizer
 will step from (the source knows where: sources/), so writing needs no bulk collective::
@@ -9,7 +9,7 @@ will step from (the source knows where: sources/), so writing needs no bulk coll
         |  derived state refreshed (ZeRO-1/2 CPU offload: the per-parameter norms it clips with)
     next engine.step() clips, checks overflow and updates from the new values
 
-``update_full_model_grads`` streams: read a bucket of full gradients, hand each to ``fn``, write the
+``safe_update_full_model_grads`` streams: read a bucket of full gradients, hand each to ``fn``, write the
 results back, next bucket; about two buckets of extra memory.
 """
 
@@ -26,12 +26,13 @@ from collgrad.backends.agreement import Field, ranks_by_value, stable_hash
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import ArgumentMismatchError, InvalidArgumentError, NotReadyError, UnknownParameterError
+from collgrad.state.adapters.base import Problem, Source
 from collgrad.state.call import OpenCall, source_of
 from collgrad.state.execute import Executor
-from collgrad.state.record import FullGradRecord
-from collgrad.state.adapters.base import GRAD, Problem, Source, State
+from collgrad.state.kinds import GRAD, StateKind
+from collgrad.state.record import StateRecord
 
-__all__ = ["safe_set_full_model_grads", "update_full_model_grads", "checksums", "set_full", "write_here", "writes"]
+__all__ = ["safe_set_full_model_grads", "safe_update_full_model_grads", "checksums", "set_full", "write_here"]
 
 
 def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -104,14 +105,14 @@ def _checked(source: Source, grads: Any, argument: str = "grads") -> dict[str, t
 
 
 def safe_set_full_model_grads(
-    model: Any,
+    model: object,
     grads: Mapping[str, torch.Tensor],
     *,
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     check: bool = True,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
-) -> FullGradRecord:
+) -> StateRecord:
     """Make ``grads`` (name -> full gradient, any dtype and device; a subset of the trainable parameters
     allowed) the gradients the next ``engine.step()`` uses: clipping, overflow checks and the update
     see the new values. True (unscaled) values: under fp16 they are multiplied by the current loss
@@ -127,16 +128,16 @@ def safe_set_full_model_grads(
 
 
 def set_full(
-    model: Any,
+    model: object,
     given: Mapping[str, torch.Tensor],
-    params: Iterable[Any] | None,
+    params: Iterable[str | torch.Tensor] | None,
     check: bool,
     policy: Policy | None,
     dispatcher: Dispatcher | None,
     name: str,
-    state: State = GRAD,
+    state: StateKind = GRAD,
     optimizer: Any = None,
-) -> FullGradRecord:
+) -> StateRecord:
     """``given`` (name -> full value of ``state``, the same on every rank) written where this rank owns
     it, checked and agreed as ``safe_set_full_model_grads`` says; ``name``: the public function called."""
     argument = "grads" if state == GRAD else "values"
@@ -161,17 +162,14 @@ def set_full(
     try:
         call = OpenCall(
             model,
-            params,
-            None,
-            "auto",
-            state == GRAD,  # only gradients are stored scaled (fp16)
-            policy,
-            dispatcher,
-            streaming=False,
             name=name,
-            extra=extra,
-            state=state,
+            kind=state,
+            params=params,
+            unscale=state.scaled,  # only gradients are stored scaled (fp16)
+            policy=policy,
+            dispatcher=dispatcher,
             optimizer=optimizer,
+            extra=extra,
         )
     except ArgumentMismatchError as error:
         if error.fields != (_CHECKSUM,):
@@ -210,20 +208,8 @@ def _which_differ(
     )
 
 
-#: Model-wide writes so far in this process (``set_full``, ``update_full_model_grads``): what was read
-#: before one may no longer hold. The drop-in's windows compare it; ``write_here``, the drop-in's own
-#: setter, leaves it (the drop-in counts its own writes per kind).
-_writes = 0
-
-
-def writes() -> int:
-    """How many model-wide writes this process has made (monotonic). Local."""
-    return _writes
-
-
-def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> FullGradRecord:
-    global _writes
-    _writes += 1  # before writing: a write that fails halfway leaves the old values no more valid
+def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> StateRecord:
+    call.models.wrote(call.model.target)  # what the drop-in read before is stale from now on
     source = call.source
     if source.accessor_set is not None:  # an optimizer collgrad does not know: DeepSpeed's setter
         for name, value in values.items():  # (local: each rank writes its own fragment or partition)
@@ -232,10 +218,10 @@ def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> FullGradRecord
     else:
         with torch.no_grad():
             source.write(call.local, values, call.local.loss_scale)
-    return FullGradRecord(source.layout.variant, (), 0, call.local.loss_scale, False, call.cached, call.layout_cached)
+    return StateRecord(source.layout.variant, (), 0, call.local.loss_scale, False, call.cached, call.layout_cached)
 
 
-def write_here(model: Any, state: State, values: Mapping[str, torch.Tensor]) -> bool:
+def write_here(model: object, state: StateKind, values: Mapping[str, torch.Tensor]) -> bool:
     """``values`` (name -> full value of ``state``, as held: a gradient scaled as the optimizer holds it)
     written where this rank owns them, now, with no collective and no check between ranks: what
     DeepSpeed's own setters do, for the drop-in that serves them. False, writing nothing, where collgrad
@@ -251,15 +237,15 @@ def write_here(model: Any, state: State, values: Mapping[str, torch.Tensor]) -> 
     return True
 
 
-def update_full_model_grads(
-    model: Any,
+def safe_update_full_model_grads(
+    model: object,
     fn: Callable[[str, torch.Tensor], torch.Tensor | None],
     *,
-    params: Iterable[Any] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
     bucket_bytes: int | None = None,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
-) -> FullGradRecord:
+) -> StateRecord:
     """Stream every full gradient through ``fn(name, grad)`` and write the results back: ``fn`` returns a
     new tensor, or None after editing ``grad`` in place. Bucket by bucket, as ``iter_full_model_grads``
     reads, so about two buckets of extra memory whatever the model size. Gradients are true values
@@ -271,7 +257,14 @@ def update_full_model_grads(
     if not callable(fn):
         raise InvalidArgumentError(f"rank {_compat.rank()}: fn must be callable, got {type(fn).__name__}")
     call = OpenCall(
-        model, params, bucket_bytes, "auto", True, policy, dispatcher, streaming=True, name="update_full_model_grads"
+        model,
+        name="safe_update_full_model_grads",
+        streaming=True,
+        params=params,
+        bucket_bytes=bucket_bytes,
+        unscale=True,
+        policy=policy,
+        dispatcher=dispatcher,
     )
     executor = Executor(call)
     for results in executor.steps():

@@ -52,7 +52,37 @@ def _cases(rank, world):
         torch.equal(t, reference[n]) for n, t in out["reordered_subset"].pop("value")
     )
     out["valid_after_all_that"] = attempt(lambda: len(get(eng)))
+    out["module"] = _through_the_module(eng, reference, world)
     return out
+
+
+def _through_the_module(eng, reference, world):
+    """The module an engine wraps, passed instead of the engine: the same values, the engine looked up
+    once per call (from the module's own hooks), and no scan of the garbage collector's objects."""
+    import gc
+    import os
+    import shutil
+    import tempfile
+
+    import collgrad
+    from collgrad.state.adapters import deepspeed as ds_adapter
+
+    lookups, scans = [], []
+    real_find, real_referrers, real_objects = ds_adapter.find_engine, gc.get_referrers, gc.get_objects
+    ds_adapter.find_engine = lambda m: lookups.append(m) or real_find(m)
+    gc.get_referrers = lambda *a: scans.append("get_referrers") or real_referrers(*a)
+    gc.get_objects = lambda *a, **k: scans.append("get_objects") or real_objects(*a, **k)
+    directory = os.path.join(tempfile.gettempdir(), f"collgrad-through-module-{world}-{os.getppid()}")
+    try:
+        grads = collgrad.safe_get_full_model_grads(eng.module)
+        after_grads = len(lookups)
+        collgrad.save_full_model(eng.module, directory)
+        after_save = len(lookups)
+    finally:
+        ds_adapter.find_engine, gc.get_referrers, gc.get_objects = real_find, real_referrers, real_objects
+        shutil.rmtree(directory, ignore_errors=True)
+    equal = list(grads) == list(reference) and all(torch.equal(grads[n], reference[n]) for n in reference)
+    return {"equal": equal, "lookups": (after_grads, after_save - after_grads), "scans": scans}
 
 
 # (the typed error, the builtin type it also is for code that catches those, text in the message)
@@ -101,3 +131,10 @@ def test_parameter_order_does_not_matter(results):
 
 def test_the_engine_still_works_after_bad_calls(results):
     assert all(res["valid_after_all_that"]["error"] is None for res in results)
+
+
+def test_the_module_an_engine_wraps_is_resolved_once_per_call_without_scanning_memory(results):
+    for res in results:
+        assert res["module"]["equal"]
+        assert res["module"]["lookups"] == (1, 1)  # safe_get_full_model_grads, save_full_model
+        assert res["module"]["scans"] == []

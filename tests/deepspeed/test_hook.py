@@ -54,10 +54,10 @@ def _worker(rank, world):
 
         def failing(e, where=where):
             if where == "after":
-                collgrad.model_grad_stats(e)
+                collgrad.safe_get_full_model_grad_stats(e)
             if rank == world - 1:
                 raise ValueError("boom")
-            collgrad.model_grad_stats(e)
+            collgrad.safe_get_full_model_grad_stats(e)
 
         h = collgrad.register_pre_step_hook(eng, failing)
         if where == "after":

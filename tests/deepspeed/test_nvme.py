@@ -81,7 +81,7 @@ def _worker(rank, world, path):
     ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
     reference = models.reference_grads(world, make=Wide, batch=_batch)
     bounds = models.reference_bounds(world, make=Wide, batch=_batch)
-    stats = collgrad.model_grad_stats(eng)
+    stats = collgrad.safe_get_full_model_grad_stats(eng)
     out["read"] = {
         "swaps": swappable > 0,
         "swap_ins": (read_swap_ins, swappable),

@@ -1,4 +1,4 @@
-"""model_grad_stats on real DeepSpeed engines (2 and 3 ranks): equal to the same statistics of plain
+"""safe_get_full_model_grad_stats on real DeepSpeed engines (2 and 3 ranks): equal to the same statistics of plain
 PyTorch gradients and of collgrad's full gradients, identical on every rank, one small collective per
 gradient group and no full gradient built; non-finite values counted exactly; the global norm is
 the one DeepSpeed clips with; misuse raises on every rank."""
@@ -65,12 +65,12 @@ def _worker(rank, world):
         cfg = models.config(stage, dtype=dtype, offload=offload)
         cfg["gradient_clipping"] = 1e9  # DeepSpeed then computes the global norm it would clip with
         eng = models.engine(cfg)
-        entry = {"before_backward": attempt(lambda eng=eng: collgrad.model_grad_stats(eng))}
+        entry = {"before_backward": attempt(lambda eng=eng: collgrad.safe_get_full_model_grad_stats(eng))}
         models.run_backward(eng, rank)
         full = collgrad.safe_get_full_model_grads(eng)
         with count_collectives() as seen:
-            stats = collgrad.model_grad_stats(eng)
-        modules = collgrad.model_grad_stats(eng, by="module")
+            stats = collgrad.safe_get_full_model_grad_stats(eng)
+        modules = collgrad.safe_get_full_model_grad_stats(eng, by="module")
         reference = models.reference_grads(world)
         # How far DeepSpeed's mean may be from the reference's (a reordered fp32 mean): relative in
         # norm per parameter, and absolute elementwise (bounding the difference of the maxima).
@@ -97,7 +97,7 @@ def _worker(rank, world):
         eng.step()
         norm = eng.get_global_grad_norm()  # None without ZeRO: the torch optimizer clips nothing
         entry["deepspeed_norm"] = None if norm is None else float(norm)
-        entry["after_step"] = attempt(lambda eng=eng: collgrad.model_grad_stats(eng))
+        entry["after_step"] = attempt(lambda eng=eng: collgrad.safe_get_full_model_grad_stats(eng))
         out[name] = entry
     # Non-finite values: put NaN and Inf into this rank's own partition, then compare with a full read.
     # Blocks: repeated layers, whose fragments statistics reduce as strided runs (one NaN lands in one);
@@ -113,14 +113,14 @@ def _worker(rank, world):
         stats_module.CPU_BLOCK_BYTES = block
         eng = models.engine(models.config(2), model)
         models.run_backward(eng, rank)
-        clean = collgrad.model_grad_stats(eng)
+        clean = collgrad.safe_get_full_model_grad_stats(eng)
         clean_full = collgrad.safe_get_full_model_grads(eng)
         buffer = eng.optimizer.averaged_gradients[0]
         buffer[0].view(-1)[0] = float("nan")
         buffer[len(buffer) // 2].view(-1)[-1] = float("nan") if rank == 1 else -1e18
         buffer[-1].view(-1)[-1] = float("inf") if rank == 0 else float("-inf")
         full = collgrad.safe_get_full_model_grads(eng)
-        stats = collgrad.model_grad_stats(eng)
+        stats = collgrad.safe_get_full_model_grad_stats(eng)
         out[name] = {
             "clean": {n: (s.norm, s.max_abs, s.nonfinite, s.numel) for n, s in clean.params.items()},
             "clean_full": {n: _stat(g) for n, g in clean_full.items()},
@@ -141,9 +141,9 @@ def _worker(rank, world):
             raise RuntimeError("injected reduction failure")
 
         stat_reduce.partials = broken
-    out["reduction_fails"] = attempt(lambda: collgrad.model_grad_stats(eng))
+    out["reduction_fails"] = attempt(lambda: collgrad.safe_get_full_model_grad_stats(eng))
     stat_reduce.partials = reduce
-    out["after_failure"] = attempt(lambda: collgrad.model_grad_stats(eng).global_norm > 0, keep=True)
+    out["after_failure"] = attempt(lambda: collgrad.safe_get_full_model_grad_stats(eng).global_norm > 0, keep=True)
     return out
 
 

@@ -2,7 +2,7 @@
 back (by collgrad and by DeepSpeed's accessor), and training with an edit written before every step
 gives the parameters of plain PyTorch trained with the same edit, in every variant DeepSpeed's own
 setter gets wrong (CPU offload with clipping, ZeRO-3 sizes not divisible by the world, BF16_Optimizer)
-and the others; update_full_model_grads equals get -> edit -> set; different values on one rank make
+and the others; safe_update_full_model_grads equals get -> edit -> set; different values on one rank make
 every rank raise."""
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def _worker(rank, world):
     ones = {"mid.weight": torch.ones(9, 9)}
     out["before_backward"] = attempt(lambda: collgrad.safe_set_full_model_grads(eng, ones))
     models.run_backward(eng, rank, gas=2, micro_steps=1)
-    out["mid_accumulation"] = attempt(lambda: collgrad.update_full_model_grads(eng, edit))
+    out["mid_accumulation"] = attempt(lambda: collgrad.safe_update_full_model_grads(eng, edit))
     eng.step()
     models.run_backward(eng, rank, gas=2, micro_steps=1)
     before = collgrad.safe_get_full_model_grads(eng)

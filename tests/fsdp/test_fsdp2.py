@@ -172,7 +172,7 @@ def _worker(rank: int, world: int, hsdp: bool, root: str):
         streamed = dict(stream)
         subset = [n for n in full][1::2]
         part = collgrad.safe_get_full_model_grads(model, params=subset)
-        stats = collgrad.model_grad_stats(model)
+        stats = collgrad.safe_get_full_model_grad_stats(model)
         entry.update(
             held=held is not None and source._held is held,
             names=list(grads),
@@ -219,7 +219,7 @@ def _worker(rank: int, world: int, hsdp: bool, root: str):
         # misuse: an unreduced micro-step, and after zero_grad()
         model.set_requires_gradient_sync(False)
         nn.functional.mse_loss(model(x).float(), y).backward()
-        entry["no_sync"] = attempt(lambda model=model: collgrad.model_grad_stats(model))
+        entry["no_sync"] = attempt(lambda model=model: collgrad.safe_get_full_model_grad_stats(model))
         model.set_requires_gradient_sync(True)
         nn.functional.mse_loss(model(x).float(), y).backward()
         model.zero_grad()

@@ -47,7 +47,7 @@ def _worker(rank, world):
     x, y = _batch(dp_rank)  # tensor-parallel peers see the same batch
     nn.functional.mse_loss(model(x), y).backward()
     grads = collgrad.safe_get_full_model_grads(model)
-    stats = collgrad.model_grad_stats(model)
+    stats = collgrad.safe_get_full_model_grad_stats(model)
 
     plain = Net()
     for d in range(world // TP):

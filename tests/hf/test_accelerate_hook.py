@@ -126,7 +126,7 @@ def _worker(rank, world):
                 errors.append(max(_rel(grads[n], expected[n]) / bound[n] for n in expected))
                 fired.append(engine.global_steps)
                 if edited:
-                    collgrad.update_full_model_grads(engine, lambda n, g: g * 0.5 if n == SCALED else None)
+                    collgrad.safe_update_full_model_grads(engine, lambda n, g: g * 0.5 if n == SCALED else None)
 
             handle = register_pre_step_hook(accelerator, hook)
             dtype_in = next(model.parameters()).dtype

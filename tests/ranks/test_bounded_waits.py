@@ -30,7 +30,7 @@ def _one_rank_skips(rank, world, stage):
         # At "data" the ranks agreed on this very call already (the one above): skip the argument check,
         # so that the wait that runs out is the bucket's own.
         dispatcher.all_reduce(tensors, bucket_bytes=1024 if stage == "agreement" else None, check=stage == "agreement")
-    except collgrad.CollgradTimeout as exc:
+    except collgrad.CollgradTimeoutError as exc:
         return {"seconds": time.monotonic() - start, "message": str(exc)}
     return {"seconds": time.monotonic() - start, "message": None}
 

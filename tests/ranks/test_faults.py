@@ -45,7 +45,7 @@ def _inject(rank, world, op, who):
         }
     return {
         "equal": all(torch.equal(a.reshape(-1), b.reshape(-1)) for a, b in zip(outputs, expected)),
-        "buckets": [(b.index, b.primitive, b.fallback) for b in record.buckets],
+        "buckets": [(b.index, b.primitive, b.fallback_reason) for b in record.buckets],
     }
 
 
@@ -85,7 +85,7 @@ def _fallback_then_other_dispatcher(rank, world):
     second = collgrad.Dispatcher(timeout=30)  # a new dispatcher on the same group: fresh store keys
     small = torch.full((10,), float(rank + 1))
     second.all_reduce([small])
-    return ok_first, record.buckets[0].fallback != "", bool((small == world * (world + 1) / 2).all())
+    return ok_first, record.buckets[0].fallback_reason != "", bool((small == world * (world + 1) / 2).all())
 
 
 def test_a_long_fallback_and_a_later_dispatcher_on_the_same_group_complete():

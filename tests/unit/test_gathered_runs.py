@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.state.adapters.layout import GradGroup, Kind, ParamSlot, gathered_runs, owned_fragments
+from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, gathered_runs, owned_fragments
 
 
 def _group(sizes, world):
@@ -18,8 +18,8 @@ def _group(sizes, world):
         slots.append(ParamSlot(f"p{i}", (n,), n, offset, n))
         offset += n
     partition = -(-offset // world)
-    return GradGroup(
-        0, Kind.PARTITIONED_FLAT, tuple(range(world)), partition, torch.float32, torch.float32, tuple(slots)
+    return LayoutGroup(
+        0, Partitioning.PARTITIONED_FLAT, tuple(range(world)), partition, torch.float32, torch.float32, tuple(slots)
     )
 
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout
 from collgrad.state.plan import (
     GATHER_MIN_SHARE,
     PLANS,
@@ -19,27 +20,26 @@ from collgrad.state.plan import (
     needs_capabilities,
     plan_grads,
 )
-from collgrad.state.adapters.layout import GradGroup, GradLayout, Kind, ParamSlot
 
 
 def _group(index, kind, sizes, world, pad_to=1):
     slots, offset = [], 0
     for i, n in enumerate(sizes):
-        per_rank = -(-n // world) if kind is Kind.SLICED else n
+        per_rank = -(-n // world) if kind is Partitioning.SLICED else n
         slots.append(ParamSlot(f"g{index}.p{i}", (n,), n, offset, per_rank))
         offset += per_rank
-    if kind is Kind.PARTITIONED_FLAT:
+    if kind is Partitioning.PARTITIONED_FLAT:
         total = -(-offset // (pad_to * world)) * (pad_to * world)
         partition = total // world
     else:
         partition = offset
-    return GradGroup(index, kind, tuple(range(world)), partition, torch.float32, torch.float32, tuple(slots))
+    return LayoutGroup(index, kind, tuple(range(world)), partition, torch.float32, torch.float32, tuple(slots))
 
 
 groups = st.builds(
     _group,
     st.just(0),
-    st.sampled_from(list(Kind)),
+    st.sampled_from(list(Partitioning)),
     st.lists(st.integers(1, 400), min_size=0, max_size=15),
     st.integers(1, 4),
     st.integers(1, 8),
@@ -49,10 +49,10 @@ calls = st.builds(GradCall, st.sampled_from(PLANS), st.integers(4, 4096), st.boo
 
 def _layout(gs):
     gs = tuple(
-        GradGroup(i, g.kind, g.group_ranks, g.partition_numel, g.wire_dtype, g.out_dtype, g.params)
+        LayoutGroup(i, g.kind, g.group_ranks, g.partition_numel, g.wire_dtype, g.out_dtype, g.params)
         for i, g in enumerate(gs)
     )
-    return GradLayout("test", gs, tuple(p.name for g in gs for p in g.params))
+    return StateLayout("test", gs, tuple(p.name for g in gs for p in g.params))
 
 
 @settings(max_examples=400, deadline=None)
@@ -66,7 +66,7 @@ def test_every_parameter_in_exactly_one_step_within_the_budget(gs, call, gather_
         assert flat == list(range(len(group.params)))  # each once, in layout order
         assert all(batch for batch in gplan.batches)  # no empty step
         if gplan.budget is not None:
-            gathered = gplan.kind is PlanKind.ALL_GATHER and group.kind is Kind.SLICED
+            gathered = gplan.kind is PlanKind.ALL_GATHER and group.kind is Partitioning.SLICED
             for batch in gplan.batches:
                 numel = sum(
                     group.params[k].slice_numel * group.world if gathered else group.params[k].numel for k in batch
@@ -89,11 +89,11 @@ def test_the_same_plan_on_every_rank(gs, call, gather_ok):
 def test_auto_gathers_a_flat_group_from_half_of_it_and_reduces_below():
     world = 2
     # 100 elements per rank, 200 gathered; the call reads exactly half, then one element less.
-    half = _group(0, Kind.PARTITIONED_FLAT, [60, 40], world, pad_to=100)
+    half = _group(0, Partitioning.PARTITIONED_FLAT, [60, 40], world, pad_to=100)
     assert half.world * half.partition_numel == 200 and GATHER_MIN_SHARE == 0.5
     call = GradCall("auto", 1 << 20, False)
     assert choose_kind(half, call, gather_ok=True) is PlanKind.ALL_GATHER
-    less = GradGroup(
+    less = LayoutGroup(
         0,
         half.kind,
         half.group_ranks,
@@ -107,26 +107,26 @@ def test_auto_gathers_a_flat_group_from_half_of_it_and_reduces_below():
 
 def test_the_choice_rule():
     call = GradCall("auto", 1 << 20, False)
-    flat = _group(0, Kind.PARTITIONED_FLAT, [50, 50], 2)
-    sliced = _group(0, Kind.SLICED, [50, 50], 2)
+    flat = _group(0, Partitioning.PARTITIONED_FLAT, [50, 50], 2)
+    sliced = _group(0, Partitioning.SLICED, [50, 50], 2)
     assert choose_kind(flat, call, gather_ok=False) is PlanKind.ALL_REDUCE  # no bucket gather primitive
     assert choose_kind(sliced, call, gather_ok=True) is PlanKind.ALL_GATHER
     streaming = GradCall("auto", 1 << 20, True)
     assert choose_kind(flat, streaming, gather_ok=True) is PlanKind.ALL_REDUCE  # whole parameters per bucket
     assert choose_kind(sliced, streaming, gather_ok=True) is PlanKind.ALL_GATHER
-    assert choose_kind(_group(0, Kind.REPLICATED, [5], 2), call, True) is PlanKind.LOCAL
-    assert choose_kind(_group(0, Kind.SLICED, [5], 1), call, True) is PlanKind.LOCAL  # a group of one rank
+    assert choose_kind(_group(0, Partitioning.REPLICATED, [5], 2), call, True) is PlanKind.LOCAL
+    assert choose_kind(_group(0, Partitioning.SLICED, [5], 1), call, True) is PlanKind.LOCAL  # a group of one rank
     forced = GradCall("all_gather", 1 << 20, True)
     assert choose_kind(flat, forced, gather_ok=False) is PlanKind.ALL_GATHER  # plan= wins over auto's rule
     # Capabilities are asked for exactly where the rule reads them (asking is collective the first time).
-    for group in (flat, sliced, _group(0, Kind.REPLICATED, [5], 2), _group(0, Kind.SLICED, [5], 1)):
+    for group in (flat, sliced, _group(0, Partitioning.REPLICATED, [5], 2), _group(0, Partitioning.SLICED, [5], 1)):
         for c in (call, streaming, forced):
             reads = choose_kind(group, c, True) != choose_kind(group, c, False)
             assert not reads or needs_capabilities(group, c)
 
 
 def test_zero3_gathers_go_by_buckets_of_gathered_bytes_and_half_when_streaming():
-    group = _group(0, Kind.SLICED, [100] * 10, 2)  # 100 gathered elements each, 400 bytes
+    group = _group(0, Partitioning.SLICED, [100] * 10, 2)  # 100 gathered elements each, 400 bytes
     plan = plan_grads(_layout([group]), GradCall("auto", 1200, False), {0: True})
     assert plan.groups[0].batches == ((0, 1, 2), (3, 4, 5), (6, 7, 8), (9,))
     plan = plan_grads(_layout([group]), GradCall("auto", 1200, True), {0: True})
@@ -135,7 +135,7 @@ def test_zero3_gathers_go_by_buckets_of_gathered_bytes_and_half_when_streaming()
 
 def test_streamed_local_reads_go_bucket_by_bucket():
     # BF16_Optimizer / stage 0 hold full gradients: streaming copies them a bucket at a time, not all at once
-    group = _group(0, Kind.REPLICATED, [100] * 8, 1)
+    group = _group(0, Partitioning.REPLICATED, [100] * 8, 1)
     streamed, budget = batch_params(group, PlanKind.LOCAL, GradCall("auto", 4 * 250, True))
     assert budget == 1000 and streamed == ((0, 1), (2, 3), (4, 5), (6, 7))
     whole, _ = batch_params(group, PlanKind.LOCAL, GradCall("auto", 4 * 250, False))

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.state.adapters.layout import GradGroup, Kind, ParamSlot, owned_fragments
+from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, owned_fragments
 from tests.groups import sliced_group
 
 
@@ -17,8 +17,14 @@ def _flat_group(sizes, world):
         slots.append(ParamSlot(f"p{i}", (n,), n, offset, n))
         offset += n
     total = -(-offset // (2 * world)) * (2 * world)
-    return GradGroup(
-        0, Kind.PARTITIONED_FLAT, tuple(range(world)), total // world, torch.float32, torch.float32, tuple(slots)
+    return LayoutGroup(
+        0,
+        Partitioning.PARTITIONED_FLAT,
+        tuple(range(world)),
+        total // world,
+        torch.float32,
+        torch.float32,
+        tuple(slots),
     )
 
 

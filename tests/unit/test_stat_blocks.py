@@ -9,7 +9,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.state.adapters.layout import Fragment
+from collgrad.state.layout import Fragment
 from collgrad.state.stat_blocks import Rows as _Rows
 from collgrad.state.stat_blocks import blocks as _blocks
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collgrad.state.cache import MAX_SHAPES, PlanCache
+from collgrad.state.layout import Fragment, LayoutGroup, ParamSlot, Partitioning, gathered_runs, owned_fragments
 from collgrad.state.plan import GradCall
-from collgrad.state.adapters.layout import Fragment, GradGroup, Kind, ParamSlot, gathered_runs, owned_fragments
 from collgrad.state.steps import (
     MIN_CHUNK_BYTES,
     PIPELINE_CHUNKS,
@@ -29,14 +29,14 @@ from collgrad.state.steps import (
 from tests.groups import sliced_group
 
 
-def _flat(sizes: list[int], world: int) -> GradGroup:
+def _flat(sizes: list[int], world: int) -> LayoutGroup:
     slots, offset = [], 0
     for i, n in enumerate(sizes):
         slots.append(ParamSlot(f"p{i}", (n,), n, offset, n))
         offset += n
     partition = max(1, -(-offset // world))
-    return GradGroup(
-        0, Kind.PARTITIONED_FLAT, tuple(range(world)), partition, torch.float32, torch.float32, tuple(slots)
+    return LayoutGroup(
+        0, Partitioning.PARTITIONED_FLAT, tuple(range(world)), partition, torch.float32, torch.float32, tuple(slots)
     )
 
 
@@ -261,11 +261,11 @@ def test_the_plan_cache_keeps_at_most_its_bound_of_call_shapes():
 def test_what_a_rank_tells_of_its_pieces_in_the_readiness_check():
     from collgrad.core.buffers import Pieces
     from collgrad.state.cache import Placements
+    from collgrad.state.layout import StateLayout
     from collgrad.state.placements import CHANGED, piece_count, placed, placement_print
-    from collgrad.state.adapters.layout import GradLayout
 
     group = _flat([3, 5], 2)
-    layout = GradLayout("test", (group,), ("p0", "p1"))
+    layout = StateLayout("test", (group,), ("p0", "p1"))
     storage = torch.zeros(group.partition_numel)
     buffer = Pieces([storage[2:], storage[:2]])  # two pieces lying back to front in one storage
     plans = PlanCache()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.state.adapters.layout import Fragment, strided_runs
+from collgrad.state.layout import Fragment, strided_runs
 
 
 def _fragments(sizes_and_gaps):

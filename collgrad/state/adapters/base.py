@@ -21,17 +21,14 @@ from collgrad import _compat
 from collgrad.core.buffers import Pieces
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
 from collgrad.state.cache import PlanCache, WritePlan, WriteRow
-from collgrad.state.adapters.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
+from collgrad.state.kinds import StateKind
+from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout, owned_fragments
 
 __all__ = [
     "Problem",
     "LocalGrads",
     "Source",
     "ReplicatedSource",
-    "State",
-    "GRAD",
-    "FP32",
-    "WEIGHTS",
     "per_element_state",
     "whole_values",
     "always_ok",
@@ -42,36 +39,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class State:
-    """What a source reads: ``GRAD``, the reduced gradients (the default); ``FP32``, the fp32 master
-    weights (the module's own weights where there is no master copy); or, with ``key``, the optimizer's
-    per-element state ``key`` (``"exp_avg"``, ``"exp_avg_sq"``, ...), shaped like the parameter."""
-
-    what: str
-    key: str | None = None
-
-    def describe(self) -> str:
-        named = {"grad": "gradients", "fp32": "fp32 master weights", "weights": "module weights"}
-        return named.get(self.what, f"optimizer state {self.key!r}")
-
-    def checked(self) -> State:
-        """This state, if its key can name an optimizer state; InvalidArgumentError (this rank) otherwise."""
-        if self.what == "optimizer" and (not isinstance(self.key, str) or not self.key):
-            raise InvalidArgumentError(
-                f"rank {_compat.rank()}: key must name an optimizer state, e.g. 'exp_avg', got {self.key!r}"
-            )
-        return self
-
-
-GRAD = State("grad")
-FP32 = State("fp32")
-#: The module's own weights as they are (its dtype), every parameter, frozen ones too: what a
-#: consolidated checkpoint holds.
-WEIGHTS = State("weights")
-
-
-def optimizer_states(optimizer: Any, state: State) -> Callable[[], Any]:
+def optimizer_states(optimizer: Any, state: StateKind) -> Callable[[], Any]:
     """``optimizer.state`` as a function (the optimizer held weakly); InvalidArgumentError where
     ``optimizer`` is none, naming ``state``, which needs it."""
     if optimizer is None or not hasattr(optimizer, "state"):
@@ -89,7 +57,7 @@ def optimizer_states(optimizer: Any, state: State) -> Callable[[], Any]:
 
 
 def whole_values(
-    named: Sequence[tuple[str, nn.Parameter]], state: State, states: Callable[[], Mapping[Any, Any]] | None = None
+    named: Sequence[tuple[str, nn.Parameter]], state: StateKind, states: Callable[[], Mapping[Any, Any]] | None = None
 ) -> Callable[[], list[torch.Tensor]]:
     """Where every rank holds ``state`` of each parameter whole (a plain module, stage 0, the weights
     below ZeRO-3): the parameters themselves (weights, or fp32 where they are the master), or each
@@ -147,7 +115,7 @@ def per_element_state(held: Mapping[str, Any] | None, key: str, numel: int, what
     )
 
 
-def rank_in(group: GradGroup) -> int:
+def rank_in(group: LayoutGroup) -> int:
     """This process's position among ``group``'s ranks (0 in a group of one, which needs no process group)."""
     return group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
 
@@ -193,8 +161,7 @@ class LocalGrads:
 class Source:
     """A model's gradient layout and how to read this rank's part of it."""
 
-    layout: GradLayout
-    fingerprint: int
+    layout: StateLayout
     control_group: ProcessGroup | None  # the ranks that must all call, and agree before data moves
     groups: dict[int, ProcessGroup | None]  # layout group index -> process group
     device: torch.device  # where results are returned
@@ -213,6 +180,11 @@ class Source:
     #: Gradient plans, bucket plans and steps built for this source (see cache.py).
     plans: PlanCache
 
+    @property
+    def fingerprint(self) -> int:
+        """The layout's fingerprint, compared between ranks before any data moves."""
+        return self.layout.fingerprint()
+
     def valid(self) -> bool:
         """Whether the layout still describes the model (cheap; checked before reusing a cached source)."""
         return True
@@ -226,7 +198,7 @@ class Source:
         place, and nothing else. No communication. ``local`` is this call's ``read()``."""
         for position, group in enumerate(self.layout.groups):
             buffer = local.buffers[position]
-            if group.kind is Kind.REPLICATED:
+            if group.kind is Partitioning.REPLICATED:
                 targets = self._full_targets(buffer)
                 for k, slot in enumerate(group.params):
                     if slot.name in values:
@@ -244,7 +216,7 @@ class Source:
                         span[at : at + numel].copy_(part)
         self.after_write(values)
 
-    def _write_plan(self, group: GradGroup, buffer: Pieces) -> tuple[WriteRow, ...]:
+    def _write_plan(self, group: LayoutGroup, buffer: Pieces) -> tuple[WriteRow, ...]:
         """This rank's owned fragments of ``group`` to write: worked out once while the pieces lie where
         they did (DeepSpeed keeps its buffers), not per fragment per call."""
         placed = buffer.placement()
@@ -360,10 +332,9 @@ class ReplicatedSource(Source):
             for (n, _), shape in zip(named, shapes)
         )
         ranks = tuple(_compat.group_ranks(group)) if group is not None else (0,)
-        self.layout = GradLayout(
-            variant, (GradGroup(0, Kind.REPLICATED, ranks, 0, out, out, slots),), tuple(n for n, _ in named)
+        self.layout = StateLayout(
+            variant, (LayoutGroup(0, Partitioning.REPLICATED, ranks, 0, out, out, slots),), tuple(n for n, _ in named)
         )
-        self.fingerprint = self.layout.fingerprint()
 
     def valid(self) -> bool:
         if self._reselect is None:

@@ -1,7 +1,9 @@
-"""The DeepSpeed adapter: the only module of collgrad that imports deepspeed.
+"""The DeepSpeed adapter: the only module of collgrad that imports deepspeed or reads its internals
+(the drop-in in collgrad/integrations/deepspeed.py reaches them through here).
 
-It reads, without communicating, where DeepSpeed 0.19 keeps each rank's reduced, averaged gradient
-partition (docs/notes/deepspeed-gradient-layout.md, verified on two CPU ranks):
+``open_engine(engine, named, kind)`` reads, without communicating, where DeepSpeed 0.19 keeps each
+rank's part of every kind of state. Gradients, each rank's reduced, averaged partition
+(docs/notes/deepspeed-gradient-layout.md, verified on two CPU ranks):
 
 - ZeRO-1/2 (``DeepSpeedZeroOptimizer``): per param group ``i``, a flat buffer padded so that every rank
   owns ``partition_size[i]`` elements. The partition is read from, in this order: the CPU-offload
@@ -20,17 +22,21 @@ partition (docs/notes/deepspeed-gradient-layout.md, verified on two CPU ranks):
 - Any other optimizer: DeepSpeed's per-parameter ``safe_get_full_grad``, recorded as a fallback.
 
 Whether reading is valid now ("a backward() ran since the last step()") is told by state each
-optimizer keeps for itself; see ``_problem``.
+optimizer keeps for itself; see ``_problem``. The fp32 masters, their optimizer states and the module's
+weights: see ``_open_state``. One source class per layout (``_Zero12``, ``_Zero3``, ``_Zero3Weights``,
+the replicated and accessor sources), each told the kind of state it reads.
 """
 
 from __future__ import annotations
 
-import gc
+import sys
+import types
 import weakref
-from typing import Any
+from typing import Any, Mapping
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter
@@ -48,14 +54,30 @@ from torch import nn
 from collgrad import _compat
 from collgrad.core.buffers import Pieces, PiecesCache
 from collgrad.errors import InvalidArgumentError
-from collgrad.state.cache import PlanCache
-from collgrad.state.adapters.base import LocalGrads, Problem, ReplicatedSource, Source
+from collgrad.state.adapters.base import (
+    LocalGrads,
+    Problem,
+    ReplicatedSource,
+    Source,
+    always_ok,
+    copy_to_weights,
+    per_element_state,
+    whole_values,
+)
 from collgrad.state.adapters.engine_hooks import hook_model_step, release_on_offload
-from collgrad.state.adapters.layout import GradGroup, GradLayout, Kind, ParamSlot
 from collgrad.state.adapters.swap import SwappedIn
+from collgrad.state.cache import PlanCache
+from collgrad.state.kinds import FP32, GRAD, WEIGHTS, StateKind
+from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout
 
 __all__ = [
+    "engine_of",
     "find_engine",
+    "refuse_unfound",
+    "accessor_module",
+    "zero_managed",
+    "own_grad",
+    "full_numel",
     "hook_model_step",
     "open_engine",
     "model_parallel_names",
@@ -94,18 +116,69 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict)
 
 
 def find_engine(model: Any) -> DeepSpeedEngine | None:
-    """``model`` itself if it is an engine, else the engine that wraps the module ``model``."""
+    """``model`` itself if it is an engine, else the engine that wraps the module ``model``, else None.
+
+    DeepSpeed keeps no registry of its engines, and a module does not point at its engine; but every
+    engine registers a forward pre-hook on its module (``DeepSpeedEngine._create_module_forward_pre_hook``
+    in 0.19: a closure over the engine), so the engine is found among the module's own hooks. DeepCompile
+    removes that hook while it is active: ``refuse_unfound`` then asks for the engine itself."""
     if isinstance(model, DeepSpeedEngine):
         return model
     if not isinstance(model, nn.Module):
         return None
-    # DeepSpeed keeps no registry of engines; the engine holds the module in its _modules dict.
-    for holder in gc.get_referrers(model):
-        if isinstance(holder, dict):
-            for owner in gc.get_referrers(holder):
-                if isinstance(owner, DeepSpeedEngine) and owner.module is model:
-                    return owner
+    for hook in model._forward_pre_hooks.values():
+        for cell in getattr(hook, "__closure__", None) or ():
+            try:
+                owner = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(owner, DeepSpeedEngine) and owner.module is model:
+                return owner
     return None
+
+
+def engine_of(model: object) -> DeepSpeedEngine | None:
+    """The engine ``model`` is or wraps (``find_engine``), else None; InvalidArgumentError (this rank)
+    for a module whose parameters DeepSpeed manages but whose engine cannot be found (``refuse_unfound``)."""
+    engine = find_engine(model)
+    if engine is None and isinstance(model, nn.Module):
+        refuse_unfound(model)
+    return engine
+
+
+def refuse_unfound(module: nn.Module) -> None:
+    """A module whose parameters DeepSpeed partitions or links (``ds_id``: ZeRO-3; ``_hp_mapping``:
+    ZeRO-1/2) but whose engine ``find_engine`` cannot see: InvalidArgumentError (this rank), since read
+    as a plain module it would give this rank's partitions as if they were whole."""
+    if any(hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None for p in module.parameters()):
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: the parameters of this {type(module).__name__} belong to a DeepSpeed engine "
+            "collgrad cannot find from the module (its forward pre-hook is gone, e.g. under DeepCompile): pass "
+            "the engine itself"
+        )
+
+
+def zero_managed(param: nn.Parameter) -> bool:
+    """DeepSpeed's accessors answer for ``param``: ZeRO-3 partitions it (``ds_id``) or ZeRO-1/2 (and
+    BF16_Optimizer) linked it to its fp32 fragment (``_hp_mapping``)."""
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
+def own_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """The gradient ``param`` holds itself, as DeepSpeed's ``safe_get_full_grad`` answers first: its
+    ``.grad`` where BF16_Optimizer keeps no fp32 accumulation (``_hp_grad``) for it; else None."""
+    return param.grad if getattr(param, "_hp_grad", None) is None else None
+
+
+def full_numel(param: nn.Parameter) -> int:
+    """Elements of ``param`` whole (a ZeRO-3 parameter's own shape is empty outside a gather)."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def accessor_module() -> types.ModuleType:
+    """The module that defines DeepSpeed's six full accessors (``deepspeed.utils`` re-exports them), from
+    ``sys.modules``: ``deepspeed.utils`` also has a class named ``tensor_fragment``."""
+    return sys.modules["deepspeed.utils.tensor_fragment"]
 
 
 def control_group(engine: DeepSpeedEngine):
@@ -142,7 +215,11 @@ def model_parallel_names(named: list[tuple[str, nn.Parameter]]) -> frozenset[str
     return frozenset(n for n, p in named if is_model_parallel_parameter(p) or is_moe_param(p))
 
 
-def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) -> Source:
+def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]], kind: StateKind = GRAD) -> Source:
+    """The Source of ``kind`` of ``engine``'s ``named`` parameters, chosen by the optimizer DeepSpeed
+    built. Local: no communication."""
+    if kind != GRAD:
+        return _open_state(engine, named, kind)
     opt = engine.optimizer
     if opt is None:
         raise InvalidArgumentError(
@@ -150,15 +227,15 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) 
             "pass an optimizer to "
             "deepspeed.initialize, or pass the module itself if its .grad already holds reduced gradients"
         )
-    kind = type(opt).__name__
+    optimizer = type(opt).__name__
     model_parallel = model_parallel_names(named)
-    if kind == "DeepSpeedZeroOptimizer":
-        return _Zero12(engine, named, model_parallel)
-    if kind == "DeepSpeedZeroOptimizer_Stage3":
-        return _Zero3(engine, named, model_parallel)
+    if optimizer == "DeepSpeedZeroOptimizer":
+        return _Zero12(engine, named, model_parallel, GRAD)
+    if optimizer == "DeepSpeedZeroOptimizer_Stage3":
+        return _Zero3(engine, named, model_parallel, GRAD)
     group = control_group(engine)
     engine_ref = weakref.ref(engine)  # sources are cached keyed weakly by the engine: never hold it
-    if kind == "BF16_Optimizer":
+    if optimizer == "BF16_Optimizer":
         # fp32_groups_has_gradients: set when backward adds into the fp32 accumulation buffer, cleared
         # by zero_grad() in step().
         return ReplicatedSource(
@@ -184,7 +261,7 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]]) 
         )
     # An optimizer whose layout collgrad does not know: DeepSpeed's accessor, one collective per parameter.
     source = ReplicatedSource(
-        f"deepspeed-accessor:{kind}",
+        f"deepspeed-accessor:{optimizer}",
         named,
         lambda: [None] * len(named),
         group,
@@ -218,9 +295,13 @@ class _EngineSource(Source):
 
 
 class _Zero12(_EngineSource):
-    """ZeRO-1/2: equal contiguous partitions of one padded flat buffer per param group."""
+    """ZeRO-1/2: equal contiguous partitions of one padded flat buffer per param group. Every kind lies
+    so: the reduced gradient partition, the fp32 master partition ``single_partition_of_fp32_groups[i]``
+    and each of its optimizer states are flat tensors of ``partition_size[i]`` elements in the flat
+    buffer's order (one piece per rank for the master and its states)."""
 
-    def __init__(self, engine, named, model_parallel) -> None:
+    def __init__(self, engine, named, model_parallel, kind: StateKind) -> None:
+        self.kind = kind
         super().__init__(engine, named, model_parallel)
         opt, groups = self.opt, []
         self.group_ids = []
@@ -244,9 +325,9 @@ class _Zero12(_EngineSource):
                 continue
             pg = opt.real_dp_process_group[i]
             groups.append(
-                GradGroup(
+                LayoutGroup(
                     i,
-                    Kind.PARTITIONED_FLAT,
+                    Partitioning.PARTITIONED_FLAT,
                     tuple(_compat.group_ranks(pg)),
                     opt.partition_size[i],
                     self._wire_dtype(i),
@@ -256,16 +337,18 @@ class _Zero12(_EngineSource):
             )
             self.groups[i] = pg
             self.group_ids.append(i)
-        self.layout = GradLayout(
+        self.layout = StateLayout(
             f"deepspeed-zero{engine.zero_optimization_stage()}", tuple(groups), tuple(n for n, _ in named)
         )
-        self.fingerprint = self.layout.fingerprint()
         self._signature = self._sign()
 
     def _wire_dtype(self, i: int) -> torch.dtype:
-        """The dtype of group ``i``'s local partition: fp32 where DeepSpeed accumulates in fp32 (offload,
-        or bf16 with grad_accum_dtype fp32), else the model's."""
+        """The dtype of group ``i``'s local partition: the master's for the fp32 weights and their
+        states; for gradients fp32 where DeepSpeed accumulates in fp32 (offload, or bf16 with
+        grad_accum_dtype fp32), else the model's."""
         opt = self.opt
+        if self.kind != GRAD:
+            return opt.single_partition_of_fp32_groups[i].dtype
         return torch.float32 if (opt.cpu_offload or _fp32_accumulation(opt)) else opt.bit16_groups_flat[i].dtype
 
     def _sign(self):
@@ -283,6 +366,8 @@ class _Zero12(_EngineSource):
         return cache.pieces(fragments)
 
     def read(self) -> LocalGrads:
+        if self.kind != GRAD:
+            return self._read_master()
         opt = self.opt
         # step() resets micro_step_id to -1; the first gradient hook of a backward() advances it.
         problem = _problem(self.engine, opt.micro_step_id >= 0)
@@ -313,12 +398,28 @@ class _Zero12(_EngineSource):
             buffers.append(local)
         return LocalGrads(problem, buffers, _loss_scale(self.engine))
 
+    def _read_master(self) -> LocalGrads:
+        """The fp32 master partition of each param group, or one of its optimizer states."""
+        opt, buffers = self.opt, []
+        for group in self.layout.groups:
+            master = opt.single_partition_of_fp32_groups[group.index]
+            local = master
+            if self.kind.key is not None:
+                held = opt.optimizer.state.get(master)
+                local = per_element_state(held, self.kind.key, master.numel(), f"param group {group.index}")
+            buffers.append(self._pieces_of(group.index, [local]))
+        return LocalGrads(Problem.OK, buffers)
+
     def after_write(self, values) -> None:
-        """With CPU offload, ZeRO-1/2 clips with per-parameter norms it computed during backward
-        (``norm_for_param_grads``, one per owned fragment): recompute them from the written values, as
-        ``copy_grads_in_partition`` does, or the next step clips with the old norms."""
+        """New fp32 weights: the low-precision copy every rank holds whole made from them now, as the
+        step's all-gather would (DeepSpeed's own setter leaves it, so the next forward used old weights).
+        New gradients, with CPU offload: ZeRO-1/2 clips with per-parameter norms it computed during
+        backward (``norm_for_param_grads``, one per owned fragment): recompute them from the written
+        values, as ``copy_grads_in_partition`` does, or the next step clips with the old norms."""
         opt = self.opt
-        if not opt.cpu_offload:
+        if self.kind == FP32:
+            copy_to_weights(self.params, values)
+        if self.kind != GRAD or not opt.cpu_offload:
             return
         for i in self.group_ids:
             grad = opt.single_partition_of_fp32_groups[i].grad.view(-1)
@@ -335,7 +436,7 @@ def _fp32_accumulation(opt) -> bool:
     return accum == torch.float32 and opt.bit16_groups_flat[0].dtype != torch.float32
 
 
-def zero3_group(index: int, params: list, names: list[str], pg, model_parallel, wire, out) -> GradGroup:
+def zero3_group(index: int, params: list, names: list[str], pg, model_parallel, wire, out) -> LayoutGroup:
     """ZeRO-3 ``params`` partitioned over ``pg`` as layout group ``index``: each rank holds
     ``partition_numel()`` elements of each, back to back in this order."""
     slots, offset = [], 0
@@ -344,13 +445,17 @@ def zero3_group(index: int, params: list, names: list[str], pg, model_parallel, 
             ParamSlot(name, tuple(p.ds_shape), p.ds_numel, offset, p.partition_numel(), name in model_parallel)
         )
         offset += p.partition_numel()
-    return GradGroup(index, Kind.SLICED, tuple(_compat.group_ranks(pg)), offset, wire, out, tuple(slots))
+    return LayoutGroup(index, Partitioning.SLICED, tuple(_compat.group_ranks(pg)), offset, wire, out, tuple(slots))
 
 
 class _Zero3(_EngineSource):
-    """ZeRO-3: every parameter cut into equal slices; a rank's slices lie back to back."""
+    """ZeRO-3: every parameter cut into equal slices; a rank's slices lie back to back. Gradients: each
+    parameter's partition as DeepSpeed's own local accessor ``_get_fp32_grad_state_partition`` returns
+    it; fp32 masters and their states: the slice ``_get_fp32_opt_state_partition`` returns
+    (``grad_position``'s place in ``fp32_partitioned_groups_flat[i]`` or in its state)."""
 
-    def __init__(self, engine, named, model_parallel) -> None:
+    def __init__(self, engine, named, model_parallel, kind: StateKind) -> None:
+        self.kind = kind
         super().__init__(engine, named, model_parallel)
         opt = self.opt
         self.out_dtype = getattr(opt, "master_weights_and_grads_dtype", torch.float32)
@@ -371,20 +476,21 @@ class _Zero3(_EngineSource):
             names = [self.names[id(p)] for p in params]
             groups.append(zero3_group(index, params, names, pgs[key], model_parallel, wire, self.out_dtype))
             self.groups[index] = pgs[key]
-        self.layout = GradLayout("deepspeed-zero3", tuple(groups), tuple(n for n, _ in named))
-        self.fingerprint = self.layout.fingerprint()
+        self.layout = StateLayout("deepspeed-zero3", tuple(groups), tuple(n for n, _ in named))
         self._pieces: list[Pieces] | None = None
         self._signature = self._sign()
 
     def _wire_dtype(self) -> torch.dtype:
         opt = self.opt
-        if getattr(opt, "offload_optimizer", False):
+        if self.kind != GRAD or getattr(opt, "offload_optimizer", False):
             return opt.fp32_partitioned_groups_flat[0].dtype
         buffer = getattr(opt, "grad_partitions_flat_buffer", None)
         return buffer.dtype if buffer is not None else self.out_dtype
 
     def _sign(self):
         opt = self.opt
+        if self.kind != GRAD:
+            return tuple(flat.data_ptr() for flat in opt.fp32_partitioned_groups_flat)
         buffer = getattr(opt, "grad_partitions_flat_buffer", None)
         grads = tuple(
             getattr(g.grad, "data_ptr", lambda: 0)()
@@ -401,6 +507,8 @@ class _Zero3(_EngineSource):
         self._pieces = None
 
     def read(self) -> LocalGrads:
+        if self.kind != GRAD:
+            return self._read_master()
         opt = self.opt
         # Set by the backward epilogue; cleared by zero_grad() in step() and at the next forward.
         problem = _problem(self.engine, bool(getattr(opt, "_epilogue_ran_this_backward", True)))
@@ -423,11 +531,61 @@ class _Zero3(_EngineSource):
         self._pieces = None if self.swaps else pieces
         return LocalGrads(problem, pieces, _loss_scale(self.engine))
 
+    def _flats(self) -> list[torch.Tensor]:
+        """Per sub-group the tensor the masters' kinds read: the fp32 partition, or its optimizer state."""
+        flats = list(self.opt.fp32_partitioned_groups_flat)
+        if self.kind.key is None:
+            return flats
+        states, key = self.opt.optimizer.state, self.kind.key
+        return [per_element_state(states.get(f), key, f.numel(), f"sub-group {i}") for i, f in enumerate(flats)]
+
+    def _read_master(self) -> LocalGrads:
+        """Each parameter's slice of the fp32 master partitions, or of one of their optimizer states."""
+        opt = self.opt
+        flats = self._flats()
+        held = tuple(f.data_ptr() for f in flats)
+        if self._pieces is not None and self.scratch.get("read") == held:
+            return LocalGrads(Problem.OK, self._pieces)  # views of the same live tensors
+        pieces = []
+        for group, params in zip(self.layout.groups, self.members.values()):
+            parts = []
+            for slot, p in zip(group.params, params):
+                # where DeepSpeed's _get_fp32_opt_state_partition finds this parameter's slice
+                i, offset, numel = opt.grad_position[opt.get_param_id(p)]
+                if numel != slot.slice_numel:
+                    detail = (
+                        f"{slot.name}: DeepSpeed keeps {numel} elements of it here, the layout says {slot.slice_numel}"
+                    )
+                    return LocalGrads(Problem.LAYOUT_CHANGED, [], detail=detail)
+                parts.append(flats[i].narrow(0, offset, numel))
+            pieces.append(Pieces(parts))
+        self._pieces, self.scratch["read"] = pieces, held
+        return LocalGrads(Problem.OK, pieces)
+
+    def after_write(self, values) -> None:
+        """New fp32 weights: each parameter's own partition (``ds_tensor``) made from this rank's new
+        fp32 slice, and a parameter held whole (persistent, or gathered) made the new value, as the
+        step leaves them."""
+        if self.kind != FP32:
+            return
+        opt = self.opt
+        with torch.no_grad():
+            for name, value in values.items():
+                p: Any = self.params[name]
+                i, offset, numel = opt.grad_position[opt.get_param_id(p)]
+                p.ds_tensor.data.copy_(opt.fp32_partitioned_groups_flat[i].narrow(0, offset, numel))
+                if p.data.numel() == p.ds_numel:
+                    copy_to_weights({name: p}, {name: value})
+
     def write(self, local: LocalGrads, values, scale: float) -> None:
-        """Through DeepSpeed's own local setter, parameter by parameter (no communication): it writes
-        this rank's slice where the step reads it (flat buffer, CPU offload, NVMe swap write-back) and
-        refreshes the per-parameter norms offload clips with. NVMe: that setter swaps the parameter's
-        whole sub-group in and its gradients out again, per parameter; here once per sub-group."""
+        """Gradients: through DeepSpeed's own local setter, parameter by parameter (no communication): it
+        writes this rank's slice where the step reads it (flat buffer, CPU offload, NVMe swap write-back)
+        and refreshes the per-parameter norms offload clips with. NVMe: that setter swaps the
+        parameter's whole sub-group in and its gradients out again, per parameter; here once per
+        sub-group. The masters' kinds: into the slices ``read()`` views, where the step reads them."""
+        if self.kind != GRAD:
+            Source.write(self, local, values, scale)
+            return
         opt = self.opt
         with SwappedIn(opt, write_back=True) as swapped:
             for name, new in values.items():
@@ -446,3 +604,156 @@ class _Zero3(_EngineSource):
                 else:  # what set_local_grad_for_param does, less its swap-in and write-back per parameter
                     opt.norm_for_param_grads[opt.get_param_id(p)] = opt._constant_buffered_norm2(part)
                     grad.copy_(part)
+
+
+def _open_state(engine: Any, named: list[tuple[str, nn.Parameter]], state: StateKind) -> Source:
+    """The Source of ``state`` (the fp32 masters, an optimizer state, the module's weights) of
+    ``engine``'s ``named`` parameters:
+
+    - ZeRO-1/2 and ZeRO-3: the partitions the optimizer steps, laid out as the gradients are;
+      ZeRO-3 sub-groups swapped to NVMe: DeepSpeed's per-parameter accessor.
+    - Stage 0 with a torch optimizer: there is no master copy; every rank holds the module's weights
+      and the optimizer's state of each parameter whole: nothing to communicate.
+    - Otherwise (``BF16_Optimizer``, ...): DeepSpeed's per-parameter accessor, one collective each.
+    - The module's weights: whole on every rank below ZeRO-3; ZeRO-3: each rank's ``ds_tensor``.
+
+    Readable at any time outside ``step()``: no backward is needed. Local: no communication."""
+    opt = engine.optimizer
+    if opt is None:
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: this DeepSpeed engine has no optimizer, so it keeps no {state.describe()}: "
+            "pass an optimizer to deepspeed.initialize"
+        )
+    kind = type(opt).__name__
+    model_parallel = model_parallel_names(named)
+    if state == WEIGHTS:
+        if kind == "DeepSpeedZeroOptimizer_Stage3":
+            return _Zero3Weights(engine, named, model_parallel)
+        weights = whole_values(named, state)  # whole on every rank below ZeRO-3
+        variant = f"deepspeed-{kind}:weights"
+        return ReplicatedSource(
+            variant, named, weights, control_group(engine), problem=always_ok, model_parallel=model_parallel
+        )
+    if kind == "DeepSpeedZeroOptimizer":
+        return _Zero12(engine, named, model_parallel, state)
+    if kind == "DeepSpeedZeroOptimizer_Stage3":
+        source = _Zero3(engine, named, model_parallel, state)
+        if not source.swaps:
+            return source
+    elif engine.zero_optimization_stage() == 0 and isinstance(opt, torch.optim.Optimizer):
+        return _replicated(engine, named, model_parallel, state)
+    return _accessor(engine, named, model_parallel, state, kind)
+
+
+def _replicated(
+    engine: Any, named: list[tuple[str, nn.Parameter]], model_parallel: frozenset[str], state: StateKind
+) -> Source:
+    """Stage 0 with a torch optimizer: the module's weights are what it steps; each state is per parameter."""
+    opt = engine.optimizer
+    return ReplicatedSource(
+        f"deepspeed-stage0:{state.label}",
+        named,
+        whole_values(named, state, lambda: opt.state),
+        control_group(engine),
+        problem=always_ok,
+        model_parallel=model_parallel,
+    )
+
+
+def _accessor(
+    engine: Any, named: list[tuple[str, nn.Parameter]], model_parallel: frozenset[str], state: StateKind, kind: str
+) -> Source:
+    """DeepSpeed's per-parameter accessor, one collective per parameter (a layout collgrad does not read)."""
+    if not all(hasattr(p, "_hp_mapping") or hasattr(p, "ds_id") for _, p in named):
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: DeepSpeed keeps no {state.describe()} collgrad or DeepSpeed's accessors can "
+            f"read for {kind} (deepspeed.utils.safe_get_full_fp32_param returns None there); with a torch "
+            "optimizer at stage 0, read the module's own weights and optimizer.state"
+        )
+    return _AccessorState(engine, named, model_parallel, state, kind)
+
+
+class _AccessorState(ReplicatedSource):
+    """DeepSpeed's per-parameter accessors and setters; new fp32 weights also made the module's."""
+
+    def __init__(
+        self,
+        engine: Any,
+        named: list[tuple[str, nn.Parameter]],
+        model_parallel: frozenset[str],
+        state: StateKind,
+        kind: str,
+    ) -> None:
+        super().__init__(
+            f"deepspeed-accessor:{kind}:{state.label}",
+            named,
+            lambda: [None] * len(named),
+            control_group(engine),
+            problem=always_ok,
+            model_parallel=model_parallel,
+            dtype=torch.float32,
+            # ZeRO-3 (NVMe-swapped sub-groups): a partitioned parameter's own shape is (0,) outside a gather
+            full_shape=lambda p: tuple(getattr(p, "ds_shape", p.shape)),
+        )
+        key = state.key
+        self.state = state
+        self.accessor_gathers = kind == "DeepSpeedZeroOptimizer_Stage3"  # ZeRO-3 all-gathers partitions
+        if key is None:
+            self.accessor, self.accessor_set = safe_get_full_fp32_param, safe_set_full_fp32_param
+        else:
+            self.accessor = lambda p: safe_get_full_optimizer_state(p, key)
+            self.accessor_set = lambda p, value: safe_set_full_optimizer_state(p, value, key)
+
+    def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
+        if self.state.key is not None:  # DeepSpeed's fp32 setter leaves the module's weights as they were
+            return
+        if not self.accessor_gathers:
+            copy_to_weights(self.params, values)
+            return
+        with torch.no_grad():  # ZeRO-3: this rank's partition of each (its fp32 slice may be on NVMe)
+            for name, value in values.items():
+                p: Any = self.params[name]
+                part = p.ds_tensor
+                start = dist.get_rank(p.ds_process_group) * part.numel()  # DeepSpeed's partitioning
+                flat = value.reshape(-1).to(torch.float32)
+                n = max(0, min(part.numel(), flat.numel() - start))  # the last partitions hold padding
+                part.data[:n].copy_(flat[start : start + n])
+                if p.data.numel() == p.ds_numel:  # held whole (persistent, or gathered)
+                    copy_to_weights({name: p}, {name: value})
+
+
+class _Zero3Weights(_EngineSource):
+    """ZeRO-3: the module's own weights, every parameter (frozen ones too), each rank's partition of
+    each in its ``ds_tensor`` (the model's dtype), grouped by the group that partitions it."""
+
+    def __init__(self, engine: Any, named: list[tuple[str, nn.Parameter]], model_parallel: frozenset[str]) -> None:
+        super().__init__(engine, named, model_parallel)
+        opt = self.opt
+        members: dict[tuple[int, torch.dtype], list[Any]] = {}
+        pgs = {}
+        for _, param in named:
+            p: Any = param  # a ZeRO-3 parameter: ds_tensor, ds_shape, ...
+            pg = opt._get_param_partition_group(p)
+            key = (id(pg), p.ds_tensor.dtype)
+            pgs[key] = pg
+            members.setdefault(key, []).append(p)
+        groups = []
+        for index, (key, params) in enumerate(members.items()):
+            names = [self.names[id(p)] for p in params]
+            groups.append(zero3_group(index, params, names, pgs[key], model_parallel, key[1], key[1]))
+            self.groups[index] = pgs[key]
+        self.members = list(members.values())
+        self.layout = StateLayout("deepspeed-zero3:weights", tuple(groups), tuple(n for n, _ in named))
+
+    def read(self) -> LocalGrads:
+        pieces = []
+        for group, params in zip(self.layout.groups, self.members):
+            parts = []
+            for slot, p in zip(group.params, params):
+                part = p.ds_tensor.data.view(-1)
+                if part.numel() != slot.slice_numel:  # e.g. swapped out to NVMe (offload_param)
+                    detail = f"{slot.name}: its partition holds {part.numel()} elements here, not {slot.slice_numel}"
+                    return LocalGrads(Problem.LAYOUT_CHANGED, [], detail=detail)
+                parts.append(part)
+            pieces.append(Pieces(parts))
+        return LocalGrads(Problem.OK, pieces)

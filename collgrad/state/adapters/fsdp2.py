@@ -41,20 +41,10 @@ from torch.distributed.tensor import DTensor, Shard
 from collgrad import _compat
 from collgrad.core.buffers import Pieces, SameTensors, flat_alias
 from collgrad.errors import InvalidArgumentError
+from collgrad.state.adapters.base import LocalGrads, Problem, Source, optimizer_states, per_element_state, rank_in
 from collgrad.state.cache import PlanCache
-from collgrad.state.adapters.base import (
-    FP32,
-    GRAD,
-    WEIGHTS,
-    LocalGrads,
-    Problem,
-    Source,
-    State,
-    optimizer_states,
-    per_element_state,
-    rank_in,
-)
-from collgrad.state.adapters.layout import GradGroup, GradLayout, Kind, ParamSlot, owned_fragments
+from collgrad.state.kinds import GRAD, WEIGHTS, OptimizerState, StateKind
+from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout, owned_fragments
 
 __all__ = ["is_fsdp2", "open_fsdp2", "shard_whole", "full_state_dict"]
 
@@ -69,9 +59,16 @@ def is_fsdp2(model: Any) -> bool:
 class FSDP2Source(Source):
     """Parameters grouped by the process group that shards them (FSDP's shard dimension of the mesh);
     each group SLICED over the parameter's local shape before FSDP (the tensor-parallel shard under
-    TP, else the whole parameter)."""
+    TP, else the whole parameter). ``kind``: the gradients' local shards; the sharded parameters
+    themselves (``FP32``: FSDP2 steps them, and with mixed precision they stay in their own dtype, only
+    the unsharded copies are cast; ``WEIGHTS``: frozen ones too); or one state of ``optimizer`` per
+    parameter (DTensors sharded as the parameters are)."""
 
-    def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
+    def __init__(
+        self, model: nn.Module, named: list[tuple[str, nn.Parameter]], kind: StateKind = GRAD, optimizer: Any = None
+    ) -> None:
+        self.kind = kind
+        self._optimizer = optimizer_states(optimizer, kind) if isinstance(kind, OptimizerState) else None
         self.model = model
         self.params = dict(named)
         # Where each parameter is registered: valid() checks these slots instead of walking
@@ -132,11 +129,12 @@ class FSDP2Source(Source):
                 offset += slice_numel
             dtype = self.params[params[0][0]].to_local().dtype
             groups.append(
-                GradGroup(index, Kind.SLICED, tuple(_compat.group_ranks(pg)), offset, dtype, dtype, tuple(slots))
+                LayoutGroup(
+                    index, Partitioning.SLICED, tuple(_compat.group_ranks(pg)), offset, dtype, dtype, tuple(slots)
+                )
             )
             self.groups[index] = pg
-        self.layout = GradLayout("fsdp2", tuple(groups), tuple(n for n, _ in named))
-        self.fingerprint = self.layout.fingerprint()
+        self.layout = StateLayout("fsdp2", tuple(groups), tuple(n for n, _ in named))
         self._accumulating = _accumulating_params(model)
         # Per group, per parameter: (name, elements this rank holds, padding to a full slice): pure layout.
         self._owned = []
@@ -147,20 +145,33 @@ class FSDP2Source(Source):
             )
 
     def valid(self) -> bool:
-        """Every parameter is still the one registered under its name, and still trainable."""
-        return all(m._parameters.get(a) is p and p.requires_grad for m, a, p in self._registered)
+        """Every parameter is still the one registered under its name, and still trainable (frozen ones
+        count too for the module's weights)."""
+        frozen_too = self.kind == WEIGHTS
+        return all(m._parameters.get(a) is p and (frozen_too or p.requires_grad) for m, a, p in self._registered)
 
     def release(self) -> None:
         super().release()
         self._held = None
 
     def read(self) -> LocalGrads:
+        if self.kind != GRAD:
+            return self._read_state()
         if any(self._accumulating()):
             return LocalGrads(Problem.NOT_BOUNDARY, [])
         grads = {name: p.grad for name, p in self.params.items()}
         if all(g is None for g in grads.values()):
             return LocalGrads(Problem.NO_BACKWARD, [])
         return self._held_or_read(grads)
+
+    def _read_state(self) -> LocalGrads:
+        """The sharded parameters, or their optimizer state: readable at any time outside the step."""
+        if self._optimizer is None:
+            return self._held_or_read(dict(self.params))
+        held, key = self._optimizer(), self.kind.key or ""
+        return self._held_or_read(
+            {name: per_element_state(held.get(p), key, p.numel(), name) for name, p in self.params.items()}
+        )
 
     def _held_or_read(self, grads: dict[str, Any]) -> LocalGrads:
         """The local shards of ``grads`` (DTensors by name, None where absent) as Pieces, kept while
@@ -242,34 +253,11 @@ def _accumulating_params(model: nn.Module):
     return accumulating
 
 
-class FSDP2State(FSDP2Source):
-    """The sharded parameters themselves (FSDP2 steps them: with mixed precision they stay in their own
-    dtype and only the unsharded copies are cast; ``WEIGHTS``: frozen ones too), or one state of
-    ``optimizer`` per parameter (DTensors sharded as the parameters are)."""
-
-    def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter]], state: State, optimizer: Any) -> None:
-        super().__init__(model, named)
-        self.state = state
-        self._optimizer = None if state in (FP32, WEIGHTS) else optimizer_states(optimizer, state)
-
-    def valid(self) -> bool:
-        if self.state != WEIGHTS:
-            return super().valid()
-        return all(m._parameters.get(a) is p for m, a, p in self._registered)  # frozen ones too
-
-    def read(self) -> LocalGrads:
-        if self._optimizer is None:
-            return self._held_or_read(dict(self.params))
-        held, key = self._optimizer(), self.state.key or ""
-        return self._held_or_read(
-            {name: per_element_state(held.get(p), key, p.numel(), name) for name, p in self.params.items()}
-        )
-
-
 def open_fsdp2(
-    model: nn.Module, named: list[tuple[str, nn.Parameter]], state: State = GRAD, optimizer: Any = None
+    model: nn.Module, named: list[tuple[str, nn.Parameter]], state: StateKind = GRAD, optimizer: Any = None
 ) -> Source:
-    return FSDP2Source(model, named) if state == GRAD else FSDP2State(model, named, state, optimizer)
+    """The Source of ``state`` of ``model``'s ``named`` parameters. Local: no communication."""
+    return FSDP2Source(model, named, state, optimizer)
 
 
 def shard_whole(model: nn.Module, device_type: str, world: int) -> nn.Module:

@@ -1,6 +1,10 @@
-"""Where every rank's share of each parameter's gradient lies: plain data, the same on every rank.
+"""Where every rank's share of each parameter lies, for any kind of state: plain data, the same on every
+rank, built once per source by its adapter and consumed by every reader, stream, writer, statistic,
+save and the drop-in. The kinds of state (collgrad/state/kinds.py: gradients, fp32 masters, optimizer
+states, module weights) lie as the parameters do, so one layout type serves them all; a group's wire
+dtype is the local tensors' of the kind the source reads.
 
-Three kinds of gradient group cover DeepSpeed's optimizers (docs/notes/deepspeed-gradient-layout.md)::
+Three partitionings cover DeepSpeed's optimizers and FSDP2 (docs/notes/deepspeed-gradient-layout.md)::
 
   PARTITIONED_FLAT (ZeRO-1/2): one flat buffer per optimizer param group, padded so that every rank
   owns an equal contiguous partition of P elements. Parameters may straddle partition edges.
@@ -15,7 +19,8 @@ Three kinds of gradient group cover DeepSpeed's optimizers (docs/notes/deepspeed
       rank r  | a_r a_r a_r | b_r b_r | c_r c_r c_r c_r |     offsets 0, 3, 5 on every rank
       a       = a_0 + a_1 + ... (concatenated), cut to a.numel
 
-  REPLICATED (BF16_Optimizer, no ZeRO): every rank already holds every full, reduced gradient.
+  REPLICATED (BF16_Optimizer, no ZeRO, a plain module, weights below ZeRO-3): every rank already
+  holds every parameter's state whole.
 
 A rank's local buffer for a group is one contiguous tensor of P elements (PARTITIONED_FLAT,
 SLICED) in the group's wire dtype. Nothing here touches a process group.
@@ -24,6 +29,7 @@ SLICED) in the group's wire dtype. Nothing here touches a process group.
 from __future__ import annotations
 
 import bisect
+import functools
 import zlib
 from dataclasses import dataclass
 
@@ -32,10 +38,10 @@ import torch
 from collgrad.backends.ops import ValueEnum
 
 __all__ = [
-    "Kind",
+    "Partitioning",
     "ParamSlot",
-    "GradGroup",
-    "GradLayout",
+    "LayoutGroup",
+    "StateLayout",
     "Fragment",
     "owned_fragments",
     "Run",
@@ -44,7 +50,7 @@ __all__ = [
 ]
 
 
-class Kind(ValueEnum):
+class Partitioning(ValueEnum):
     PARTITIONED_FLAT = "partitioned_flat"
     SLICED = "sliced"
     REPLICATED = "replicated"
@@ -64,9 +70,9 @@ class ParamSlot:
 
 
 @dataclass(frozen=True)
-class GradGroup:
+class LayoutGroup:
     index: int
-    kind: Kind
+    kind: Partitioning
     group_ranks: tuple[int, ...]  # global ranks of the group the partitions are spread over
     partition_numel: int  # P: elements of every rank's local buffer
     wire_dtype: torch.dtype  # dtype of the local buffers
@@ -79,16 +85,20 @@ class GradGroup:
 
 
 @dataclass(frozen=True)
-class GradLayout:
+class StateLayout:
     """Every group, and the result order (``engine.module.named_parameters()`` order)."""
 
     variant: str
-    groups: tuple[GradGroup, ...]
+    groups: tuple[LayoutGroup, ...]
     order: tuple[str, ...]
 
     def fingerprint(self) -> int:
         """A number that differs when names, shapes, dtypes, groups or offsets differ; ranks compare it
-        before moving any data (a mismatch would otherwise scramble results or hang)."""
+        before moving any data (a mismatch would otherwise scramble results or hang). Computed once."""
+        return self._fingerprint
+
+    @functools.cached_property
+    def _fingerprint(self) -> int:
         # Group sizes, not members: expert-parallel ranks legitimately sit in different expert groups.
         text = repr(
             (
@@ -114,17 +124,17 @@ class Fragment:
     numel: int
 
 
-def owned_fragments(group: GradGroup, rank_in_group: int) -> tuple[Fragment, ...]:
+def owned_fragments(group: LayoutGroup, rank_in_group: int) -> tuple[Fragment, ...]:
     """The parts of each parameter this rank holds (padding excluded). Over all ranks, every element
     of every parameter is held exactly once."""
     out = []
-    if group.kind is Kind.PARTITIONED_FLAT:
+    if group.kind is Partitioning.PARTITIONED_FLAT:
         lo, hi = rank_in_group * group.partition_numel, (rank_in_group + 1) * group.partition_numel
         for k, p in enumerate(group.params):
             start, end = max(p.offset, lo), min(p.offset + p.numel, hi)
             if start < end:
                 out.append(Fragment(k, start - p.offset, start - lo, end - start))
-    elif group.kind is Kind.SLICED:
+    elif group.kind is Partitioning.SLICED:
         for k, p in enumerate(group.params):
             start = rank_in_group * p.slice_numel
             numel = min(p.slice_numel, p.numel - start)
@@ -185,7 +195,7 @@ def strided_runs(frags: tuple[Fragment, ...], candidates: int = 8) -> tuple[Run,
     return tuple(sorted(runs, key=lambda r: r.local_offset))
 
 
-def gathered_runs(group: GradGroup, placements: list[list[tuple[int, int, int]]]) -> list[list[tuple[int, int]]]:
+def gathered_runs(group: LayoutGroup, placements: list[list[tuple[int, int, int]]]) -> list[list[tuple[int, int]]]:
     """Where each parameter of a PARTITIONED_FLAT group lies in the gather of every rank's partition as
     it lies in memory: per parameter, its (offset, numel) runs in the gathered buffer, in order.
     ``placements[r]``: rank r's pieces as (offset in its partition, offset in what it sent, numel)."""
