@@ -20,6 +20,7 @@ from collgrad.core.record import BucketRecord, CallRecord
 from collgrad.errors import (
     AgreementError,
     ArgumentMismatchError,
+    CheckpointError,
     CollgradError,
     CollgradTimeoutError,
     InvalidArgumentError,
@@ -39,12 +40,14 @@ from collgrad.state import (
     FullStateStream,
     GradStat,
     GradStats,
+    LoadedModel,
     PreStepHook,
     SavedModel,
     StateRecord,
     iter_full_model_fp32_params,
     iter_full_model_grads,
     iter_full_model_optimizer_states,
+    load_full_model,
     register_pre_step_hook,
     safe_get_full_model_fp32_params,
     safe_get_full_model_grad_stats,
@@ -74,8 +77,9 @@ __all__ = [
     "safe_get_full_model_optimizer_states",
     "iter_full_model_optimizer_states",
     "safe_set_full_model_optimizer_states",
-    # Consolidated checkpoints
+    # Consolidated checkpoints: written, and read back into any layout
     "save_full_model",
+    "load_full_model",
     # What those calls return
     "FullState",
     "FullGrads",
@@ -85,6 +89,7 @@ __all__ = [
     "GradStat",
     "PreStepHook",
     "SavedModel",
+    "LoadedModel",
     # Coalesced collectives
     "all_reduce_coalesced",
     "all_gather_coalesced",
@@ -106,6 +111,7 @@ __all__ = [
     "PreStepHookError",
     "RankFailedError",
     "CollgradTimeoutError",
+    "CheckpointError",
     "NoBackendError",
     "NoPrimitiveError",
     "AgreementError",

@@ -15,6 +15,7 @@ ranks waiting in a collective while others have already failed::
       AgreementError            the ranks disagree on something they must share (backend, device)
       NoPrimitiveError          no primitive can carry a bucket on every rank
       CollgradTimeoutError (also TimeoutError)   a bounded wait ran out (see collgrad/backends/waits.py)
+      CheckpointError (also ValueError)   a checkpoint file refused: its header, index or contents
       PreStepHookError          a pre-step hook raised on another rank: the step was not taken
       RankFailedError           another rank failed inside the call after the ranks had agreed to go on
       NotInitializedError       no process group yet (init_process_group not called, no launcher found)
@@ -34,6 +35,7 @@ __all__ = [
     "AgreementError",
     "NoPrimitiveError",
     "CollgradTimeoutError",
+    "CheckpointError",
     "PreStepHookError",
     "RankFailedError",
     "NotInitializedError",
@@ -93,6 +95,12 @@ class NoPrimitiveError(CollgradError):
 
 class CollgradTimeoutError(CollgradError, TimeoutError):
     """A collective did not complete within collgrad's bounded wait (see collgrad/backends/waits.py)."""
+
+
+class CheckpointError(CollgradError, ValueError):
+    """A checkpoint refused before anything was changed: a file missing, truncated or malformed, a header
+    that disagrees with its file or index, a shard outside the checkpoint's directory, or names and
+    shapes that do not match the model. The message names the file and the reason."""
 
 
 class PreStepHookError(CollgradError):

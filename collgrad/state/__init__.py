@@ -20,12 +20,16 @@ write.py         safe_set_full_model_grads, safe_update_full_model_grads
 stats.py         safe_get_full_model_grad_stats: per-parameter statistics without any full gradient
                  (stat_blocks.py: pure blocks; stat_reduce.py: this rank's reductions)
 save.py          save_full_model: a consolidated checkpoint streamed into safetensors shards (shards.py)
+load.py          load_full_model: a checkpoint read back where the model keeps it, each rank its own
+                 bytes (files.py: safetensors headers and indexes checked as untrusted input)
+outcome.py       a phase of a file-writing or -reading call agreed by every rank
 hook.py          register_pre_step_hook: a function run inside DeepSpeed's fused step(), where they are valid
 record.py        what a call did
 """
 
 from collgrad.state.hook import PreStepHook, register_pre_step_hook
 from collgrad.state.kinds import FP32, GRAD, WEIGHTS, OptimizerState, StateKind
+from collgrad.state.load import LoadedModel, load_full_model
 from collgrad.state.read import FullGrads, FullState, FullStateStream, iter_full_model_grads, safe_get_full_model_grads
 from collgrad.state.record import GroupRecord, StateRecord
 from collgrad.state.save import SavedModel, save_full_model
@@ -54,6 +58,7 @@ __all__ = [
     "iter_full_model_optimizer_states",
     "safe_set_full_model_optimizer_states",
     "save_full_model",
+    "load_full_model",
     "FullState",
     "FullGrads",
     "FullStateStream",
@@ -63,6 +68,7 @@ __all__ = [
     "GradStat",
     "PreStepHook",
     "SavedModel",
+    "LoadedModel",
     "StateKind",
     "OptimizerState",
     "GRAD",

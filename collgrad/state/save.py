@@ -24,15 +24,15 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
-from collgrad.backends import agreement
 from collgrad.backends.agreement import stable_hash
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
-from collgrad.errors import ArgumentMismatchError, CollgradError, InvalidArgumentError, RankFailedError
+from collgrad.errors import InvalidArgumentError
 from collgrad.state import adapters
 from collgrad.state.adapters.base import select
 from collgrad.state.call import OpenCall
 from collgrad.state.kinds import FP32, WEIGHTS, StateKind
 from collgrad.state.layout import Partitioning
+from collgrad.state.outcome import agree_outcome
 from collgrad.state.read import FullStateStream
 from collgrad.state.record import StateRecord
 from collgrad.state.shards import SAFE_DTYPES, Entry, Shard, ShardFiles, plan_shards, shard_name
@@ -223,7 +223,7 @@ def _entries(calls: list[Opened], module: nn.Module, dtype: torch.dtype | None, 
                 kept = params[slot.name].dtype if state == WEIGHTS and _whole_here(call) else group.out_dtype
                 out.append(Entry(slot.name, slot.shape, dtype or kept))
     if names is None:
-        for name, buffer in _persistent_buffers(module):
+        for name, buffer in persistent_buffers(module):
             written = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
             out.append(Entry(name, tuple(buffer.shape), written))
     return out
@@ -241,10 +241,10 @@ def _tensors(
         streams.append(FullStateStream(call, copy=False))
         yield from streams[-1]
     if names is None:
-        yield from _persistent_buffers(module)
+        yield from persistent_buffers(module)
 
 
-def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The buffers ``state_dict`` holds (persistent ones), each once, in module order."""
     seen: set[int] = set()
     for prefix, sub in module.named_modules():
@@ -306,24 +306,7 @@ def _agree(
 ) -> None:
     """Every rank learns whether any rank failed to ``what`` (and, with ``arguments``, whether every rank
     passed the same): this rank raises its own failure, the others RankFailedError naming it."""
-    code = 0 if error is None else (getattr(error, "errno", None) or 255)
-    rows = [[code, arguments]]
-    ranks = [me]
-    if group is not None:
-        rows = agreement.exchange(group, [code, arguments], timeout_s=timeout_s, what=f"save_full_model: {what}")
-        ranks = list(_compat.group_ranks(group))
-    if error is not None:
-        if isinstance(error, CollgradError):
-            raise error
-        raise CollgradError(f"rank {me}: save_full_model could not {what}: {error}") from error
-    failed = [(r, row[0]) for r, row in zip(ranks, rows) if row[0]]
-    if failed:
-        rank, code = failed[0]
-        cause = os.strerror(code) if code != 255 else "see that rank's error"
-        raise RankFailedError(f"rank {rank} could not {what} ({cause}) [seen by rank {me}]")
-    if len({row[1] for row in rows}) > 1:
-        raise ArgumentMismatchError(
-            f"ranks passed different arguments to save_full_model (directory, dtype, max_shard_bytes, ranks or "
-            f"params) [seen by rank {me}]: pass the same on every rank",
-            ("arguments",),
-        )
+    compared = "arguments (directory, dtype, max_shard_bytes, ranks or params)"
+    agree_outcome(
+        group, me, error, call="save_full_model", what=what, timeout_s=timeout_s, arguments=arguments, compared=compared
+    )

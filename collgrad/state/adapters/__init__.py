@@ -88,6 +88,17 @@ class Model:
             return fsdp2.open_fsdp2(self.module, select(self.module, params, trainable=trainable), kind, optimizer)
         return _plain(self.module, None if params is None else list(params), kind, optimizer)
 
+    def load_kinds(self) -> tuple[StateKind, ...]:
+        """The kinds of state a load writes: the module's weights, and the fp32 master weights where an
+        optimizer keeps its own (a DeepSpeed engine's ZeRO and bf16 optimizers); FSDP2 and a plain module
+        step their parameters themselves. InvalidArgumentError (this rank) where collgrad cannot write
+        the masters. Local."""
+        if self.engine is None:
+            return (WEIGHTS,)
+        from collgrad.state.adapters import deepspeed as ds_adapter
+
+        return ds_adapter.load_kinds(self.engine)
+
     def hook_step(self, run: Callable[[Any], None]) -> Callable[[], None]:
         """Have ``run(engine)`` called inside this model's fused step (a DeepSpeed engine's ``step()``, at
         each accumulation boundary, before clipping and the update); returns the function that undoes

@@ -245,6 +245,11 @@ class Source:
     def _write_full(self, k: int, slot: ParamSlot, targets: Sequence[Any], value: torch.Tensor) -> None:
         targets[k].copy_(value.reshape(targets[k].shape))
 
+    def held_whole(self) -> dict[str, torch.Tensor]:
+        """Tensors this rank holds whole besides its part in the layout (ZeRO-3's persistent parameters),
+        by name: a load writes them whole too. Local."""
+        return {}
+
     def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
         """Bring state the optimizer derived from the gradients up to date with what was written."""
 

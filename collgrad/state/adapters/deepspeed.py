@@ -72,6 +72,7 @@ from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLay
 
 __all__ = [
     "engine_of",
+    "load_kinds",
     "find_engine",
     "refuse_unfound",
     "accessor_module",
@@ -207,6 +208,21 @@ def _loss_scale(engine: DeepSpeedEngine) -> float:
     if scale is None:
         scale = getattr(opt, "cur_scale", 1.0)
     return float(scale)
+
+
+def load_kinds(engine: DeepSpeedEngine) -> tuple[StateKind, ...]:
+    """What a load writes into ``engine``: the module's weights, and the fp32 master weights where the
+    optimizer keeps its own (ZeRO-1/2/3, BF16_Optimizer); a torch optimizer at stage 0 steps the
+    module's weights themselves. InvalidArgumentError (this rank) for masters collgrad cannot write."""
+    opt = engine.optimizer
+    if type(opt).__name__ in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer"):
+        return (WEIGHTS, FP32)
+    if opt is None or isinstance(opt, torch.optim.Optimizer):
+        return (WEIGHTS,)
+    raise InvalidArgumentError(
+        f"rank {_compat.rank()}: {type(opt).__name__} keeps fp32 master weights collgrad cannot write: load the "
+        "weights into the module before deepspeed.initialize"
+    )
 
 
 def model_parallel_names(named: list[tuple[str, nn.Parameter]]) -> frozenset[str]:
@@ -744,6 +760,11 @@ class _Zero3Weights(_EngineSource):
             self.groups[index] = pgs[key]
         self.members = list(members.values())
         self.layout = StateLayout("deepspeed-zero3:weights", tuple(groups), tuple(n for n, _ in named))
+
+    def held_whole(self) -> dict[str, torch.Tensor]:
+        """Parameters ZeRO-3 keeps gathered (persistent ones, below ``stage3_param_persistence_threshold``):
+        their ``data`` is the whole parameter beside the partition."""
+        return {self.names[id(p)]: p.data for group in self.members for p in group if p.data.numel() == p.ds_numel}
 
     def read(self) -> LocalGrads:
         pieces = []

@@ -1,0 +1,321 @@
+"""``load_full_model``: a checkpoint's tensors put back where the model keeps them, each rank reading only
+the bytes it holds, with no collective carrying a weight.
+
+    check    every rank: the model resolved, the sources of what a load writes opened (the module's
+             weights; the fp32 masters where an optimizer keeps its own), every header and the index
+             checked (files.py), names and shapes matched with the model's state_dict
+             -> one agreement: a refusal on any rank raises on every rank, before any value changes
+    plan     per source, this rank's fragments of each tensor (the layout's owned_fragments), each a
+             range of one file; what a rank holds whole (replicated weights, ZeRO-3's persistent
+             parameters, buffers) one range of the whole tensor
+    execute  each range read from its file straight into a buffer of its own size and copied into
+             place (converted to the target's dtype): one read buffer at a time
+    agree    one more agreement: an I/O error on any rank raises on every rank
+
+dtypes: a 16-bit file into fp32 masters is an exact upcast; the module's weights get the file's values
+in their own dtype, as the step's cast of the masters would give them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from collgrad import _compat
+from collgrad.backends.agreement import stable_hash
+from collgrad.core.buffers import Pieces
+from collgrad.core.dispatch import Dispatcher, default_dispatcher
+from collgrad.errors import CheckpointError, CollgradError, InvalidArgumentError, LayoutChangedError
+from collgrad.state import adapters
+from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in, select
+from collgrad.state.call import source_of
+from collgrad.state.files import Checkpoint, Stored, open_checkpoint, read_range
+from collgrad.state.kinds import FP32
+from collgrad.state.layout import Partitioning, owned_fragments
+from collgrad.state.outcome import agree_outcome
+from collgrad.state.save import persistent_buffers
+
+__all__ = ["load_full_model", "LoadedModel"]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What ``load_full_model`` did, on this rank."""
+
+    path: str
+    files: tuple[str, ...]
+    #: tensors of the checkpoint loaded (a tied weight once)
+    tensors: int
+    #: data bytes this rank read (headers apart)
+    bytes_read: int
+    #: header and index bytes this rank read
+    header_bytes: int
+    seconds: float
+    #: ``strict=False``: the model's keys the checkpoint lacks, and the checkpoint's the model lacks
+    missing_keys: tuple[str, ...] = ()
+    unexpected_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Matched:
+    """The checkpoint's tensor for each name the model keeps (by the model's name), and what did not match."""
+
+    stored: Mapping[str, Stored]
+    buffers: Mapping[str, torch.Tensor]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+
+def load_full_model(
+    model: object,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    params: Iterable[str | torch.Tensor] | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> LoadedModel:
+    """Load the safetensors checkpoint at ``path`` (a directory holding ``model.safetensors`` or
+    ``model.safetensors.index.json`` and its shards, as ``save_pretrained`` and ``save_full_model``
+    write them, or one ``.safetensors`` file) into ``model``: its module's weights (the replicated copy
+    under ZeRO-0/1/2, each rank's partitions under ZeRO-3, FSDP2's local shards; frozen parameters and
+    persistent buffers too) and the fp32 master weights, so that the next forward and the next step
+    both start from the file. Optimizer states are left as they are. Names are the module's
+    ``state_dict()`` names; a tied weight is found under any of its names.
+
+    Each rank reads only the bytes of the parts it holds (ZeRO-3 partitions, FSDP2 shards, ZeRO-1/2
+    master partitions), straight from the files; what it holds whole (ZeRO-0/1/2's replicated weights,
+    ZeRO-3's persistent parameters, buffers) it reads whole. No collective carries a weight, only two
+    small agreements.
+
+    ``strict=True``: a key the model has and the checkpoint lacks, or the other way round, raises
+    CheckpointError naming them; ``strict=False`` loads what matches and returns ``missing_keys`` and
+    ``unexpected_keys``. A shape that differs raises either way. ``params``: only these parameters
+    (names or tensors), and then no buffers. Files are untrusted: every header is checked against its
+    file and the index before anything is read; any refusal raises on every rank and leaves the model
+    exactly as it was. An I/O error while reading raises on every rank too.
+
+    When and where: on every rank of the model's data-parallel group, with the same arguments, outside
+    ``forward()``/``step()``. Returns a ``LoadedModel``.
+    """
+    start = time.perf_counter()
+    dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
+    error: BaseException | None = None
+    resolved: adapters.Model | None = None
+    try:
+        resolved = adapters.resolve(model)
+    except InvalidArgumentError as caught:
+        error = caught
+    group = resolved.control_group if resolved is not None else _compat.default_group_or_none()
+    me = torch.distributed.get_rank() if group is not None else 0
+    opened: list[tuple[Source, LocalGrads]] = []
+    checkpoint: Checkpoint | None = None
+    matched: _Matched | None = None
+    names: list[str] | None = None
+    try:
+        if resolved is not None:
+            names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
+            opened = _sources(resolved, names)
+            checkpoint = open_checkpoint(path)
+            matched = _match(resolved.module, opened[0][0], checkpoint, names, strict)
+    except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
+        error = caught
+    # what every rank must share: its arguments, and the checkpoint as it sees it (names, dtypes, shapes)
+    seen = None if matched is None else sorted((n, str(s.dtype), s.shape) for n, s in matched.stored.items())
+    agree_outcome(
+        group,
+        me,
+        error,
+        call="load_full_model",
+        what="check the checkpoint against the model",
+        timeout_s=dispatcher.timeout,
+        arguments=stable_hash((os.fspath(path), strict, names, seen)),
+        compared="arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes)",
+    )
+    assert checkpoint is not None and matched is not None  # else an agreement raised
+    targets: dict[str, list[Target]] = {}
+    for source, local in opened:
+        _targets(source, local, matched.stored, targets)
+    for name, buffer in matched.buffers.items():
+        targets[name] = [(0, buffer.numel(), copy_into(buffer))]
+    reader = _Reader()
+    try:
+        with torch.no_grad():
+            _write(targets, matched.stored, reader)
+    except (OSError, CollgradError) as caught:
+        error = caught
+    finally:
+        reader.close()
+    what = "read its part of the checkpoint"
+    agree_outcome(group, me, error, call="load_full_model", what=what, timeout_s=dispatcher.timeout)
+    files = tuple(sorted({s.file for s in matched.stored.values()}))
+    return LoadedModel(
+        os.fspath(path),
+        files,
+        len(matched.stored),
+        reader.bytes_read,
+        checkpoint.header_bytes,
+        time.perf_counter() - start,
+        matched.missing,
+        matched.unexpected,
+    )
+
+
+def _sources(model: adapters.Model, names: list[str] | None) -> list[tuple[Source, LocalGrads]]:
+    """The sources a load writes, each with this rank's view of its local tensors, module weights first
+    (every parameter), then the fp32 masters of the trainable ones where the optimizer keeps its own."""
+    out = []
+    for kind in model.load_kinds():
+        selected = names
+        if kind == FP32:  # the masters of the trainable parameters only
+            selected = [n for n, p in select(model.module, names, trainable=False) if p.requires_grad]
+            if not selected:
+                continue
+        source = source_of(model, kind, params=selected)[0]
+        local = source.read()
+        if local.problem is not Problem.OK:
+            raise LayoutChangedError(
+                f"rank {_compat.rank()}: the {kind.describe()} cannot be written here ({local.problem.describe()}"
+                f"{'; ' + local.detail if local.detail else ''}); nothing was loaded"
+            )
+        out.append((source, local))
+    return out
+
+
+def _match(
+    module: nn.Module, weights: Source, checkpoint: Checkpoint, names: list[str] | None, strict: bool
+) -> _Matched:
+    """The checkpoint's tensor of every parameter ``weights`` (the module's weights' source) holds and
+    of every persistent buffer, a tied weight found under any of its names; CheckpointError (this rank)
+    for a shape that differs, or with ``strict`` for keys on one side only."""
+    aliases: dict[str, list[str]] = {}
+    canonical: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(canonical.setdefault(id(p), name), []).append(name)
+    shapes = {slot.name: slot.shape for group in weights.layout.groups for slot in group.params}
+    buffers = dict(persistent_buffers(module)) if names is None else {}
+    for name, buffer in buffers.items():
+        shapes[name], aliases[name] = tuple(buffer.shape), [name]
+    stored, missing, wrong = {}, [], []
+    for name, shape in shapes.items():
+        found = next((checkpoint.tensors[a] for a in aliases.get(name, [name]) if a in checkpoint.tensors), None)
+        if found is None:
+            missing.append(name)
+        elif found.shape != shape:
+            wrong.append(f"{name}: {list(found.shape)} in the checkpoint, {list(shape)} in the model")
+        else:
+            stored[name] = found
+    known = {a for name in shapes for a in aliases.get(name, [name])}
+    unexpected = [] if names is not None else [n for n in checkpoint.tensors if n not in known]
+    where = checkpoint.directory
+    if wrong:
+        raise CheckpointError(f"rank {_compat.rank()}: {where}: shapes differ from the model's: {_listed(wrong)}")
+    if strict and (missing or unexpected):
+        parts = [f"missing from the checkpoint: {_listed(missing)}"] if missing else []
+        parts += [f"not in the model: {_listed(unexpected)}"] if unexpected else []
+        raise CheckpointError(
+            f"rank {_compat.rank()}: {where}: the checkpoint does not match the model ({'; '.join(parts)}); pass "
+            "strict=False to load what matches"
+        )
+    return _Matched(stored, {n: b for n, b in buffers.items() if n in stored}, tuple(missing), tuple(unexpected))
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def copy_into(tensor: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """The write of a whole tensor's values into ``tensor``."""
+
+    def write(values: torch.Tensor) -> None:
+        tensor.copy_(values.reshape(tensor.shape))
+
+    return write
+
+
+#: Where one range of a tensor goes: its first element (flat), its elements, and the write that puts
+#: them in place (converting to the target's dtype).
+Target = tuple[int, int, Callable[[torch.Tensor], None]]
+
+
+def _targets(source: Source, local: LocalGrads, stored: Mapping[str, Stored], out: dict[str, list[Target]]) -> None:
+    """Every place this rank keeps a tensor of ``source`` the checkpoint holds, added to ``out`` by name:
+    its fragments of each partitioned one (the layout's owned_fragments), what it holds whole. Local."""
+
+    if source.accessor_set is not None:  # a layout collgrad does not read: DeepSpeed's local setter
+        setter = source.accessor_set
+        for name, param in source.params.items():
+            if name in stored:
+                shape = stored[name].shape
+
+                def put(
+                    values: torch.Tensor, param: torch.nn.Parameter = param, shape: tuple[int, ...] = shape
+                ) -> None:
+                    setter(param, values.reshape(shape).to(torch.float32))
+
+                out.setdefault(name, []).append((0, stored[name].numel, put))
+        return
+    for position, group in enumerate(source.layout.groups):
+        buffer = local.buffers[position]
+        if group.kind is Partitioning.REPLICATED:
+            for k, slot in enumerate(group.params):
+                if slot.name in stored:
+                    out.setdefault(slot.name, []).append((0, slot.numel, copy_into(buffer[k])))
+            continue
+        assert isinstance(buffer, Pieces)
+        for fragment in owned_fragments(group, rank_in(group)):
+            name = group.params[fragment.param].name
+            if fragment.numel and name in stored:
+
+                def write(values: torch.Tensor, at: int = fragment.local_offset, pieces: Pieces = buffer) -> None:
+                    pieces.write(at, values)
+
+                out.setdefault(name, []).append((fragment.param_offset, fragment.numel, write))
+    for name, tensor in source.held_whole().items():
+        if name in stored:
+            out.setdefault(name, []).append((0, tensor.numel(), copy_into(tensor)))
+
+
+def reads(targets: Sequence[tuple[int, int]], numel: int) -> tuple[tuple[int, int], ...]:
+    """The ranges to read of a tensor of ``numel`` elements for ``targets`` (first element, elements):
+    the whole tensor once where any target wants it whole, else each distinct range once. Pure."""
+    if any(lo == 0 and n == numel for lo, n in targets):
+        return ((0, numel),)
+    return tuple(sorted(set(targets)))
+
+
+def _write(targets: Mapping[str, list[Target]], stored: Mapping[str, Stored], reader: _Reader) -> None:
+    """Each tensor's ranges read once and written to every place that wants them. Local."""
+    for name, wanted in targets.items():
+        for lo, numel in reads([(a, n) for a, n, _ in wanted], stored[name].numel):
+            values = reader.range(stored[name], lo, numel)
+            for at, n, write in wanted:
+                if lo <= at and at + n <= lo + numel:
+                    write(values[at - lo : at - lo + n])
+            del values  # one read buffer at a time
+
+
+class _Reader:
+    """The checkpoint's files opened once each; each range read into a buffer of its own."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self.bytes_read = 0
+
+    def range(self, stored: Stored, lo: int, numel: int) -> torch.Tensor:
+        """Elements ``[lo, lo + numel)`` of ``stored``, flat, in its dtype (OSError where reading fails)."""
+        fd = self._fds.get(stored.file)
+        if fd is None:
+            fd = self._fds[stored.file] = os.open(stored.file, os.O_RDONLY)
+        out = torch.empty(numel, dtype=stored.dtype)
+        self.bytes_read += read_range(fd, stored, lo, out)
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,57 @@
+"""The outcome of one phase of a call that writes or reads files, agreed by every rank: each rank tells
+whether it failed (an errno, or 255 for any other error) and a hash of its arguments, in one small
+all-gather over the model's group; then every rank raises together, or all go on.
+
+    rank r:  [code, arguments]  ->  all-gather  ->  this rank failed?   its own error
+                                                   another failed?     RankFailedError naming it
+                                                   arguments differ?   ArgumentMismatchError
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch.distributed import ProcessGroup
+
+from collgrad import _compat
+from collgrad.backends import agreement
+from collgrad.errors import ArgumentMismatchError, CollgradError, RankFailedError
+
+__all__ = ["agree_outcome"]
+
+
+def agree_outcome(
+    group: ProcessGroup | None,
+    me: int,
+    error: BaseException | None,
+    *,
+    call: str,
+    what: str,
+    timeout_s: float,
+    arguments: int = 0,
+    compared: str = "arguments",
+) -> None:
+    """Every rank of ``group`` learns whether any rank failed to ``what`` (and, with ``arguments``,
+    whether every rank passed the same ``compared``): this rank raises its own failure (a CollgradError
+    as it is, anything else wrapped in one naming ``call``), the others RankFailedError naming it.
+    Collective over ``group`` (None: this process alone)."""
+    code = 0 if error is None else (getattr(error, "errno", None) or 255)
+    rows = [[code, arguments]]
+    ranks = [me]
+    if group is not None:
+        rows = agreement.exchange(group, [code, arguments], timeout_s=timeout_s, what=f"{call}: {what}")
+        ranks = list(_compat.group_ranks(group))
+    if error is not None:
+        if isinstance(error, CollgradError):
+            raise error
+        raise CollgradError(f"rank {me}: {call} could not {what}: {error}") from error
+    failed = [(r, row[0]) for r, row in zip(ranks, rows) if row[0]]
+    if failed:
+        rank, code = failed[0]
+        cause = os.strerror(code) if code != 255 else "see that rank's error"
+        raise RankFailedError(f"rank {rank} could not {what} ({cause}) [seen by rank {me}]")
+    if len({row[1] for row in rows}) > 1:
+        raise ArgumentMismatchError(
+            f"ranks passed different {compared} to {call} [seen by rank {me}]: pass the same on every rank",
+            ("arguments",),
+        )
