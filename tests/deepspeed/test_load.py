@@ -98,7 +98,15 @@ def _worker(rank, world, root):
         save_file(file, single)
     collgrad.save_full_model(source, sharded, max_shard_bytes=SHARD)  # a plain module: rank 0 writes
     torch.distributed.barrier()
-    out = {}
+    plain = _model()  # a plain module (replicated, as under DDP): every rank reads every tensor whole
+    loaded = collgrad.load_full_model(plain, sharded)
+    out = {
+        "plain": {
+            "equal": _same({k: v for k, v in plain.state_dict().items() if k != "tied_out.weight"}, file),
+            "tied": plain.tied_out.weight is plain.tied_in.weight,
+            "bytes_read": loaded.bytes_read,
+        }
+    }
     for name, (stage, dtype, offload) in CONFIGS.items():
         eng = models.engine(_config(stage, dtype, offload), _model())
         path = single if name.startswith("zero2") else sharded
@@ -273,6 +281,13 @@ def test_no_collective_carries_a_weight(results, config):
     for res in per_rank:
         data, agreements = res[config]["calls"]
         assert data == 0 and agreements == 2, (config, data, agreements)
+
+
+def test_a_plain_module_loads_whole_on_every_rank(results):
+    _, per_rank = results
+    total = sum(t.numel() * t.element_size() for k, t in _pretrained().state_dict().items() if k != "tied_out.weight")
+    for res in per_rank:
+        assert res["plain"] == {"equal": True, "tied": True, "bytes_read": total}
 
 
 def test_each_rank_reads_only_its_share_under_zero3(results):

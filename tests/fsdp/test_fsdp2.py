@@ -216,6 +216,7 @@ def _worker(rank: int, world: int, hsdp: bool, root: str):
         # the rest of the training state after an Adam step: the sharded parameters and Adam's moments
         entry["state"] = _state_read(model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad]))
         entry["saved"] = _saved(model, f"{root}/{name}", rank)
+        entry["loaded"] = _loaded(model, f"{root}/{name}", mesh, nested, mp)
         # misuse: an unreduced micro-step, and after zero_grad()
         model.set_requires_gradient_sync(False)
         nn.functional.mse_loss(model(x).float(), y).backward()
@@ -312,6 +313,26 @@ def _saved(model: nn.Module, directory: str, rank: int) -> dict:
     return out
 
 
+def _loaded(model: nn.Module, directory: str, mesh, nested: bool, mp) -> dict:
+    """What save_full_model wrote of ``model`` loaded into a fresh model sharded the same way: its shards
+    bitwise ``model``'s (``full_tensor()``), each rank reading only its rows, no collective of data."""
+    import collgrad
+    from tests.counting import count_collectives
+
+    fresh = _shard(Net(), mesh, nested, mp)
+    with count_collectives() as seen:
+        loaded = collgrad.load_full_model(fresh, directory)
+    theirs = {n: p.full_tensor() for n, p in model.named_parameters()}
+    ours = {n: p.full_tensor() for n, p in fresh.named_parameters()}
+    total = sum(t.numel() * t.element_size() for t in theirs.values())
+    return {
+        "equal": list(ours) == list(theirs) and all(torch.equal(ours[n], theirs[n]) for n in theirs),
+        "calls": (seen.data, seen.agreements),
+        "share": loaded.bytes_read / total,
+        "tensors": loaded.tensors,
+    }
+
+
 @pytest.fixture(scope="module", params=[(2, False), (3, False), (4, True)], ids=["world2", "world3", "hsdp2x2"])
 def results(request, tmp_path_factory):
     world, hsdp = request.param
@@ -406,3 +427,14 @@ def test_save_full_model_equals_fsdp2_full_state_dict(results):
         assert e["saved"]["files"] > 2 and e["saved"]["calls"] == 1, (variant, e["saved"])  # one bucket
         if rank == 0:
             assert e["saved"]["equal"], variant
+
+
+def test_load_full_model_puts_each_shard_back_reading_only_its_rows(results):
+    world, hsdp, _ = results
+    shards = world // 2 if hsdp else world
+    for _world, _hsdp, _rank, variant, e in _entries(results):
+        loaded = e["loaded"]
+        assert loaded["equal"] and loaded["calls"] == (0, 2) and loaded["tensors"] == 13, (variant, loaded)
+        # dim-0 rows, uneven: about 1/shards of the bytes (a parameter of fewer rows than ranks read whole
+        # by the ranks that hold its rows, none by the others)
+        assert loaded["share"] < 1.5 / shards, (variant, loaded)

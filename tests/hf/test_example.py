@@ -1,4 +1,4 @@
-"""The examples run as written: the README's Trainer example writes its chart; examples/ema_and_save.py
+"""The examples run as written: the Trainer example writes its chart; examples/ema_and_save.py
 keeps an EMA of the fp32 master weights per ZeRO-3 partition, saves it, and AutoModelForCausalLM loads
 it: bitwise the EMA of the whole weights gathered every step (--check)."""
 
@@ -46,3 +46,13 @@ def test_ema_example_saves_a_model_transformers_loads(tmp_path):
     stdout = _run(tmp_path, "ema_and_save.py", "--out", str(out), "--steps", "3", "--check")
     assert "from_pretrained loads the EMA model: True; equal to the EMA of the gathered weights: True" in stdout
     assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+
+
+def test_load_pretrained_example_loads_each_rank_its_own_bytes(tmp_path):
+    stdout = _run(tmp_path, "load_pretrained.py", "--out", str(tmp_path / "gpt2-tiny"))
+    lines = stdout.splitlines()
+    total = int(next(line for line in lines if line.startswith("save_pretrained wrote")).split()[-2])
+    read = [int(line.split()[4]) for line in lines if " rank " in line and "read" in line]
+    equal = [line for line in lines if "logits equal to from_pretrained's" in line]
+    assert len(read) == 4 and all(r < total * 0.6 for r in read), stdout  # ZeRO-3 and FSDP2, 2 ranks each
+    assert len(equal) == 4 and all(line.endswith("True") for line in equal), stdout
