@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.counting import Calls, count_collectives, count_planning
 
-__all__ = ["DEEPSPEED_ROWS", "FSDP2_ROWS", "Sent", "sent", "observe"]
+__all__ = ["DEEPSPEED_ROWS", "FSDP2_ROWS", "deepspeed_rows", "Sent", "sent", "observe"]
 
 #: The rows the bench prints, in order, per source (what the tests expect of it).
 DEEPSPEED_ROWS = [
@@ -46,6 +46,10 @@ DEEPSPEED_ROWS = [
     "collgrad_exp_avg_set",
     "deepspeed_consolidated_save",
     "collgrad_save",
+    "transformers_zero3_load",  # ZeRO-3 only
+    "deepspeed_gathered_load",
+    "collgrad_load",
+    "raw_reads",
     "deepspeed_getters_loop",
     "dropin_getters_loop",
     "raw_all_reduce",
@@ -73,9 +77,18 @@ FSDP2_ROWS = [
     "collgrad_exp_avg_set",
     "fsdp2_state_dict_save",
     "collgrad_save",
+    "fsdp2_broadcast_load",
+    "collgrad_load",
+    "raw_reads",
     "raw_all_reduce",
     "raw_all_gather",
 ]
+
+
+def deepspeed_rows(stage: int) -> list[str]:
+    """The rows a DeepSpeed run of ZeRO ``stage`` prints (Transformers' loader is a ZeRO-3 anchor)."""
+    return [r for r in DEEPSPEED_ROWS if stage == 3 or r != "transformers_zero3_load"]
+
 
 #: Ops that move no data of their own.
 _NOT_DATA = {"barrier", "monitored_barrier", "wait_tensor", "_wrap_tensor_autograd"}
@@ -133,7 +146,7 @@ def observe(rank: int, world: int, configs: list[Any]) -> dict[str, dict[str, di
     for cfg in configs:
         setting = make_setting(build_subject(cfg), cfg)
         rows = out[f"{cfg.source} stage {cfg.stage} {cfg.dtype} {cfg.model}"] = {}
-        for method in methods_for(cfg.source):
+        for method in methods_for(cfg.source, (), cfg.stage):
             call = method.bind(setting)
             call()
             with count_planning() as planned, count_collectives() as calls, sent(calls) as seen:

@@ -11,6 +11,7 @@ gradients' rows and the raw floors are built here, the rest of the training stat
 
 from __future__ import annotations
 
+import importlib.util
 from collections import deque
 from typing import Callable
 
@@ -171,9 +172,17 @@ METHODS: tuple[Method, ...] = (
 )
 
 
-def methods_for(source: str, only: tuple[str, ...] = ()) -> list[Method]:
-    """The methods ``source`` runs, in report order; ``only``: just these (empty: all). Pure."""
-    return [m for m in METHODS if source in m.sources and (not only or m.name in only)]
+def methods_for(source: str, only: tuple[str, ...] = (), stage: int | None = None) -> list[Method]:
+    """The methods ``source`` runs, in report order; ``only``: just these (empty: all); ``stage``: a
+    DeepSpeed run's ZeRO stage (None: every stage's). Those whose ``needs`` is not installed are left out."""
+    return [
+        m
+        for m in METHODS
+        if source in m.sources
+        and (not only or m.name in only)
+        and (stage is None or source != "deepspeed" or stage in m.stages)
+        and (m.needs is None or importlib.util.find_spec(m.needs) is not None)
+    ]
 
 
 def floors() -> dict[str, Floor]:

@@ -11,12 +11,15 @@ from typing import Any
 from collgrad.bench.config import BenchConfig
 from collgrad.bench.methods import floors, versus
 
-__all__ = ["ratios", "format_report", "describe", "GET_LOOPS", "PLANS", "SAVE_ANCHORS", "NOT_COUNTED"]
+__all__ = ["ratios", "format_report", "describe", "GET_LOOPS", "PLANS", "SAVE_ANCHORS", "LOAD_ANCHORS", "NOT_COUNTED"]
 
 #: The frameworks' consolidations a save is compared with (rank 0 holds the whole model).
 SAVE_ANCHORS = ("deepspeed_consolidated_save", "fsdp2_state_dict_save")
+
 #: Rows of the frameworks' own whose collectives and bytes are not counted ("-" in the table)
-NOT_COUNTED = (*SAVE_ANCHORS, "deepspeed_fp32_weights_set_loop")
+#: The frameworks' loads a load is compared with (rank 0 reads the whole checkpoint).
+LOAD_ANCHORS = ("transformers_zero3_load", "deepspeed_gathered_load", "fsdp2_broadcast_load")
+NOT_COUNTED = (*SAVE_ANCHORS, *LOAD_ANCHORS, "deepspeed_fp32_weights_set_loop")
 #: The frameworks' per-parameter getters, and collgrad's plans the best of which they are compared with.
 GET_LOOPS = ("deepspeed_loop", "full_tensor_loop")
 PLANS = ("collgrad_all_gather", "collgrad_all_reduce")
@@ -70,6 +73,13 @@ def ratios(report: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
             "goal_mb": cfg.shard_mb + cfg.bucket_mb,
             "anchor": anchor,
             "anchor_peak_mb": m[anchor]["peak_host_mb"] if anchor else None,
+        }
+    if "collgrad_load" in m and "read_mb" in m["collgrad_load"]:
+        out["load"] = {
+            "read_mb": m["collgrad_load"]["read_mb"],
+            "checkpoint_mb": m["collgrad_load"]["checkpoint_mb"],
+            "peak_mb": m["collgrad_load"]["peak_host_mb"],
+            "anchors": {k: m[k]["peak_host_mb"] for k in LOAD_ANCHORS if k in m},
         }
     return out
 
@@ -146,6 +156,14 @@ def _ratio_lines(report: dict[str, Any]) -> list[str]:
         lines.append(
             f"save: rank 0's peak {save['peak_mb']:.1f} MB (goal: a shard + a bucket = {save['goal_mb']:.1f} MB, "
             f"{ok}){anchor}"
+        )
+    load = r.get("load")
+    if load:
+        read = ", ".join(f"{mb:.1f}" for mb in load["read_mb"])
+        anchors = "".join(f"; {k}: {mb:.1f} MB" for k, mb in load["anchors"].items())
+        lines.append(
+            f"load: MB read per rank [{read}] of the checkpoint's {load['checkpoint_mb']:.1f} MB; rank 0's peak: "
+            f"collgrad {load['peak_mb']:.1f} MB{anchors}"
         )
     if "per_tensor_us" in report:
         lines.append(f"cost per parameter tensor at fixed bytes: {report['per_tensor_us']:.2f} us (slope of the sweep)")

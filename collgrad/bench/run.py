@@ -85,7 +85,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     subject = build_subject(cfg)
     setting = make_setting(subject, cfg)
     clock = Clock(subject.device, progress=progress and dist.get_rank() == 0)
-    bound = [(m, m.bind(setting)) for m in methods_for(cfg.source, cfg.methods)]
+    bound = [(m, m.bind(setting)) for m in methods_for(cfg.source, cfg.methods, cfg.stage)]
     report = _header(cfg, setting)
     for method, call in bound:
         row = clock.timed(call, cfg.reps, cfg.warmup, method.name)

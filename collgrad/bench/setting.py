@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import collgrad
-from collgrad.bench.config import SOURCES, BenchConfig
+from collgrad.bench.config import SOURCES, BenchConfig, deepspeed_config
 from collgrad.bench.models import Subject
 
 __all__ = [
@@ -59,6 +59,9 @@ class Reading:
     bytes: int | None
     plans: tuple[str, ...] | None = None
     plan_cached: bool | None = None
+    #: the loads: checkpoint bytes each rank read, by rank, and the checkpoint's data bytes
+    read_bytes: tuple[int, ...] | None = None
+    checkpoint_bytes: int | None = None
 
     def row(self) -> dict[str, Any]:
         """The report row's fields: ``plans`` only where a record told them, ``plan_cached`` likewise,
@@ -70,6 +73,10 @@ class Reading:
             out["plans"] = list(self.plans)
         if self.plan_cached is not None:
             out["plan_cached"] = self.plan_cached
+        if self.read_bytes is not None:
+            out["read_mb"] = [b / 2**20 for b in self.read_bytes]
+        if self.checkpoint_bytes is not None:
+            out["checkpoint_mb"] = self.checkpoint_bytes / 2**20
         return out
 
 
@@ -87,13 +94,28 @@ class Setting:
     exp_avg: Mapping[str, torch.Tensor]  # Adam's first moment, written back by the state set methods
     save_dir: str  # where the save methods write (rank 0), removed by ``close``
     shard: int  # save_full_model's max_shard_bytes
+    #: the DeepSpeed config the engine was built with (None for FSDP2): Transformers' loader reads it
+    ds_config: Mapping[str, Any] | None = None
+    #: the checkpoint the load methods read, once written (``checkpoint()``)
+    written: str | None = None
 
     #: what to undo when the run ends (the drop-in installed by its row)
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
 
+    def checkpoint(self) -> str:
+        """The checkpoint the load methods read: the model as ``save_full_model`` writes it (its dtype,
+        shards of ``shard`` bytes), next to the save methods' directory; written the first time (a
+        collective: the methods are bound on every rank in the same order)."""
+        if self.written is None:
+            self.written = f"{self.save_dir}-load"
+            collgrad.save_full_model(self.subject.engine, self.written, max_shard_bytes=self.shard)
+        return self.written
+
     def close(self) -> None:
-        """Remove what the save methods wrote, undo what they left installed. Local."""
+        """Remove what the save and load methods wrote, undo what they left installed. Local."""
         shutil.rmtree(self.save_dir, ignore_errors=True)
+        if self.written is not None:
+            shutil.rmtree(self.written, ignore_errors=True)
         for undo in self.cleanups:
             undo()
         self.cleanups.clear()
@@ -116,7 +138,10 @@ def make_setting(subject: Subject, cfg: BenchConfig) -> Setting:
     )
     where = [os.path.join(tempfile.gettempdir(), f"collgrad-bench-save-{os.getpid()}")]
     dist.broadcast_object_list(where, src=0)  # rank 0's: the save methods write where it says
-    return Setting(subject, cfg.bucket_bytes, small, full, size, share, fp32, exp_avg, where[0], cfg.shard_bytes)
+    ds_config = deepspeed_config(cfg) if cfg.source == "deepspeed" else None
+    return Setting(
+        subject, cfg.bucket_bytes, small, full, size, share, fp32, exp_avg, where[0], cfg.shard_bytes, ds_config
+    )
 
 
 def loop_reading(s: Setting, element_size: int) -> Reading:
@@ -160,6 +185,10 @@ class Method:
     floor: Floor | None = None
     versus: str | None = None
     sources: tuple[str, ...] = SOURCES
+    #: the ZeRO stages a DeepSpeed run has it for (FSDP2 runs: every method of their source)
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    #: a module the method needs (the row is left out where it is not installed)
+    needs: str | None = None
 
     def bind(self, setting: Setting) -> Call:
         """The call on this rank's engine."""

@@ -7,11 +7,15 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping
 
+import torch
+import torch.distributed as dist
+
 import collgrad
 from collgrad.bench.setting import (
     DS,
     FSDP2,
     Call,
+    Floor,
     Method,
     Reading,
     Setting,
@@ -20,6 +24,8 @@ from collgrad.bench.setting import (
     of_result,
     setter_loop,
 )
+from collgrad.state.files import open_checkpoint, read_all
+from collgrad.state.load import read_plan
 from collgrad.state.shards import write_safetensors
 
 __all__ = ["STATE_METHODS"]
@@ -127,6 +133,90 @@ def _consolidated_save(s: Setting) -> Call:
     return call
 
 
+def _load(s: Setting) -> Call:
+    """collgrad's load of the checkpoint into the engine as it is: each rank its own byte ranges."""
+    path, engine = s.checkpoint(), s.subject.engine
+    return lambda: collgrad.load_full_model(engine, path)
+
+
+def _raw_reads(s: Setting) -> Call:
+    """The floor of a load: the same byte ranges this rank's load reads, each one ``os.preadv`` from the
+    same files into one preallocated buffer (no checks, no conversion, nothing written in place)."""
+    reads = read_plan(s.subject.engine, s.checkpoint())
+    buffer = bytearray(max((r.nbytes for r in reads), default=0))
+    view = memoryview(buffer)
+
+    def call() -> Any:
+        fds = {f: os.open(f, os.O_RDONLY) for f in dict.fromkeys(r.stored.file for r in reads)}
+        try:
+            for r in reads:
+                done = 0
+                while done < r.nbytes:
+                    done += os.preadv(fds[r.stored.file], [view[done : r.nbytes]], r.offset + done)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return sum(r.nbytes for r in reads)
+
+    return call
+
+
+def _whole_on(path: str, ranks: str) -> dict[str, torch.Tensor]:
+    """The checkpoint at ``path`` read whole by rank 0 (``ranks="first"``) or by every rank, as users hand
+    it to a framework's loader; the other ranks hold its shapes only (meta tensors). Local."""
+    checkpoint = open_checkpoint(path)
+    if ranks == "every" or dist.get_rank() == 0:
+        return read_all(checkpoint)
+    return {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in checkpoint.tensors.items()}
+
+
+def _gathered_load(s: Setting) -> Call:
+    """The loop DeepSpeed documents for changing weights, as users load into an existing engine: rank 0
+    reads the checkpoint, then per parameter ``GatheredParameters(p, modifier_rank=0)`` and a copy on
+    rank 0 (a gather and a broadcast each; below ZeRO-3 every rank reads it and copies into the weight
+    it holds). The fp32 masters are left as they were."""
+    named, put, path = dict(s.subject.engine.module.named_parameters()), s.subject.set_weight, s.checkpoint()
+    zero3 = any(hasattr(p, "ds_id") for p in named.values())
+
+    def call() -> Any:
+        state = _whole_on(path, "first" if zero3 else "every")
+        assert put is not None
+        for name, p in named.items():
+            put(p, state[name])
+        return len(named)
+
+    return call
+
+
+def _transformers_zero3_load(s: Setting) -> Call:
+    """What Transformers' ``from_pretrained`` runs under ``HfDeepSpeedConfig`` (ZeRO-3) once rank 0 has
+    read the checkpoint: per submodule, its parameters gathered, rank 0's values copied in, partitioned
+    again (``collgrad.integrations.transformers.load_into_zero3``). The fp32 masters are left as they were."""
+    from collgrad.integrations.transformers import load_into_zero3
+
+    module, config, path = s.subject.engine.module, dict(s.ds_config or {}), s.checkpoint()
+    return lambda: load_into_zero3(module, _whole_on(path, "first"), config)
+
+
+def _broadcast_load(s: Setting) -> Call:
+    """FSDP2's own loading from rank 0 (Accelerate's ``cpu_ram_efficient_loading``): rank 0 reads the
+    checkpoint, ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``."""
+    from collgrad.state.adapters import fsdp2
+
+    model, path = s.subject.engine, s.checkpoint()  # written on every rank at binding (collective)
+    return lambda: fsdp2.load_full_state_dict(model, _whole_on(path, "first") if dist.get_rank() == 0 else {})
+
+
+def _of_loaded(s: Setting, call: Call) -> Reading:
+    """One more load: no collective carries a weight (its two agreements are not counted); the bytes
+    each rank read, gathered from every rank."""
+    loaded: Any = call()
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, loaded.bytes_read)
+    data = sum(t.nbytes for t in open_checkpoint(s.checkpoint()).tensors.values())
+    return Reading(0, 0, read_bytes=tuple(every), checkpoint_bytes=data)
+
+
 def _getters(s: Setting, functions: Mapping[str, Callable[..., Any]] | None) -> list[Any]:
     """The documented loop: DeepSpeed's three full getters over every parameter (``functions``: the
     ones installed in their place)."""
@@ -206,6 +296,20 @@ STATE_METHODS: tuple[Method, ...] = (
     ),
     Method("fsdp2_state_dict_save", _consolidated_save, _consolidated_reading, versus="collgrad_save", sources=FSDP2),
     Method("collgrad_save", _save, _of_saved),
+    # loading a checkpoint into the engine as it is, against the frameworks' ways (rank 0 reads it all)
+    Method(
+        "transformers_zero3_load",
+        _transformers_zero3_load,
+        _consolidated_reading,
+        versus="collgrad_load",
+        sources=DS,
+        stages=(3,),
+        needs="transformers",
+    ),
+    Method("deepspeed_gathered_load", _gathered_load, _weights_loop_reading, versus="collgrad_load", sources=DS),
+    Method("fsdp2_broadcast_load", _broadcast_load, _consolidated_reading, versus="collgrad_load", sources=FSDP2),
+    Method("collgrad_load", _load, _of_loaded, floor=Floor("raw_reads", 1.5)),
+    Method("raw_reads", _raw_reads, lambda s, call: Reading(0, 0)),
     # the documented loop of DeepSpeed's three getters, as it is and with collgrad installed in their place
     Method("deepspeed_getters_loop", _getters_loop, _getters_reading, versus="dropin_getters_loop", sources=DS),
     Method("dropin_getters_loop", _dropin_loop, _of_dropin, sources=DS),

@@ -25,7 +25,7 @@ from collgrad.state.hook import PreStepHook, register_pre_step_hook
 from collgrad.state.save import SavedModel, save_full_model
 from collgrad.state.stats import GradStats, safe_get_full_model_grad_stats
 
-__all__ = ["GradStatsCallback", "grad_stats_logs", "save_model", "save_pretrained_files"]
+__all__ = ["GradStatsCallback", "grad_stats_logs", "save_model", "save_pretrained_files", "load_into_zero3"]
 
 #: The key of the root module's own parameters (its module path is the empty string).
 ROOT = "(root)"
@@ -141,3 +141,16 @@ def save_pretrained_files(module: Any, directory: str, processing_class: Any = N
         generation.save_pretrained(directory)
     if processing_class is not None:
         processing_class.save_pretrained(directory)
+
+
+def load_into_zero3(module: torch.nn.Module, state: dict[str, torch.Tensor], ds_config: dict[str, Any]) -> None:
+    """Transformers' own ZeRO-3 loading, what ``from_pretrained`` runs under ``HfDeepSpeedConfig`` once
+    rank 0 has read the checkpoint (``state``: rank 0's tensors; the other ranks' may be meta tensors of
+    the same shapes): per submodule, its parameters gathered, rank 0's values copied in, partitioned
+    again on leaving (a broadcast); buffers broadcast. The benchmark's anchor. Collective."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import _load_state_dict_into_zero3_model
+
+    keep = HfDeepSpeedConfig(ds_config)  # while it lives, Transformers sees ZeRO-3 enabled
+    _load_state_dict_into_zero3_model(module, state)
+    del keep

@@ -32,7 +32,7 @@ from collgrad import _compat
 from collgrad.errors import CheckpointError
 from collgrad.state.shards import SAFE_DTYPES
 
-__all__ = ["Stored", "Checkpoint", "open_checkpoint", "read_header", "read_range", "MAX_HEADER_BYTES"]
+__all__ = ["Stored", "Checkpoint", "open_checkpoint", "read_header", "read_range", "read_all", "MAX_HEADER_BYTES"]
 
 #: safetensors' own limit on a header (its reader refuses larger ones: "header too large").
 MAX_HEADER_BYTES = 100_000_000
@@ -224,3 +224,22 @@ def read_range(fd: int, stored: Stored, lo: int, out: torch.Tensor) -> int:
             raise OSError(f"{stored.file} ends at byte {offset + done}, inside a tensor")
         done += got
     return nbytes
+
+
+def read_all(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """Every tensor of ``checkpoint``, whole, as one process reads a checkpoint to hand it to a
+    framework's loader (the benchmark's anchors). Local."""
+    out: dict[str, torch.Tensor] = {}
+    fds: dict[str, int] = {}
+    try:
+        for name, stored in checkpoint.tensors.items():
+            fd = fds.get(stored.file)
+            if fd is None:
+                fd = fds[stored.file] = os.open(stored.file, os.O_RDONLY)
+            tensor = torch.empty(stored.numel, dtype=stored.dtype)
+            read_range(fd, stored, 0, tensor)
+            out[name] = tensor.reshape(stored.shape)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out

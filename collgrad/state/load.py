@@ -40,7 +40,7 @@ from collgrad.state.layout import Partitioning, owned_fragments
 from collgrad.state.outcome import agree_outcome
 from collgrad.state.save import persistent_buffers
 
-__all__ = ["load_full_model", "LoadedModel"]
+__all__ = ["load_full_model", "LoadedModel", "Read", "read_plan", "reads"]
 
 
 @dataclass(frozen=True)
@@ -137,15 +137,15 @@ def load_full_model(
         compared="arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes)",
     )
     assert checkpoint is not None and matched is not None  # else an agreement raised
-    targets: dict[str, list[Target]] = {}
-    for source, local in opened:
-        _targets(source, local, matched.stored, targets)
-    for name, buffer in matched.buffers.items():
-        targets[name] = [(0, buffer.numel(), copy_into(buffer))]
+    plan = _plan(opened, matched)
     reader = _Reader()
     try:
         with torch.no_grad():
-            _write(targets, matched.stored, reader)
+            for read, targets in plan:
+                values = reader.read(read)
+                for at, n, write in targets:
+                    write(values[at - read.lo : at - read.lo + n])
+                del values  # one read buffer at a time
     except (OSError, CollgradError) as caught:
         error = caught
     finally:
@@ -280,6 +280,24 @@ def _targets(source: Source, local: LocalGrads, stored: Mapping[str, Stored], ou
             out.setdefault(name, []).append((0, tensor.numel(), copy_into(tensor)))
 
 
+@dataclass(frozen=True)
+class Read:
+    """One range this rank reads: elements ``[lo, lo + numel)`` (flat) of the tensor ``stored``."""
+
+    stored: Stored
+    lo: int
+    numel: int
+
+    @property
+    def offset(self) -> int:
+        """Where the range starts in its file."""
+        return self.stored.start + self.lo * self.stored.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.stored.dtype.itemsize
+
+
 def reads(targets: Sequence[tuple[int, int]], numel: int) -> tuple[tuple[int, int], ...]:
     """The ranges to read of a tensor of ``numel`` elements for ``targets`` (first element, elements):
     the whole tensor once where any target wants it whole, else each distinct range once. Pure."""
@@ -288,15 +306,29 @@ def reads(targets: Sequence[tuple[int, int]], numel: int) -> tuple[tuple[int, in
     return tuple(sorted(set(targets)))
 
 
-def _write(targets: Mapping[str, list[Target]], stored: Mapping[str, Stored], reader: _Reader) -> None:
-    """Each tensor's ranges read once and written to every place that wants them. Local."""
+def _plan(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> list[tuple[Read, list[Target]]]:
+    """This rank's reads, each once, with every place its elements go. Local."""
+    targets: dict[str, list[Target]] = {}
+    for source, local in opened:
+        _targets(source, local, matched.stored, targets)
+    for name, buffer in matched.buffers.items():
+        targets[name] = [(0, buffer.numel(), copy_into(buffer))]
+    plan = []
     for name, wanted in targets.items():
-        for lo, numel in reads([(a, n) for a, n, _ in wanted], stored[name].numel):
-            values = reader.range(stored[name], lo, numel)
-            for at, n, write in wanted:
-                if lo <= at and at + n <= lo + numel:
-                    write(values[at - lo : at - lo + n])
-            del values  # one read buffer at a time
+        stored = matched.stored[name]
+        for lo, numel in reads([(at, n) for at, n, _ in wanted], stored.numel):
+            inside = [w for w in wanted if lo <= w[0] and w[0] + w[1] <= lo + numel]
+            plan.append((Read(stored, lo, numel), inside))
+    return plan
+
+
+def read_plan(model: object, path: str | os.PathLike[str]) -> tuple[Read, ...]:
+    """The ranges ``load_full_model(model, path, strict=False)`` reads on this rank, in order, without
+    reading them (the benchmark times the same reads raw). Local: no communication."""
+    resolved = adapters.resolve(model)
+    opened = _sources(resolved, None)
+    matched = _match(resolved.module, opened[0][0], open_checkpoint(path), None, strict=False)
+    return tuple(read for read, _ in _plan(opened, matched))
 
 
 class _Reader:
@@ -306,13 +338,13 @@ class _Reader:
         self._fds: dict[str, int] = {}
         self.bytes_read = 0
 
-    def range(self, stored: Stored, lo: int, numel: int) -> torch.Tensor:
-        """Elements ``[lo, lo + numel)`` of ``stored``, flat, in its dtype (OSError where reading fails)."""
-        fd = self._fds.get(stored.file)
+    def read(self, read: Read) -> torch.Tensor:
+        """The elements of ``read``, flat, in the stored dtype (OSError where reading fails)."""
+        fd = self._fds.get(read.stored.file)
         if fd is None:
-            fd = self._fds[stored.file] = os.open(stored.file, os.O_RDONLY)
-        out = torch.empty(numel, dtype=stored.dtype)
-        self.bytes_read += read_range(fd, stored, lo, out)
+            fd = self._fds[read.stored.file] = os.open(read.stored.file, os.O_RDONLY)
+        out = torch.empty(read.numel, dtype=read.stored.dtype)
+        self.bytes_read += read_range(fd, read.stored, read.lo, out)
         return out
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ import sys
 from collgrad.bench.config import BenchConfig
 from collgrad.bench.report import NOT_COUNTED
 from collgrad.launch import run_local
-from tests.bench_observed import DEEPSPEED_ROWS, observe
+from tests.bench_observed import DEEPSPEED_ROWS, deepspeed_rows, observe
 
 ROWS = DEEPSPEED_ROWS
 COLUMNS = {"median_ms", "min_ms", "max_ms", "call_ms", "page_faults", "peak_host_mb", "peak_device_mb"}
@@ -51,13 +51,17 @@ def test_bench_runs_and_reports_every_method(tmp_path):
     assert "in call" in lines[header] and "faults" in lines[header]
     assert [line.split()[0] for line in lines[header + 1 : header + 1 + len(ROWS)]] == ROWS
     floors = report["ratios"]["floors"]
-    assert set(floors) == {"collgrad_all_gather", "collgrad_all_reduce", "collgrad_iter"}
+    assert set(floors) == {"collgrad_all_gather", "collgrad_all_reduce", "collgrad_iter", "collgrad_load"}
+    assert floors["collgrad_load"]["floor"] == "raw_reads" and floors["collgrad_load"]["goal"] == 1.5
     assert floors["collgrad_all_gather"]["floor"] == "raw_all_gather" and floors["collgrad_all_gather"]["goal"] == 1.2
     assert "to the floor" in stdout and "streaming:" in stdout
     assert "collgrad_all_gather   / raw_all_gather  time" in stdout
     assert "deepspeed_norm_loop / collgrad_stats" in stdout and "update: peak extra" in stdout
     assert "deepspeed_fp32_loop / collgrad_fp32" in stdout and "deepspeed_consolidated_save / collgrad_save" in stdout
     assert "save: rank 0's peak" in stdout
+    # the load against Transformers' ZeRO-3 loader and the GatheredParameters loop, bytes read per rank
+    assert "transformers_zero3_load / collgrad_load" in stdout and "deepspeed_gathered_load / collgrad_load" in stdout
+    assert "load: MB read per rank [" in stdout
     # the writes against DeepSpeed's setter loops, and against the loop that also changes the weights
     assert "deepspeed_fp32_weights_set_loop / collgrad_fp32_set" in stdout
     assert "deepspeed_exp_avg_set_loop / collgrad_exp_avg_set" in stdout
@@ -77,7 +81,7 @@ def test_each_row_reports_what_torch_received():
     by_config = run_local(observe, 2, configs, env={"DS_ACCELERATOR": "cpu"}, timeout=600)[0]
     assert "deepspeed stage 1 fp32 gpt2" in by_config
     for config, rows in by_config.items():
-        assert list(rows) == ROWS, config
+        assert list(rows) == deepspeed_rows(int(config.split()[2])), config
         for name, row in rows.items():
             if row["reported"] == (None, None):  # the frameworks' consolidation: not counted, said so
                 assert name in NOT_COUNTED, (config, name)

@@ -104,6 +104,7 @@ def test_floors_and_goals():
         "collgrad_all_gather": "raw_all_gather",
         "collgrad_all_reduce": "raw_all_reduce",
         "collgrad_iter": "raw_all_reduce",
+        "collgrad_load": "raw_reads",  # the same byte ranges read raw
     }
     assert [f["collgrad_all_gather"].goal_at(s) for s in (1, 2, 3)] == [1.10, 1.10, 1.20]  # ZeRO-3 also reorders
     assert [f["collgrad_all_reduce"].goal_at(s) for s in (1, 2, 3)] == [1.10] * 3
@@ -123,6 +124,9 @@ def test_floors_and_goals():
         ("deepspeed_exp_avg_set_loop", "collgrad_exp_avg_set"),
         ("deepspeed_consolidated_save", "collgrad_save"),
         ("fsdp2_state_dict_save", "collgrad_save"),
+        ("transformers_zero3_load", "collgrad_load"),
+        ("deepspeed_gathered_load", "collgrad_load"),
+        ("fsdp2_broadcast_load", "collgrad_load"),
         ("deepspeed_getters_loop", "dropin_getters_loop"),
     ]
 

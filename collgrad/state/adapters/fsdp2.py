@@ -274,3 +274,13 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """FSDP2's own loading of a whole state dict held by rank 0 (the benchmark's anchor, Accelerate's
+    ``cpu_ram_efficient_loading``): ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``,
+    every parameter broadcast from rank 0 and each rank keeping its shard. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, state, options=options)
