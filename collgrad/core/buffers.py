@@ -104,14 +104,17 @@ class Pieces:
     def device(self) -> torch.device:
         return self.given[0].device
 
-    def _spans(self, offset: int, numel: int) -> Iterator[tuple[torch.Tensor, int]]:
-        """The parts of the pieces that elements ``[offset, offset + numel)`` cover, in order, each with
-        its start relative to ``offset``."""
+    def spans(self, offset: int, numel: int) -> Iterator[tuple[torch.Tensor, int]]:
+        """The parts of the pieces that elements ``[offset, offset + numel)`` cover, in order, each as a
+        view of its piece with its start relative to ``offset``."""
         end = offset + numel
-        first = max(0, bisect.bisect_right(self.starts, offset) - 1)
-        for start, piece in zip(self.starts[first:], self.pieces[first:]):
+        starts, pieces = self.starts, self.pieces
+        # from the piece holding ``offset`` on, by index (slicing the lists made a write of n pieces O(n))
+        for k in range(max(0, bisect.bisect_right(starts, offset) - 1), len(starts)):
+            start = starts[k]
             if start >= end:
                 break
+            piece = pieces[k]
             stop = start + piece.numel()
             if stop > offset:
                 lo = max(offset, start)
@@ -120,7 +123,7 @@ class Pieces:
     def write(self, offset: int, values: torch.Tensor) -> None:
         """Copy the 1-D ``values`` into elements ``[offset, offset + values.numel())``, in place in every
         piece they cover (converted to the pieces' dtype and device)."""
-        for part, at in self._spans(offset, values.numel()):
+        for part, at in self.spans(offset, values.numel()):
             part.copy_(values[at : at + part.numel()])
 
     def placement(self) -> Placed | None:
@@ -211,7 +214,7 @@ class Pieces:
             placed = self.placement()
             assert placed is not None  # _in_order found them in its span
             return placed[0][at + offset - self.starts[max(j, 0)] :][:numel]
-        parts = [part for part, _ in self._spans(offset, numel)]
+        parts = [part for part, _ in self.spans(offset, numel)]
         if len(parts) == 1:
             return parts[0]
         view = adjacent_view(parts)

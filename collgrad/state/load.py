@@ -142,9 +142,12 @@ def load_full_model(
     try:
         with torch.no_grad():
             for read, targets in plan:
-                values = reader.read(read)
-                for at, n, write in targets:
-                    write(values[at - read.lo : at - read.lo + n])
+                # straight into the first target that can take it, else into a buffer of its own
+                direct = next((w for w in targets if w.takes(read.stored, read.lo, read.numel)), None)
+                values = reader.read(read, None if direct is None else direct.dest)
+                for w in targets:
+                    if w is not direct:
+                        w.write(values[w.at - read.lo : w.at - read.lo + w.numel])
                 del values  # one read buffer at a time
     except (OSError, CollgradError) as caught:
         error = caught
@@ -228,56 +231,69 @@ def _listed(names: list[str], most: int = 8) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def copy_into(tensor: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    """The write of a whole tensor's values into ``tensor``."""
+@dataclass(frozen=True)
+class Target:
+    """One place a range of a tensor goes: elements ``[at, at + numel)`` of it (flat) into ``dest``, a
+    view of where this rank keeps them (any shape of ``numel`` elements; converted on the copy), or,
+    where no view can be had (an optimizer collgrad does not read), through ``put`` (DeepSpeed's setter)."""
 
-    def write(values: torch.Tensor) -> None:
-        tensor.copy_(values.reshape(tensor.shape))
+    at: int
+    numel: int
+    dest: torch.Tensor | None = None
+    put: Callable[[torch.Tensor], None] | None = None
 
-    return write
+    def write(self, values: torch.Tensor) -> None:
+        """Put ``values`` (1-D, contiguous: this target's elements) in place."""
+        if self.dest is not None:
+            self.dest.copy_(values.view(self.dest.shape))
+        else:
+            assert self.put is not None
+            self.put(values)
 
-
-#: Where one range of a tensor goes: its first element (flat), its elements, and the write that puts
-#: them in place (converting to the target's dtype).
-Target = tuple[int, int, Callable[[torch.Tensor], None]]
+    def takes(self, stored: Stored, lo: int, numel: int) -> bool:
+        """A read of ``[lo, lo + numel)`` of ``stored`` can land in ``dest`` itself: the same range, dtype
+        and a contiguous CPU view (then the others copy from it)."""
+        dest = self.dest
+        return (
+            dest is not None
+            and (self.at, self.numel) == (lo, numel)
+            and dest.dtype == stored.dtype
+            and dest.device.type == "cpu"
+            and dest.is_contiguous()
+        )
 
 
 def _targets(source: Source, local: LocalGrads, stored: Mapping[str, Stored], out: dict[str, list[Target]]) -> None:
     """Every place this rank keeps a tensor of ``source`` the checkpoint holds, added to ``out`` by name:
-    its fragments of each partitioned one (the layout's owned_fragments), what it holds whole. Local."""
-
+    its fragments of each partitioned one (the layout's owned_fragments, as views of the pieces), what it
+    holds whole. Local."""
     if source.accessor_set is not None:  # a layout collgrad does not read: DeepSpeed's local setter
         setter = source.accessor_set
         for name, param in source.params.items():
             if name in stored:
                 shape = stored[name].shape
 
-                def put(
-                    values: torch.Tensor, param: torch.nn.Parameter = param, shape: tuple[int, ...] = shape
-                ) -> None:
+                def put(values: torch.Tensor, param: nn.Parameter = param, shape: tuple[int, ...] = shape) -> None:
                     setter(param, values.reshape(shape).to(torch.float32))
 
-                out.setdefault(name, []).append((0, stored[name].numel, put))
+                out.setdefault(name, []).append(Target(0, stored[name].numel, put=put))
         return
     for position, group in enumerate(source.layout.groups):
         buffer = local.buffers[position]
         if group.kind is Partitioning.REPLICATED:
             for k, slot in enumerate(group.params):
                 if slot.name in stored:
-                    out.setdefault(slot.name, []).append((0, slot.numel, copy_into(buffer[k])))
+                    out.setdefault(slot.name, []).append(Target(0, slot.numel, buffer[k]))
             continue
         assert isinstance(buffer, Pieces)
         for fragment in owned_fragments(group, rank_in(group)):
             name = group.params[fragment.param].name
             if fragment.numel and name in stored:
-
-                def write(values: torch.Tensor, at: int = fragment.local_offset, pieces: Pieces = buffer) -> None:
-                    pieces.write(at, values)
-
-                out.setdefault(name, []).append((fragment.param_offset, fragment.numel, write))
+                for view, at in buffer.spans(fragment.local_offset, fragment.numel):
+                    out.setdefault(name, []).append(Target(fragment.param_offset + at, view.numel(), view))
     for name, tensor in source.held_whole().items():
         if name in stored:
-            out.setdefault(name, []).append((0, tensor.numel(), copy_into(tensor)))
+            out.setdefault(name, []).append(Target(0, tensor.numel(), tensor))
 
 
 @dataclass(frozen=True)
@@ -312,13 +328,12 @@ def _plan(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> lis
     for source, local in opened:
         _targets(source, local, matched.stored, targets)
     for name, buffer in matched.buffers.items():
-        targets[name] = [(0, buffer.numel(), copy_into(buffer))]
+        targets[name] = [Target(0, buffer.numel(), buffer)]
     plan = []
     for name, wanted in targets.items():
         stored = matched.stored[name]
-        for lo, numel in reads([(at, n) for at, n, _ in wanted], stored.numel):
-            inside = [w for w in wanted if lo <= w[0] and w[0] + w[1] <= lo + numel]
-            plan.append((Read(stored, lo, numel), inside))
+        for lo, numel in reads([(w.at, w.numel) for w in wanted], stored.numel):
+            plan.append((Read(stored, lo, numel), [w for w in wanted if lo <= w.at and w.at + w.numel <= lo + numel]))
     return plan
 
 
@@ -338,12 +353,13 @@ class _Reader:
         self._fds: dict[str, int] = {}
         self.bytes_read = 0
 
-    def read(self, read: Read) -> torch.Tensor:
-        """The elements of ``read``, flat, in the stored dtype (OSError where reading fails)."""
+    def read(self, read: Read, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The elements of ``read``, flat, in the stored dtype, read into ``into`` (contiguous, CPU, of
+        that dtype and size) or a new buffer (OSError where reading fails)."""
         fd = self._fds.get(read.stored.file)
         if fd is None:
             fd = self._fds[read.stored.file] = os.open(read.stored.file, os.O_RDONLY)
-        out = torch.empty(read.numel, dtype=read.stored.dtype)
+        out = torch.empty(read.numel, dtype=read.stored.dtype) if into is None else into.view(-1)
         self.bytes_read += read_range(fd, read.stored, read.lo, out)
         return out
 
