@@ -245,7 +245,7 @@ class Target:
     def write(self, values: torch.Tensor) -> None:
         """Put ``values`` (1-D, contiguous: this target's elements) in place."""
         if self.dest is not None:
-            self.dest.copy_(values.view(self.dest.shape))
+            self.dest.copy_(values if self.dest.dim() == 1 else values.view(self.dest.shape))
         else:
             assert self.put is not None
             self.put(values)
@@ -278,6 +278,28 @@ def _targets(source: Source, local: LocalGrads, stored: Mapping[str, Stored], ou
 
                 out.setdefault(name, []).append(Target(0, stored[name].numel, put=put))
         return
+    # A source's pieces are the same objects while its tensors are (adapters cache them): so are the
+    # views into them, worked out once (a few ms a call at 400 tensors), kept with the source.
+    key = (tuple(id(b) for b in local.buffers), frozenset(n for n in source.params if n in stored))
+    found = source.scratch.get("load targets")
+    if found is not None and found[0] == key:
+        for name, targets in found[1].items():
+            out.setdefault(name, []).extend(targets)
+    else:
+        made = _fragment_targets(source, local, stored)
+        if all(isinstance(b, Pieces) for b in local.buffers):
+            source.scratch["load targets"] = (key, made, local.buffers)  # the buffers kept: their ids stay theirs
+        for name, targets in made.items():
+            out.setdefault(name, []).extend(targets)
+    for name, tensor in source.held_whole().items():
+        if name in stored:
+            out.setdefault(name, []).append(Target(0, tensor.numel(), tensor))
+
+
+def _fragment_targets(source: Source, local: LocalGrads, stored: Mapping[str, Stored]) -> dict[str, list[Target]]:
+    """The views of ``source``'s local tensors each of its tensors in ``stored`` goes to: this rank's
+    fragments of the partitioned ones, the whole of the replicated ones. Local."""
+    out: dict[str, list[Target]] = {}
     for position, group in enumerate(source.layout.groups):
         buffer = local.buffers[position]
         if group.kind is Partitioning.REPLICATED:
@@ -291,9 +313,7 @@ def _targets(source: Source, local: LocalGrads, stored: Mapping[str, Stored], ou
             if fragment.numel and name in stored:
                 for view, at in buffer.spans(fragment.local_offset, fragment.numel):
                     out.setdefault(name, []).append(Target(fragment.param_offset + at, view.numel(), view))
-    for name, tensor in source.held_whole().items():
-        if name in stored:
-            out.setdefault(name, []).append(Target(0, tensor.numel(), tensor))
+    return out
 
 
 @dataclass(frozen=True)

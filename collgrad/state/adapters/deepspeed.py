@@ -767,6 +767,10 @@ class _Zero3Weights(_EngineSource):
         return {self.names[id(p)]: p.data for group in self.members for p in group if p.data.numel() == p.ds_numel}
 
     def read(self) -> LocalGrads:
+        held = tuple(p.ds_tensor.data_ptr() for params in self.members for p in params)
+        found = self.scratch.get("read")
+        if found is not None and found[0] == held:
+            return LocalGrads(Problem.OK, found[1])  # views of the same partitions: the same Pieces
         pieces = []
         for group, params in zip(self.layout.groups, self.members):
             parts = []
@@ -777,4 +781,5 @@ class _Zero3Weights(_EngineSource):
                     return LocalGrads(Problem.LAYOUT_CHANGED, [], detail=detail)
                 parts.append(part)
             pieces.append(Pieces(parts))
+        self.scratch["read"] = (held, pieces)
         return LocalGrads(Problem.OK, pieces)
