@@ -26,6 +26,7 @@ CONFIGS = {
     "zero2_bf16": (2, "bf16", False),
     "zero2_fp32_offload": (2, "fp32", True),
     "zero1_fp32": (1, "fp32", False),
+    "zero1_bf16_optimizer": (1, "bf16_acc32", False),  # BF16_Optimizer: its masters through DeepSpeed's setter
     "zero0_fp32": (0, "fp32", False),
 }
 #: trained on after the load against an engine built from the file's weights (fp32: DeepSpeed keeps the
