@@ -30,14 +30,14 @@ from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.core.buffers import Pieces
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
-from collgrad.errors import CheckpointError, CollgradError, InvalidArgumentError, LayoutChangedError
+from collgrad.errors import CheckpointError, CollgradError, LayoutChangedError
 from collgrad.state import adapters
 from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in, select
 from collgrad.state.call import source_of
 from collgrad.state.files import Checkpoint, Stored, open_checkpoint, read_range
 from collgrad.state.kinds import FP32
 from collgrad.state.layout import Partitioning, owned_fragments
-from collgrad.state.outcome import agree_outcome
+from collgrad.state.outcome import agree_outcome, enter
 from collgrad.state.save import persistent_buffers
 
 __all__ = ["load_full_model", "LoadedModel", "Read", "read_plan", "reads"]
@@ -104,14 +104,7 @@ def load_full_model(
     """
     start = time.perf_counter()
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
-    error: BaseException | None = None
-    resolved: adapters.Model | None = None
-    try:
-        resolved = adapters.resolve(model)
-    except InvalidArgumentError as caught:
-        error = caught
-    group = resolved.control_group if resolved is not None else _compat.default_group_or_none()
-    me = torch.distributed.get_rank() if group is not None else 0
+    resolved, error, group, me = enter(model)
     opened: list[tuple[Source, LocalGrads]] = []
     checkpoint: Checkpoint | None = None
     matched: _Matched | None = None

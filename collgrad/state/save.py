@@ -32,7 +32,7 @@ from collgrad.state.adapters.base import select
 from collgrad.state.call import OpenCall
 from collgrad.state.kinds import FP32, WEIGHTS, StateKind
 from collgrad.state.layout import Partitioning
-from collgrad.state.outcome import agree_outcome
+from collgrad.state.outcome import agree_outcome, enter
 from collgrad.state.read import FullStateStream
 from collgrad.state.record import StateRecord
 from collgrad.state.shards import SAFE_DTYPES, Entry, Shard, ShardFiles, plan_shards, shard_name
@@ -100,14 +100,7 @@ def save_full_model(
     start = time.perf_counter()
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
     path = os.fspath(directory)
-    error: BaseException | None = None
-    resolved: adapters.Model | None = None
-    try:
-        resolved = adapters.resolve(model)
-    except InvalidArgumentError as caught:
-        error = caught
-    group = resolved.control_group if resolved is not None else _compat.default_group_or_none()
-    me = torch.distributed.get_rank() if group is not None else 0
+    resolved, error, group, me = enter(model)
     writers: tuple[int, ...] = (0,)
     names: list[str] | None = None
     try:
