@@ -74,7 +74,8 @@ def exchange(
     returns every rank's row. ``what`` names the agreement in a timeout error. ``meanwhile``: local
     work run while the exchange is in flight (it must not communicate); the exchange is waited for
     even if it raises, so this rank never leaves a collective of its own behind."""
-    device = _compat.agreement_device(device_type or control_device_type(group))
+    device_type = device_type or control_device_type(group)
+    device = _compat.agreement_device(device_type)
     mine = torch.tensor(list(row), dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(group.size())]
     work = dist.all_gather(rows, mine, group=group, async_op=True)

@@ -15,7 +15,6 @@ Every entry point of collgrad.state opens its call here, so they all fail togeth
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
@@ -71,7 +70,7 @@ class OpenCall:
 
     def __init__(
         self,
-        model: object,
+        entrance: adapters.Entrance,
         *,
         name: str,
         streaming: bool = False,
@@ -87,28 +86,28 @@ class OpenCall:
         meanwhile: Callable[[OpenCall], Any] | None = None,
         models: ModelCache = MODELS,
     ) -> None:
-        """``model``: what the caller passed, or a ``Model`` it resolved already (a call that opens
-        several, as ``save_full_model``, resolves once). ``name``: the public function, compared between
-        ranks and named in errors; ``streaming``: results are handed over bucket by bucket; ``unscale``:
-        fp16 gradients are divided by the loss scale; ``optimizer``: the one holding optimizer states
-        where the model does not."""
+        """``entrance``: the model the caller passed, resolved at the public function's entrance
+        (``adapters.enter``: once per call, however many sources it opens). ``name``: the public
+        function, compared between ranks and named in errors; ``streaming``: results are handed over
+        bucket by bucket; ``unscale``: fp16 gradients are divided by the loss scale; ``optimizer``: the
+        one holding optimizer states where the model does not."""
         self.name = name
         self.kind: StateKind = kind
         self.models = models
         self.dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
-        resolved = model if isinstance(model, adapters.Model) else None
         try:  # every argument is checked before any collective; a rank with bad ones tells the others
-            if resolved is None:  # first: a rank whose other arguments are invalid tells the model's group
-                resolved = adapters.resolve(model)
-            self.model: adapters.Model = resolved
+            if entrance.error is not None:
+                raise entrance.error
+            assert entrance.model is not None
+            self.model: adapters.Model = entrance.model
             cap = _checked(plan, bucket_bytes, policy)
             kind = kind.checked()
-            self.source, self.layout_cached = _source(models, self.dispatcher, resolved, params, kind, optimizer)
+            self.source, self.layout_cached = models.source(self.dispatcher, entrance.model, params, kind, optimizer)
             extra_fields = list(extra(self.source)) if extra is not None else []
             extra_fields += [Field(f"unused {i}", 0) for i in range(self.EXTRA - len(extra_fields))]
             self.local: LocalGrads = self.source.read()
         except (TypeError, ValueError, KeyError):  # InvalidArgumentError, and the adapter's own checks
-            _tell_invalid(resolved, self.dispatcher.timeout, name)
+            _tell_invalid(entrance.group, self.dispatcher.timeout, name)
             raise
         self.call = GradCall(plan, cap, streaming)
         self.policy = policy
@@ -274,11 +273,10 @@ def _agree(
     return rows
 
 
-def _tell_invalid(model: adapters.Model | None, timeout_s: float, name: str) -> None:
+def _tell_invalid(group: ProcessGroup | None, timeout_s: float, name: str) -> None:
     """This rank's arguments are invalid: take part in the readiness check with that verdict, so ranks
     whose arguments were fine raise too instead of waiting; the caller then re-raises its own error.
-    ``model``: None where what was passed is no model (the default group is told)."""
-    group = model.control_group if model is not None else _compat.default_group_or_none()
+    ``group``: the model's (the default group where what was passed is no model)."""
     if group is not None:
         tell_invalid(group, len(FIELDS) + OpenCall.EXTRA, timeout_s, name)
 
@@ -288,33 +286,6 @@ def source_of(
 ) -> tuple[Source, bool]:
     """The cached Source of ``kind`` of ``model``'s trainable parameters (``params``: that selection),
     and whether it came from the cache, as the public functions open it with the default dispatcher.
-    Local."""
+    ``model``: what a caller passed, or the ``Model`` it resolved. Local."""
     resolved = model if isinstance(model, adapters.Model) else adapters.resolve(model)
-    return _source(MODELS, default_dispatcher(), resolved, params, kind, optimizer)
-
-
-def _source(
-    models: ModelCache,
-    dispatcher: Dispatcher,
-    model: adapters.Model,
-    params: Iterable[object] | None,
-    kind: StateKind,
-    optimizer: Any,
-) -> tuple[Source, bool]:
-    """The cached Source of ``kind`` of ``model`` for this ``params`` selection (and ``optimizer``) if
-    its layout still holds, else a new one (and an empty model or selection refused). Cached in
-    ``models`` per dispatcher, weakly per model: released with the model."""
-    params = None if params is None else list(params)
-    selection = None if params is None else tuple(p if isinstance(p, str) else id(p) for p in params)
-    # the optimizer weakly: equal while alive, and a dead one's key matches no new optimizer
-    key = selection if kind == GRAD else (selection, kind, None if optimizer is None else weakref.ref(optimizer))
-    per_model = models.per_model(dispatcher, model.target)
-    source = per_model.get(key)
-    cached = source is not None and source.valid()
-    if source is None or not cached:
-        source = per_model[key] = model.open(params, kind, optimizer)
-    if not source.layout.order:
-        raise InvalidArgumentError(
-            f"rank {_compat.rank()}: no trainable parameter is selected (an empty model, or an empty params=)"
-        )
-    return source, cached
+    return MODELS.source(default_dispatcher(), resolved, params, kind, optimizer)

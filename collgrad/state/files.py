@@ -30,14 +30,12 @@ import torch
 
 from collgrad import _compat
 from collgrad.errors import CheckpointError
-from collgrad.state.shards import SAFE_DTYPES
+from collgrad.state.shards import INDEX_NAME, SAFE_DTYPES, SINGLE_NAME
 
-__all__ = ["Stored", "Checkpoint", "open_checkpoint", "read_header", "read_range", "read_all", "MAX_HEADER_BYTES"]
+__all__ = ["Stored", "Checkpoint", "open_checkpoint", "read_header", "RangeReader", "read_all", "MAX_HEADER_BYTES"]
 
 #: safetensors' own limit on a header (its reader refuses larger ones: "header too large").
 MAX_HEADER_BYTES = 100_000_000
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 DTYPES = {name: dtype for dtype, name in SAFE_DTYPES.items()}
 #: the most one ``os.preadv`` reads on Linux
 _MOST = 0x7FFFF000
@@ -208,7 +206,7 @@ def _inside(directory: str, shard: str, index: str) -> str:
     return resolved
 
 
-def read_range(fd: int, stored: Stored, lo: int, out: torch.Tensor) -> int:
+def _read_range(fd: int, stored: Stored, lo: int, out: torch.Tensor) -> int:
     """Elements ``[lo, lo + out.numel())`` of ``stored`` (flat, row-major), read from the open file
     ``fd`` straight into ``out`` (contiguous, CPU, of ``stored.dtype``); returns the bytes read. OSError
     where the file ends early or reading fails. Local."""
@@ -226,20 +224,40 @@ def read_range(fd: int, stored: Stored, lo: int, out: torch.Tensor) -> int:
     return nbytes
 
 
+class RangeReader:
+    """Ranges of a checkpoint's tensors read straight from its files, each file opened once; counts the
+    bytes read. Use it as a context manager (or ``close`` it). Local."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self.bytes_read = 0
+
+    def read(self, stored: Stored, lo: int, numel: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[lo, lo + numel)`` of ``stored`` (flat, row-major, in its dtype), read into ``into``
+        (contiguous, CPU, of that dtype and size) or a new buffer; OSError where the file ends early or
+        reading fails."""
+        fd = self._fds.get(stored.file)
+        if fd is None:
+            fd = self._fds[stored.file] = os.open(stored.file, os.O_RDONLY)
+        out = torch.empty(numel, dtype=stored.dtype) if into is None else into.view(-1)
+        assert out.numel() == numel
+        self.bytes_read += _read_range(fd, stored, lo, out)
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def read_all(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     """Every tensor of ``checkpoint``, whole, as one process reads a checkpoint to hand it to a
     framework's loader (the benchmark's anchors). Local."""
-    out: dict[str, torch.Tensor] = {}
-    fds: dict[str, int] = {}
-    try:
-        for name, stored in checkpoint.tensors.items():
-            fd = fds.get(stored.file)
-            if fd is None:
-                fd = fds[stored.file] = os.open(stored.file, os.O_RDONLY)
-            tensor = torch.empty(stored.numel, dtype=stored.dtype)
-            read_range(fd, stored, 0, tensor)
-            out[name] = tensor.reshape(stored.shape)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return out
+    with RangeReader() as reader:
+        return {n: reader.read(t, 0, t.numel).reshape(t.shape) for n, t in checkpoint.tensors.items()}

@@ -34,10 +34,10 @@ from collgrad.errors import CheckpointError, CollgradError, LayoutChangedError
 from collgrad.state import adapters
 from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in, select
 from collgrad.state.call import source_of
-from collgrad.state.files import Checkpoint, Stored, open_checkpoint, read_range
+from collgrad.state.files import Checkpoint, RangeReader, Stored, open_checkpoint
 from collgrad.state.kinds import FP32
 from collgrad.state.layout import Partitioning, owned_fragments
-from collgrad.state.outcome import agree_outcome, enter
+from collgrad.state.outcome import agree_outcome
 from collgrad.state.save import persistent_buffers
 
 __all__ = ["load_full_model", "LoadedModel", "Read", "read_plan", "reads"]
@@ -104,7 +104,7 @@ def load_full_model(
     """
     start = time.perf_counter()
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
-    resolved, error, group, me = enter(model)
+    resolved, error, group, me = adapters.enter(model)
     opened: list[tuple[Source, LocalGrads]] = []
     checkpoint: Checkpoint | None = None
     matched: _Matched | None = None
@@ -131,13 +131,13 @@ def load_full_model(
     )
     assert checkpoint is not None and matched is not None  # else an agreement raised
     plan = _plan(opened, matched)
-    reader = _Reader()
+    reader = RangeReader()
     try:
         with torch.no_grad():
             for read, targets in plan:
                 # straight into the first target that can take it, else into a buffer of its own
                 direct = next((w for w in targets if w.takes(read.stored, read.lo, read.numel)), None)
-                values = reader.read(read, None if direct is None else direct.dest)
+                values = reader.read(read.stored, read.lo, read.numel, None if direct is None else direct.dest)
                 for w in targets:
                     if w is not direct:
                         w.write(values[w.at - read.lo : w.at - read.lo + w.numel])
@@ -357,26 +357,3 @@ def read_plan(model: object, path: str | os.PathLike[str]) -> tuple[Read, ...]:
     opened = _sources(resolved, None)
     matched = _match(resolved.module, opened[0][0], open_checkpoint(path), None, strict=False)
     return tuple(read for read, _ in _plan(opened, matched))
-
-
-class _Reader:
-    """The checkpoint's files opened once each; each range read into a buffer of its own."""
-
-    def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
-        self.bytes_read = 0
-
-    def read(self, read: Read, into: torch.Tensor | None = None) -> torch.Tensor:
-        """The elements of ``read``, flat, in the stored dtype, read into ``into`` (contiguous, CPU, of
-        that dtype and size) or a new buffer (OSError where reading fails)."""
-        fd = self._fds.get(read.stored.file)
-        if fd is None:
-            fd = self._fds[read.stored.file] = os.open(read.stored.file, os.O_RDONLY)
-        out = torch.empty(read.numel, dtype=read.stored.dtype) if into is None else into.view(-1)
-        self.bytes_read += read_range(fd, read.stored, read.lo, out)
-        return out
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()

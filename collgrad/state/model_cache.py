@@ -1,7 +1,7 @@
 """What collgrad keeps of each model between calls: its sources, per dispatcher, per model, both
 weakly; and how many model-wide writes it has had.
 
-    ModelCache.of(dispatcher)[model][params selection] -> Source   (reused while Source.valid())
+    ModelCache.source(dispatcher, model, params, kind, optimizer) -> Source   (reused while Source.valid())
     ModelCache.writes(model) -> int                                (what was read before may be stale)
 
 A dispatcher or a model that goes away takes its sources with it. ``MODELS`` is the default instance
@@ -11,10 +11,13 @@ the public functions use; pass another ``ModelCache`` (e.g. in tests) to keep so
 from __future__ import annotations
 
 import weakref
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterable
 
+from collgrad import _compat
 from collgrad.core.dispatch import Dispatcher
-from collgrad.state.adapters.base import Source
+from collgrad.errors import InvalidArgumentError
+from collgrad.state.adapters.base import Model, Source
+from collgrad.state.kinds import GRAD, StateKind
 
 __all__ = ["ModelCache", "MODELS"]
 
@@ -42,6 +45,32 @@ class ModelCache:
         """``model``'s sources under ``dispatcher``; raises TypeError if ``model`` cannot be held weakly
         (then it is no model)."""
         return self.of(dispatcher).setdefault(model, {})
+
+    def source(
+        self,
+        dispatcher: Dispatcher,
+        model: Model,
+        params: Iterable[object] | None,
+        kind: StateKind,
+        optimizer: Any,
+    ) -> tuple[Source, bool]:
+        """The cached Source of ``kind`` of ``model`` for this ``params`` selection (and ``optimizer``)
+        if its layout still holds, else a new one (an empty model or selection refused), and whether
+        it came from the cache. Local: no communication."""
+        params = None if params is None else list(params)
+        selection = None if params is None else tuple(p if isinstance(p, str) else id(p) for p in params)
+        # the optimizer weakly: equal while alive, and a dead one's key matches no new optimizer
+        key = selection if kind == GRAD else (selection, kind, None if optimizer is None else weakref.ref(optimizer))
+        per_model = self.per_model(dispatcher, model.target)
+        source = per_model.get(key)
+        cached = source is not None and source.valid()
+        if source is None or not cached:
+            source = per_model[key] = model.open(params, kind, optimizer)
+        if not source.layout.order:
+            raise InvalidArgumentError(
+                f"rank {_compat.rank()}: no trainable parameter is selected (an empty model, or an empty params=)"
+            )
+        return source, cached
 
     def wrote(self, model: object) -> None:
         """A model-wide write into ``model`` begins (counted before it starts: one that fails halfway

@@ -10,39 +10,14 @@ all-gather over the model's group; then every rank raises together, or all go on
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
-import torch
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.backends import agreement
-from collgrad.errors import ArgumentMismatchError, CollgradError, InvalidArgumentError, RankFailedError
-from collgrad.state import adapters
+from collgrad.errors import ArgumentMismatchError, CollgradError, RankFailedError
 
-__all__ = ["agree_outcome", "Entrance", "enter"]
-
-
-class Entrance(NamedTuple):
-    """A file call's model resolved at its entrance (None where what was passed is no model), the error
-    to agree on if it was not, the group whose ranks agree on the call's outcome, and this rank in it."""
-
-    model: adapters.Model | None
-    error: BaseException | None
-    group: ProcessGroup | None
-    me: int
-
-
-def enter(model: object) -> Entrance:
-    """``model`` resolved once for a call that writes or reads files; a model of no known kind is kept
-    as the error the first agreement tells the others. Local."""
-    try:
-        resolved: adapters.Model | None = adapters.resolve(model)
-        error: BaseException | None = None
-    except InvalidArgumentError as caught:
-        resolved, error = None, caught
-    group = resolved.control_group if resolved is not None else _compat.default_group_or_none()
-    return Entrance(resolved, error, group, torch.distributed.get_rank() if group is not None else 0)
+__all__ = ["agree_outcome"]
 
 
 def agree_outcome(

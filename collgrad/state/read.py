@@ -12,6 +12,7 @@ import torch
 
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher
+from collgrad.state import adapters
 from collgrad.state.call import OpenCall
 from collgrad.state.execute import Executor
 from collgrad.state.kinds import Grad, StateKind
@@ -75,7 +76,7 @@ def safe_get_full_model_grads(
     ``step()`` uses.
     """
     call = OpenCall(
-        model,
+        adapters.enter(model),
         name="safe_get_full_model_grads",
         params=params,
         bucket_bytes=bucket_bytes,
@@ -155,7 +156,7 @@ def iter_full_model_grads(
     """
     return FullStateStream(
         OpenCall(
-            model,
+            adapters.enter(model),
             name="iter_full_model_grads",
             streaming=True,
             params=params,

@@ -13,7 +13,6 @@ streamed bucket by bucket into safetensors shards (shards.py), never the whole m
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -32,16 +31,15 @@ from collgrad.state.adapters.base import select
 from collgrad.state.call import OpenCall
 from collgrad.state.kinds import FP32, WEIGHTS, StateKind
 from collgrad.state.layout import Partitioning
-from collgrad.state.outcome import agree_outcome, enter
+from collgrad.state.outcome import agree_outcome
 from collgrad.state.read import FullStateStream
 from collgrad.state.record import StateRecord
-from collgrad.state.shards import SAFE_DTYPES, Entry, Shard, ShardFiles, plan_shards, shard_name
+from collgrad.state.shards import INDEX_NAME, SAFE_DTYPES, Entry, ShardFiles, plan_shards
 
 __all__ = ["save_full_model", "SavedModel", "DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME"]
 
 #: ``save_pretrained``'s default shard size ("5GB")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-INDEX_NAME = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -100,7 +98,8 @@ def save_full_model(
     start = time.perf_counter()
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
     path = os.fspath(directory)
-    resolved, error, group, me = enter(model)
+    entrance = adapters.enter(model)
+    resolved, error, group, me = entrance
     writers: tuple[int, ...] = (0,)
     names: list[str] | None = None
     try:
@@ -114,27 +113,33 @@ def save_full_model(
     arguments = stable_hash((path, str(dtype), max_shard_bytes, writers, names))
     _agree(group, me, error, "check the arguments and make the directory", dispatcher.timeout, arguments)
     assert resolved is not None  # else _agree raised
-    module = resolved.module
-    calls = _open_calls(resolved, dtype, names, bucket_bytes, dispatcher)
-    plan = plan_shards(_entries(calls, module, dtype, names), max_shard_bytes, {"format": "pt"})
-    shards = ShardFiles(plan, path, writers, me)
+    plan = _plan(entrance, dtype, names, bucket_bytes, dispatcher)
+    shards = ShardFiles(plan_shards(plan.entries, max_shard_bytes, {"format": "pt"}), path, writers, me)
     if me in writers:
         shards.create()
     streams: list[FullStateStream] = []
-    try:
-        for name, tensor in _tensors(calls, module, names, streams):
-            shards.put(name, tensor)
+    try:  # every tensor, whole, as held (ShardFiles converts each as planned), in the plan's order
+        for call, whole in plan.calls:
+            if whole:
+                tensors: Iterable[tuple[str, torch.Tensor]] = ((n, p.detach()) for n, p in call.source.params.items())
+            else:  # one bucket at a time
+                streams.append(FullStateStream(call, copy=False))
+                tensors = streams[-1]
+            for name, tensor in tensors:
+                shards.put(name, tensor)
+        for name, buffer in plan.buffers:
+            shards.put(name, buffer)
         shards.finish()
         _agree(group, me, shards.error, "write its shards", dispatcher.timeout)
     except BaseException:
         shards.discard()
         raise
-    files, here = _final_names(path, plan, shards, writers, me)
+    files, here = shards.commit()
     _agree(group, me, shards.error, "give its shards their final names", dispatcher.timeout)
     seconds = time.perf_counter() - start
     records = tuple(stream.record() for stream in streams)
-    tensors = sum(len(shard.entries) for shard in plan)
-    return SavedModel(path, files, tuple(here), tensors, sum(s.data_bytes for s in plan), seconds, records)
+    data_bytes = sum(s.data_bytes for s in shards.plan)
+    return SavedModel(path, files, here, len(plan.entries), data_bytes, seconds, records)
 
 
 def _checked(ranks: Sequence[int], dtype: torch.dtype | None, max_shard_bytes: int) -> tuple[int, ...]:
@@ -162,79 +167,64 @@ def _ready(path: str, rank: int) -> None:
     os.remove(probe)
 
 
-#: An opened stream's call, and its state.
-Opened = tuple[OpenCall, StateKind]
+@dataclass(frozen=True)
+class _Plan:
+    """What a save writes, decided before any data moves: the calls whose streams bring the parameters
+    whole (each with whether every rank holds them whole already: then they are read as they are, each
+    in its own dtype, with no stream), every tensor as written in layout order (the parameters, then the
+    persistent buffers), and the buffers."""
+
+    calls: tuple[tuple[OpenCall, bool], ...]
+    entries: list[Entry]
+    buffers: tuple[tuple[str, torch.Tensor], ...]
 
 
-def _open_calls(
-    model: adapters.Model,
+def _plan(
+    entrance: adapters.Entrance,
     dtype: torch.dtype | None,
     names: list[str] | None,
     bucket_bytes: int | None,
     dispatcher: Dispatcher,
-) -> list[Opened]:
-    """The calls whose streams bring the parameters whole (each opened on every rank together): the
-    module's weights, or with ``dtype`` the fp32 master weights of the trainable ones and the module's
-    weights of the frozen ones."""
-    named = select(model.module, names, trainable=False)
+) -> _Plan:
+    """The save's plan, its calls opened on every rank together: the module's weights, or with ``dtype``
+    the fp32 master weights of the trainable parameters and the module's weights of the frozen ones.
+    ``entrance``: the model, resolved (``adapters.enter``)."""
+    assert entrance.model is not None
+    module = entrance.model.module
+    named = select(module, names, trainable=False)
+    buffers = tuple(persistent_buffers(module)) if names is None else ()
     wanted: list[tuple[StateKind, list[str]]]
     if dtype is None:
         wanted = [(WEIGHTS, [n for n, _ in named])]
     else:
         trainable = [n for n, p in named if p.requires_grad]
         wanted = [(FP32, trainable), (WEIGHTS, [n for n, p in named if not p.requires_grad])]
-    opened: list[Opened] = []
+    calls: list[tuple[OpenCall, bool]] = []
+    entries: list[Entry] = []
     for state, chosen in wanted:
-        if chosen:
-            name = f"save_full_model:{state.label}"
-            call = OpenCall(
-                model,
-                name=name,
-                streaming=True,
-                kind=state,
-                params=chosen,
-                bucket_bytes=bucket_bytes,
-                dispatcher=dispatcher,
-            )
-            opened.append((call, state))
-    return opened
-
-
-def _whole_here(call: OpenCall) -> bool:
-    """Every rank holds these weights whole (ZeRO-1/2, stage 0, a plain module): read them as they are,
-    each in its own dtype, with no stream."""
-    return all(g.kind is Partitioning.REPLICATED for g in call.source.layout.groups) and call.source.accessor is None
-
-
-def _entries(calls: list[Opened], module: nn.Module, dtype: torch.dtype | None, names: list[str] | None) -> list[Entry]:
-    """Every tensor to write, as written, in layout order: the parameters, then the persistent buffers."""
-    out = []
-    for call, state in calls:
-        params = call.source.params
-        for group in call.source.layout.groups:
-            for slot in group.params:
-                kept = params[slot.name].dtype if state == WEIGHTS and _whole_here(call) else group.out_dtype
-                out.append(Entry(slot.name, slot.shape, dtype or kept))
-    if names is None:
-        for name, buffer in persistent_buffers(module):
-            written = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
-            out.append(Entry(name, tuple(buffer.shape), written))
-    return out
-
-
-def _tensors(
-    calls: list[Opened], module: nn.Module, names: list[str] | None, streams: list[FullStateStream]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor to save, whole, one bucket at a time (each stream opened is added to ``streams``),
-    then (without ``params=``) the persistent buffers. As held: ShardFiles converts each as planned."""
-    for call, _ in calls:
-        if _whole_here(call):
-            yield from ((name, p.detach()) for name, p in call.source.params.items())
+        if not chosen:
             continue
-        streams.append(FullStateStream(call, copy=False))
-        yield from streams[-1]
-    if names is None:
-        yield from persistent_buffers(module)
+        call = OpenCall(
+            entrance,
+            name=f"save_full_model:{state.label}",
+            streaming=True,
+            kind=state,
+            params=chosen,
+            bucket_bytes=bucket_bytes,
+            dispatcher=dispatcher,
+        )
+        source = call.source
+        # ZeRO-1/2, stage 0, a plain module: every rank holds these weights whole
+        whole = source.accessor is None and all(g.kind is Partitioning.REPLICATED for g in source.layout.groups)
+        calls.append((call, whole))
+        for group in source.layout.groups:
+            for slot in group.params:
+                kept = source.params[slot.name].dtype if state == WEIGHTS and whole else group.out_dtype
+                entries.append(Entry(slot.name, slot.shape, dtype or kept))
+    for name, buffer in buffers:
+        written = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
+        entries.append(Entry(name, tuple(buffer.shape), written))
+    return _Plan(tuple(calls), entries, buffers)
 
 
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -246,52 +236,6 @@ def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 continue
             seen.add(id(buffer))
             yield (f"{prefix}.{name}" if prefix else name), buffer.detach()
-
-
-def _final_names(
-    path: str, plan: tuple[Shard, ...], shards: ShardFiles, writers: tuple[int, ...], me: int
-) -> tuple[tuple[str, ...], list[str]]:
-    """This rank's shards renamed to their final names, and by the first writing rank the index added and
-    an earlier save's weights files removed: every file of the checkpoint, and those this rank wrote. A
-    failure is kept in ``shards.error`` (the temporaries not renamed yet removed) for the agreement."""
-    count = len(plan)
-    files = tuple(shard_name(k, count) for k in range(count)) + ((INDEX_NAME,) if count > 1 else ())
-    here: list[str] = []
-    try:
-        for k, temporary in shards.written:
-            os.replace(temporary, os.path.join(path, files[k]))
-            here.append(files[k])
-        if me == writers[0]:
-            if count > 1:
-                _write_index(path, plan)
-                here.append(INDEX_NAME)
-            _remove_stale(path, files)
-    except OSError as caught:
-        shards.error = caught
-        shards.discard()
-    return files, here
-
-
-def _remove_stale(path: str, files: tuple[str, ...]) -> None:
-    """Weights files an earlier save left in ``path`` that are not part of this one (``from_pretrained``
-    would load ``model.safetensors`` before an index), as ``save_pretrained`` removes them."""
-    for name in os.listdir(path):
-        stale = name == "model.safetensors" or name == INDEX_NAME or (name.startswith("model-") and "-of-" in name)
-        if stale and name.endswith((".safetensors", ".json")) and name not in files:
-            os.remove(os.path.join(path, name))
-
-
-def _write_index(path: str, plan: tuple[Shard, ...]) -> None:
-    count = len(plan)
-    index = {
-        "metadata": {"total_size": sum(s.data_bytes for s in plan)},
-        "weight_map": {e.name: shard_name(k, count) for k, shard in enumerate(plan) for e in shard.entries},
-    }
-    temporary = os.path.join(path, f".{INDEX_NAME}.tmp")
-    with open(temporary, "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(temporary, os.path.join(path, INDEX_NAME))
 
 
 def _agree(

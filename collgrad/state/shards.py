@@ -27,7 +27,17 @@ import torch
 from collgrad import _compat
 from collgrad.errors import InvalidArgumentError
 
-__all__ = ["Entry", "Shard", "plan_shards", "ShardFiles", "shard_name", "write_safetensors", "SAFE_DTYPES"]
+__all__ = [
+    "Entry",
+    "Shard",
+    "plan_shards",
+    "ShardFiles",
+    "shard_name",
+    "write_safetensors",
+    "SAFE_DTYPES",
+    "SINGLE_NAME",
+    "INDEX_NAME",
+]
 
 #: torch dtypes and their safetensors names
 SAFE_DTYPES = {
@@ -78,9 +88,14 @@ class Shard:
         return sum(e.nbytes for e in self.entries)
 
 
+#: The names ``save_pretrained`` gives a checkpoint of one file, and the index of a sharded one.
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
 def shard_name(index: int, count: int) -> str:
     """The file name ``save_pretrained`` gives shard ``index`` (0-based) of ``count``."""
-    return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+    return SINGLE_NAME if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
 def plan_shards(entries: list[Entry], max_shard_bytes: int, metadata: dict[str, str]) -> tuple[Shard, ...]:
@@ -203,6 +218,48 @@ class ShardFiles:
             finally:
                 os.close(fd)
         self._files.clear()
+
+    def commit(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """This rank's shards renamed to their final names, and by the first writing rank the index
+        added and an earlier save's weights files removed, once every rank has written all of its
+        own: every file of the checkpoint, and those this rank wrote. A failure is kept in ``error``
+        (the temporaries not renamed yet removed) for the caller to tell the others."""
+        count = len(self.plan)
+        files = tuple(shard_name(k, count) for k in range(count)) + ((INDEX_NAME,) if count > 1 else ())
+        here: list[str] = []
+        try:
+            for k, temporary in self.written:
+                os.replace(temporary, os.path.join(self.directory, files[k]))
+                here.append(files[k])
+            if self.rank == self.ranks[0]:
+                if count > 1:
+                    self._write_index()
+                    here.append(INDEX_NAME)
+                self._remove_stale(files)
+        except OSError as caught:
+            self.error = caught
+            self.discard()
+        return files, tuple(here)
+
+    def _write_index(self) -> None:
+        count = len(self.plan)
+        index = {
+            "metadata": {"total_size": sum(s.data_bytes for s in self.plan)},
+            "weight_map": {e.name: shard_name(k, count) for k, shard in enumerate(self.plan) for e in shard.entries},
+        }
+        temporary = os.path.join(self.directory, f".{INDEX_NAME}.tmp")
+        with open(temporary, "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(temporary, os.path.join(self.directory, INDEX_NAME))
+
+    def _remove_stale(self, files: tuple[str, ...]) -> None:
+        """Weights files an earlier save left that are not part of this one (``from_pretrained`` would
+        load ``model.safetensors`` before an index), as ``save_pretrained`` removes them."""
+        for name in os.listdir(self.directory):
+            stale = name == SINGLE_NAME or name == INDEX_NAME or (name.startswith("model-") and "-of-" in name)
+            if stale and name.endswith((".safetensors", ".json")) and name not in files:
+                os.remove(os.path.join(self.directory, name))
 
     def discard(self) -> None:
         """Every temporary file of this rank removed (after a failure anywhere)."""

@@ -16,6 +16,7 @@ import torch
 from collgrad.backends.agreement import Field, stable_hash
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher
+from collgrad.state import adapters
 from collgrad.state.adapters.base import Source
 from collgrad.state.call import OpenCall
 from collgrad.state.kinds import FP32, OptimizerState, StateKind
@@ -225,7 +226,7 @@ def _open(
     """The call opened on every rank together (arguments, source, agreement; see OpenCall); nothing to
     unscale: master weights and optimizer states are true values."""
     return OpenCall(
-        model,
+        adapters.enter(model),
         name=name,
         streaming=streaming,
         kind=kind,

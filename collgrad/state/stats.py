@@ -31,7 +31,7 @@ from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher
 from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, RankFailedError
-from collgrad.state import stat_reduce
+from collgrad.state import adapters, stat_reduce
 from collgrad.state.adapters.base import Source
 from collgrad.state.call import OpenCall
 from collgrad.state.execute import accessor_bytes
@@ -111,7 +111,7 @@ def safe_get_full_model_grad_stats(
 
     name = "safe_get_full_model_grad_stats"
     call = OpenCall(
-        model,
+        adapters.enter(model),
         name=name,
         params=params,
         unscale=unscale,

@@ -26,6 +26,7 @@ from collgrad.backends.agreement import Field, ranks_by_value, stable_hash
 from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import ArgumentMismatchError, InvalidArgumentError, NotReadyError, UnknownParameterError
+from collgrad.state import adapters
 from collgrad.state.adapters.base import Problem, Source
 from collgrad.state.call import OpenCall, source_of
 from collgrad.state.execute import Executor
@@ -161,7 +162,7 @@ def set_full(
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
     try:
         call = OpenCall(
-            model,
+            adapters.enter(model),
             name=name,
             kind=state,
             params=params,
@@ -257,7 +258,7 @@ def safe_update_full_model_grads(
     if not callable(fn):
         raise InvalidArgumentError(f"rank {_compat.rank()}: fn must be callable, got {type(fn).__name__}")
     call = OpenCall(
-        model,
+        adapters.enter(model),
         name="safe_update_full_model_grads",
         streaming=True,
         params=params,

@@ -1,8 +1,10 @@
-"""The base types of every gradient source: ``Source`` (a model's gradient layout and how to read and
-write this rank's part of it), ``LocalGrads`` (one call's view of this rank's gradients), ``Problem``
-(why they cannot be read now), ``ReplicatedSource`` (every rank holds every full gradient).
+"""The base types of the framework adapters: ``Model`` (what a caller passed, resolved into the adapter
+of its framework), ``Source`` (one kind of a model's state: its layout and how to read and write this
+rank's part of it), ``LocalGrads`` (one call's view of this rank's part), ``Problem`` (why it cannot be
+read now), ``ReplicatedSource`` (every rank holds every parameter's state whole).
 
-The adapters (deepspeed.py, fsdp2.py) build on these; ``collgrad.state.adapters`` opens the right one.
+The adapters (deepspeed.py, fsdp2.py, plain.py) build on these; ``collgrad.state.adapters.resolve``
+picks the one that holds what was passed.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import enum
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Hashable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -21,10 +23,11 @@ from collgrad import _compat
 from collgrad.core.buffers import Pieces
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
 from collgrad.state.cache import PlanCache, WritePlan, WriteRow
-from collgrad.state.kinds import StateKind
+from collgrad.state.kinds import GRAD, WEIGHTS, StateKind
 from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout, owned_fragments
 
 __all__ = [
+    "Model",
     "Problem",
     "LocalGrads",
     "Source",
@@ -37,6 +40,47 @@ __all__ = [
     "select",
     "rank_in",
 ]
+
+
+class Model:
+    """What a caller passed, resolved once at the entrance of a call into the adapter of the framework
+    that holds its state (``DeepSpeedModel``, ``FSDP2Model``, ``PlainModel``): each owns every internal
+    of its framework and opens that framework's sources. Holds nothing but references the caller
+    already holds. Local: nothing here communicates."""
+
+    #: "deepspeed", "fsdp2" or "torch".
+    framework: ClassVar[str]
+    #: The module whose ``state_dict()`` the model has.
+    module: nn.Module
+    #: What sources are cached for (weakly): the engine, or the module.
+    target: object
+
+    @property
+    def control_group(self) -> ProcessGroup | None:
+        """The group whose ranks must all call for this model (its data-parallel group); None without
+        a process group."""
+        return _compat.default_group() if torch.distributed.is_initialized() else None
+
+    def open(self, params: Iterable[object] | None = None, kind: StateKind = GRAD, optimizer: Any = None) -> Source:
+        """The Source of ``kind`` (default: the gradients) of this model's parameters (``params``: a
+        selection; trainable ones unless ``kind`` is the weights). ``optimizer``: the one holding
+        optimizer states where the model does not (FSDP2, a plain module)."""
+        raise NotImplementedError
+
+    def load_kinds(self) -> tuple[StateKind, ...]:
+        """The kinds of state a load writes: the module's weights, and the fp32 master weights where an
+        optimizer keeps its own; InvalidArgumentError (this rank) where collgrad cannot write them."""
+        return (WEIGHTS,)
+
+    def hook_step(self, run: Callable[[Any], None]) -> Callable[[], None]:
+        """Have ``run(engine)`` called inside this model's fused step (at each accumulation boundary,
+        before clipping and the update); returns the function that undoes it. InvalidArgumentError
+        (this rank) where there is no such step."""
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: {type(self.module).__name__} is not a DeepSpeed engine (or a module one "
+            "wraps): there is no fused step to hook. With a torch optimizer, call your function between "
+            "backward() and optimizer.step() (or register it with optimizer.register_step_pre_hook)"
+        )
 
 
 def optimizer_states(optimizer: Any, state: StateKind) -> Callable[[], Any]:

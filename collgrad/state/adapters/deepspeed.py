@@ -23,7 +23,7 @@ rank's part of every kind of state. Gradients, each rank's reduced, averaged par
 
 Whether reading is valid now ("a backward() ran since the last step()") is told by state each
 optimizer keeps for itself; see ``_problem``. The fp32 masters, their optimizer states and the module's
-weights: see ``_open_state``. One source class per layout (``_Zero12``, ``_Zero3``, ``_Zero3Weights``,
+weights: see ``open_engine``. One source class per layout (``_Zero12``, ``_Zero3``, ``_Zero3Weights``,
 the replicated and accessor sources), each told the kind of state it reads.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from typing import Any, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import deepspeed
 import torch
@@ -50,18 +50,21 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.core.buffers import Pieces, PiecesCache
 from collgrad.errors import InvalidArgumentError
 from collgrad.state.adapters.base import (
     LocalGrads,
+    Model,
     Problem,
     ReplicatedSource,
     Source,
     always_ok,
     copy_to_weights,
     per_element_state,
+    select,
     whole_values,
 )
 from collgrad.state.adapters.engine_hooks import hook_model_step, release_on_offload
@@ -71,20 +74,14 @@ from collgrad.state.kinds import FP32, GRAD, WEIGHTS, StateKind
 from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout
 
 __all__ = [
-    "engine_of",
-    "load_kinds",
+    "adapt_engine",
+    "DeepSpeedModel",
     "find_engine",
-    "refuse_unfound",
     "accessor_module",
     "zero_managed",
     "own_grad",
     "full_numel",
-    "hook_model_step",
-    "open_engine",
-    "model_parallel_names",
     "DeepSpeedEngine",
-    "zero3_group",
-    "control_group",
     "initialize",
     "safe_get_full_grad",
     "safe_set_full_grad",
@@ -138,13 +135,40 @@ def find_engine(model: Any) -> DeepSpeedEngine | None:
     return None
 
 
-def engine_of(model: object) -> DeepSpeedEngine | None:
-    """The engine ``model`` is or wraps (``find_engine``), else None; InvalidArgumentError (this rank)
-    for a module whose parameters DeepSpeed manages but whose engine cannot be found (``refuse_unfound``)."""
+def adapt_engine(model: object) -> DeepSpeedModel | None:
+    """The adapter of the engine ``model`` is or wraps (``find_engine``), else None; InvalidArgumentError
+    (this rank) for a module whose parameters DeepSpeed manages but whose engine cannot be found
+    (``refuse_unfound``). Local."""
     engine = find_engine(model)
     if engine is None and isinstance(model, nn.Module):
         refuse_unfound(model)
-    return engine
+    return DeepSpeedModel(engine) if engine is not None else None
+
+
+class DeepSpeedModel(Model):
+    """A DeepSpeed engine (ZeRO-0/1/2/3, BF16_Optimizer, any optimizer it wraps), found once. Built by
+    ``adapt_engine``; holds the engine only for the call that resolved it."""
+
+    framework: ClassVar[str] = "deepspeed"
+
+    def __init__(self, engine: DeepSpeedEngine) -> None:
+        self.engine = engine
+        self.module = engine.module
+        self.target = engine
+
+    @property
+    def control_group(self) -> ProcessGroup | None:
+        return control_group(self.engine) if dist.is_initialized() else None
+
+    def open(self, params: Iterable[object] | None = None, kind: StateKind = GRAD, optimizer: Any = None) -> Source:
+        """The engine's own optimizer holds every state: ``optimizer`` is not used."""
+        return open_engine(self.engine, select(self.module, params, trainable=kind != WEIGHTS), kind)
+
+    def load_kinds(self) -> tuple[StateKind, ...]:
+        return load_kinds(self.engine)
+
+    def hook_step(self, run: Callable[[Any], None]) -> Callable[[], None]:
+        return hook_model_step(self.engine, run)
 
 
 def refuse_unfound(module: nn.Module) -> None:
@@ -182,7 +206,8 @@ def accessor_module() -> types.ModuleType:
     return sys.modules["deepspeed.utils.tensor_fragment"]
 
 
-def control_group(engine: DeepSpeedEngine):
+def control_group(engine: DeepSpeedEngine) -> ProcessGroup:
+    """The engine's data-parallel group (its sequence-data-parallel one where it has one)."""
     group = getattr(engine, "seq_data_parallel_group", None) or getattr(engine, "data_parallel_group", None)
     return group if group is not None else _compat.default_group()
 
@@ -233,62 +258,34 @@ def model_parallel_names(named: list[tuple[str, nn.Parameter]]) -> frozenset[str
 
 def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]], kind: StateKind = GRAD) -> Source:
     """The Source of ``kind`` of ``engine``'s ``named`` parameters, chosen by the optimizer DeepSpeed
-    built. Local: no communication."""
-    if kind != GRAD:
-        return _open_state(engine, named, kind)
+    built:
+
+    - ZeRO-1/2 and ZeRO-3: the partitions the optimizer steps (gradients, fp32 masters, optimizer
+      states alike); ZeRO-3 sub-groups swapped to NVMe: DeepSpeed's per-parameter accessor.
+    - The module's weights: whole on every rank below ZeRO-3; ZeRO-3: each rank's ``ds_tensor``.
+    - Otherwise every rank holds each parameter's state whole, or DeepSpeed's accessor reads it
+      (``_replicated``).
+
+    States are readable at any time outside ``step()``: no backward is needed. Local: no communication."""
     opt = engine.optimizer
     if opt is None:
+        what = "reduces no gradient" if kind == GRAD else f"keeps no {kind.describe()}"
+        fix = ", or pass the module itself if its .grad already holds reduced gradients" if kind == GRAD else ""
         raise InvalidArgumentError(
-            f"rank {_compat.rank()}: this DeepSpeed engine has no optimizer, so DeepSpeed reduces no gradient: "
-            "pass an optimizer to "
-            "deepspeed.initialize, or pass the module itself if its .grad already holds reduced gradients"
+            f"rank {_compat.rank()}: this DeepSpeed engine has no optimizer, so DeepSpeed {what}: pass an "
+            f"optimizer to deepspeed.initialize{fix}"
         )
     optimizer = type(opt).__name__
     model_parallel = model_parallel_names(named)
-    if optimizer == "DeepSpeedZeroOptimizer":
-        return _Zero12(engine, named, model_parallel, GRAD)
-    if optimizer == "DeepSpeedZeroOptimizer_Stage3":
-        return _Zero3(engine, named, model_parallel, GRAD)
-    group = control_group(engine)
-    engine_ref = weakref.ref(engine)  # sources are cached keyed weakly by the engine: never hold it
-    if optimizer == "BF16_Optimizer":
-        # fp32_groups_has_gradients: set when backward adds into the fp32 accumulation buffer, cleared
-        # by zero_grad() in step().
-        return ReplicatedSource(
-            "deepspeed-bf16-optimizer",
-            named,
-            lambda: [getattr(p, "_hp_grad", None) for _, p in named],
-            group,
-            problem=lambda: _problem(engine_ref(), any(any(f) for f in opt.fp32_groups_has_gradients)),
-            model_parallel=model_parallel,
-            dtype=torch.float32,
-        )
-    if engine.zero_optimization_stage() == 0:
-        grads = lambda: [p.grad for _, p in named]  # noqa: E731
-        return ReplicatedSource(
-            "deepspeed-stage0",
-            named,
-            grads,
-            group,
-            problem=lambda: _problem(engine_ref(), not named or any(g is not None for g in grads())),
-            loss_scale=lambda: _loss_scale(engine_ref()),
-            model_parallel=model_parallel,
-            set_grad=lambda p, g: setattr(p, "grad", g),
-        )
-    # An optimizer whose layout collgrad does not know: DeepSpeed's accessor, one collective per parameter.
-    source = ReplicatedSource(
-        f"deepspeed-accessor:{optimizer}",
-        named,
-        lambda: [None] * len(named),
-        group,
-        problem=lambda: _problem(engine_ref(), True),
-        loss_scale=lambda: _loss_scale(engine_ref()),
-        model_parallel=model_parallel,
-        dtype=torch.float32,
-    )
-    source.accessor = safe_get_full_grad
-    source.accessor_set = safe_set_full_grad
-    return source
+    if kind == WEIGHTS and optimizer == "DeepSpeedZeroOptimizer_Stage3":
+        return _Zero3Weights(engine, named, model_parallel)
+    if kind != WEIGHTS and optimizer == "DeepSpeedZeroOptimizer":
+        return _Zero12(engine, named, model_parallel, kind)
+    if kind != WEIGHTS and optimizer == "DeepSpeedZeroOptimizer_Stage3":
+        source = _Zero3(engine, named, model_parallel, kind)
+        if kind == GRAD or not source.swaps:
+            return source
+    return _replicated(engine, named, model_parallel, kind, optimizer)
 
 
 class _EngineSource(Source):
@@ -622,103 +619,95 @@ class _Zero3(_EngineSource):
                     grad.copy_(part)
 
 
-def _open_state(engine: Any, named: list[tuple[str, nn.Parameter]], state: StateKind) -> Source:
-    """The Source of ``state`` (the fp32 masters, an optimizer state, the module's weights) of
-    ``engine``'s ``named`` parameters:
-
-    - ZeRO-1/2 and ZeRO-3: the partitions the optimizer steps, laid out as the gradients are;
-      ZeRO-3 sub-groups swapped to NVMe: DeepSpeed's per-parameter accessor.
-    - Stage 0 with a torch optimizer: there is no master copy; every rank holds the module's weights
-      and the optimizer's state of each parameter whole: nothing to communicate.
-    - Otherwise (``BF16_Optimizer``, ...): DeepSpeed's per-parameter accessor, one collective each.
-    - The module's weights: whole on every rank below ZeRO-3; ZeRO-3: each rank's ``ds_tensor``.
-
-    Readable at any time outside ``step()``: no backward is needed. Local: no communication."""
-    opt = engine.optimizer
-    if opt is None:
-        raise InvalidArgumentError(
-            f"rank {_compat.rank()}: this DeepSpeed engine has no optimizer, so it keeps no {state.describe()}: "
-            "pass an optimizer to deepspeed.initialize"
-        )
-    kind = type(opt).__name__
-    model_parallel = model_parallel_names(named)
-    if state == WEIGHTS:
-        if kind == "DeepSpeedZeroOptimizer_Stage3":
-            return _Zero3Weights(engine, named, model_parallel)
-        weights = whole_values(named, state)  # whole on every rank below ZeRO-3
-        variant = f"deepspeed-{kind}:weights"
-        return ReplicatedSource(
-            variant, named, weights, control_group(engine), problem=always_ok, model_parallel=model_parallel
-        )
-    if kind == "DeepSpeedZeroOptimizer":
-        return _Zero12(engine, named, model_parallel, state)
-    if kind == "DeepSpeedZeroOptimizer_Stage3":
-        source = _Zero3(engine, named, model_parallel, state)
-        if not source.swaps:
-            return source
-    elif engine.zero_optimization_stage() == 0 and isinstance(opt, torch.optim.Optimizer):
-        return _replicated(engine, named, model_parallel, state)
-    return _accessor(engine, named, model_parallel, state, kind)
-
-
 def _replicated(
-    engine: Any, named: list[tuple[str, nn.Parameter]], model_parallel: frozenset[str], state: StateKind
+    engine: Any, named: list[tuple[str, nn.Parameter]], model_parallel: frozenset[str], kind: StateKind, optimizer: str
 ) -> Source:
-    """Stage 0 with a torch optimizer: the module's weights are what it steps; each state is per parameter."""
+    """Where no partitioned layout holds ``kind``: every rank holds it whole, or DeepSpeed's per-parameter
+    accessor reads it (one collective per parameter: a layout collgrad does not read).
+
+    - The module's weights below ZeRO-3: whole on every rank.
+    - Stage 0: the gradients in each ``.grad`` (fp16: scaled by the loss scale); with a torch
+      optimizer, the weights are what it steps and each state is per parameter in ``optimizer.state``.
+    - BF16_Optimizer: the gradients in its fp32 accumulation (``_hp_grad``).
+    - Otherwise (BF16_Optimizer's masters and states, ZeRO-3 sub-groups swapped to NVMe, an optimizer
+      collgrad does not know): DeepSpeed's accessors and setters."""
     opt = engine.optimizer
-    return ReplicatedSource(
-        f"deepspeed-stage0:{state.label}",
+    engine_ref = weakref.ref(engine)  # sources are cached keyed weakly by the engine: never hold it
+    group = control_group(engine)
+    loss_scale = lambda: _loss_scale(engine_ref())  # noqa: E731 - fp16: the scale DeepSpeed holds now
+    stage0 = engine.zero_optimization_stage() == 0
+    values: Callable[[], Any] = lambda: [None] * len(named)  # noqa: E731 - the accessor reads each
+    problem: Callable[[], Problem] = always_ok
+    scaled, dtype, set_grad, full_shape = False, torch.float32, None, None
+    accessor = kind != WEIGHTS and not (stage0 and isinstance(opt, torch.optim.Optimizer))
+    if kind == GRAD and optimizer == "BF16_Optimizer":
+        # fp32_groups_has_gradients: set when backward adds into the fp32 accumulation buffer, cleared
+        # by zero_grad() in step().
+        variant, accessor = "deepspeed-bf16-optimizer", False
+        values = lambda: [getattr(p, "_hp_grad", None) for _, p in named]  # noqa: E731
+        problem = lambda: _problem(engine_ref(), any(any(f) for f in opt.fp32_groups_has_gradients))  # noqa: E731
+    elif kind == GRAD and stage0:
+        variant, accessor, scaled, dtype = "deepspeed-stage0", False, True, None
+        values = lambda: [p.grad for _, p in named]  # noqa: E731
+        problem = lambda: _problem(engine_ref(), not named or any(p.grad is not None for _, p in named))  # noqa: E731
+        set_grad = _set_grad
+    elif kind == GRAD:
+        variant, scaled = f"deepspeed-accessor:{optimizer}", True
+        problem = lambda: _problem(engine_ref(), True)  # noqa: E731
+    elif accessor:
+        if not all(zero_managed(p) for _, p in named):
+            raise InvalidArgumentError(
+                f"rank {_compat.rank()}: DeepSpeed keeps no {kind.describe()} collgrad or DeepSpeed's accessors "
+                f"can read for {optimizer} (deepspeed.utils.safe_get_full_fp32_param returns None there); with "
+                "a torch optimizer at stage 0, read the module's own weights and optimizer.state"
+            )
+        variant = f"deepspeed-accessor:{optimizer}:{kind.label}"
+        # ZeRO-3 (NVMe-swapped sub-groups): a partitioned parameter's own shape is (0,) outside a gather
+        full_shape = _whole_shape
+    else:  # whole on every rank: the weights below ZeRO-3, or stage 0's torch optimizer
+        variant = f"deepspeed-{optimizer}:weights" if kind == WEIGHTS else f"deepspeed-stage0:{kind.label}"
+        values, dtype = whole_values(named, kind, lambda: opt.state), None
+    source = (_AccessorState if accessor and kind != GRAD else ReplicatedSource)(
+        variant,
         named,
-        whole_values(named, state, lambda: opt.state),
-        control_group(engine),
-        problem=always_ok,
+        values,
+        group,
+        problem=problem,
+        loss_scale=loss_scale if scaled else (lambda: 1.0),
         model_parallel=model_parallel,
+        dtype=dtype,
+        set_grad=set_grad,
+        full_shape=full_shape,
     )
+    key = kind.key
+    if accessor and kind == GRAD:
+        source.accessor, source.accessor_set = safe_get_full_grad, safe_set_full_grad
+    elif isinstance(source, _AccessorState):
+        source.state = kind
+        source.accessor_gathers = optimizer == "DeepSpeedZeroOptimizer_Stage3"  # ZeRO-3 all-gathers partitions
+        if key is None:
+            source.accessor, source.accessor_set = safe_get_full_fp32_param, safe_set_full_fp32_param
+        else:
+            source.accessor = lambda p: safe_get_full_optimizer_state(p, key)
+            source.accessor_set = lambda p, value: safe_set_full_optimizer_state(p, value, key)
+    return source
 
 
-def _accessor(
-    engine: Any, named: list[tuple[str, nn.Parameter]], model_parallel: frozenset[str], state: StateKind, kind: str
-) -> Source:
-    """DeepSpeed's per-parameter accessor, one collective per parameter (a layout collgrad does not read)."""
-    if not all(hasattr(p, "_hp_mapping") or hasattr(p, "ds_id") for _, p in named):
-        raise InvalidArgumentError(
-            f"rank {_compat.rank()}: DeepSpeed keeps no {state.describe()} collgrad or DeepSpeed's accessors can "
-            f"read for {kind} (deepspeed.utils.safe_get_full_fp32_param returns None there); with a torch "
-            "optimizer at stage 0, read the module's own weights and optimizer.state"
-        )
-    return _AccessorState(engine, named, model_parallel, state, kind)
+def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Stage 0: a parameter that got no gradient in backward is given one."""
+    param.grad = grad
+
+
+def _whole_shape(param: nn.Parameter) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))
 
 
 class _AccessorState(ReplicatedSource):
-    """DeepSpeed's per-parameter accessors and setters; new fp32 weights also made the module's."""
+    """DeepSpeed's per-parameter accessors and setters of a state (built by ``_replicated``); new fp32
+    weights also made the module's."""
 
-    def __init__(
-        self,
-        engine: Any,
-        named: list[tuple[str, nn.Parameter]],
-        model_parallel: frozenset[str],
-        state: StateKind,
-        kind: str,
-    ) -> None:
-        super().__init__(
-            f"deepspeed-accessor:{kind}:{state.label}",
-            named,
-            lambda: [None] * len(named),
-            control_group(engine),
-            problem=always_ok,
-            model_parallel=model_parallel,
-            dtype=torch.float32,
-            # ZeRO-3 (NVMe-swapped sub-groups): a partitioned parameter's own shape is (0,) outside a gather
-            full_shape=lambda p: tuple(getattr(p, "ds_shape", p.shape)),
-        )
-        key = state.key
-        self.state = state
-        self.accessor_gathers = kind == "DeepSpeedZeroOptimizer_Stage3"  # ZeRO-3 all-gathers partitions
-        if key is None:
-            self.accessor, self.accessor_set = safe_get_full_fp32_param, safe_set_full_fp32_param
-        else:
-            self.accessor = lambda p: safe_get_full_optimizer_state(p, key)
-            self.accessor_set = lambda p, value: safe_set_full_optimizer_state(p, value, key)
+    #: the state the accessors read and write
+    state: StateKind
 
     def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
         if self.state.key is not None:  # DeepSpeed's fp32 setter leaves the module's weights as they were

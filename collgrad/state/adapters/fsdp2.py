@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
+from typing import Any, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -41,12 +41,21 @@ from torch.distributed.tensor import DTensor, Shard
 from collgrad import _compat
 from collgrad.core.buffers import Pieces, SameTensors, flat_alias
 from collgrad.errors import InvalidArgumentError
-from collgrad.state.adapters.base import LocalGrads, Problem, Source, optimizer_states, per_element_state, rank_in
+from collgrad.state.adapters.base import (
+    LocalGrads,
+    Model,
+    Problem,
+    Source,
+    optimizer_states,
+    per_element_state,
+    rank_in,
+    select,
+)
 from collgrad.state.cache import PlanCache
 from collgrad.state.kinds import GRAD, WEIGHTS, OptimizerState, StateKind
 from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout, owned_fragments
 
-__all__ = ["is_fsdp2", "open_fsdp2", "shard_whole", "full_state_dict"]
+__all__ = ["adapt_sharded", "FSDP2Model", "shard_whole", "full_state_dict", "load_full_state_dict"]
 
 
 def is_fsdp2(model: Any) -> bool:
@@ -68,7 +77,6 @@ class FSDP2Source(Source):
         self, model: nn.Module, named: list[tuple[str, nn.Parameter]], kind: StateKind = GRAD, optimizer: Any = None
     ) -> None:
         self.kind = kind
-        self._optimizer = optimizer_states(optimizer, kind) if isinstance(kind, OptimizerState) else None
         self.model = model
         self.params = dict(named)
         # Where each parameter is registered: valid() checks these slots instead of walking
@@ -136,6 +144,7 @@ class FSDP2Source(Source):
             self.groups[index] = pg
         self.layout = StateLayout("fsdp2", tuple(groups), tuple(n for n, _ in named))
         self._accumulating = _accumulating_params(model)
+        self._optimizer = optimizer_states(optimizer, kind) if isinstance(kind, OptimizerState) else None
         # Per group, per parameter: (name, elements this rank holds, padding to a full slice): pure layout.
         self._owned = []
         for group in groups:
@@ -253,11 +262,23 @@ def _accumulating_params(model: nn.Module):
     return accumulating
 
 
-def open_fsdp2(
-    model: nn.Module, named: list[tuple[str, nn.Parameter]], state: StateKind = GRAD, optimizer: Any = None
-) -> Source:
-    """The Source of ``state`` of ``model``'s ``named`` parameters. Local: no communication."""
-    return FSDP2Source(model, named, state, optimizer)
+def adapt_sharded(model: nn.Module) -> FSDP2Model | None:
+    """The adapter of ``model`` where it is a ``fully_shard`` root (or a module under one), else None. Local."""
+    return FSDP2Model(model) if is_fsdp2(model) else None
+
+
+class FSDP2Model(Model):
+    """A model sharded with ``fully_shard``. Built by ``adapt_sharded``."""
+
+    framework: ClassVar[str] = "fsdp2"
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.target = module
+
+    def open(self, params: Iterable[object] | None = None, kind: StateKind = GRAD, optimizer: Any = None) -> Source:
+        named = select(self.module, params, trainable=kind != WEIGHTS)
+        return FSDP2Source(self.module, named, kind, optimizer)
 
 
 def shard_whole(model: nn.Module, device_type: str, world: int) -> nn.Module:
