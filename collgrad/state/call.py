@@ -81,7 +81,7 @@ class OpenCall:
         unscale: bool = False,
         policy: Policy | None = None,
         dispatcher: Dispatcher | None = None,
-        optimizer: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
         extra: Callable[[Source], Sequence[Field]] | None = None,
         meanwhile: Callable[[OpenCall], Any] | None = None,
         models: ModelCache = MODELS,
@@ -282,7 +282,10 @@ def _tell_invalid(group: ProcessGroup | None, timeout_s: float, name: str) -> No
 
 
 def source_of(
-    model: object, kind: StateKind = GRAD, optimizer: Any = None, params: Iterable[object] | None = None
+    model: object,
+    kind: StateKind = GRAD,
+    optimizer: torch.optim.Optimizer | None = None,
+    params: Iterable[object] | None = None,
 ) -> tuple[Source, bool]:
     """The cached Source of ``kind`` of ``model``'s trainable parameters (``params``: that selection),
     and whether it came from the cache, as the public functions open it with the default dispatcher.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
+from collgrad.core.buffers import Pieces
 from collgrad.core.record import CallRecord
 from collgrad.state.adapters.base import Source
 from collgrad.state.call import OpenCall
@@ -103,6 +104,7 @@ class Executor:
         """What this rank already holds: copies, or with ``copy=False`` the tensors themselves."""
         copy, group, batch, buffer = self.copy, step.group, step.batch, step.buffer
         if group.kind is Partitioning.REPLICATED:
+            assert isinstance(buffer, list)
             params, out_dtype = group.params, group.out_dtype
             # copy=False: the optimizer's tensor itself (no autograd history to cut: a .grad, a _hp_grad),
             # not a new tensor object per gradient
@@ -110,6 +112,7 @@ class Executor:
             if self.call.unscale or any(g.dtype is not out_dtype for g in grads):
                 grads = [converted(self.call, g, out_dtype, owned=copy) for g in grads]
             return [(params[k].name, shaped(g, params[k])) for k, g in zip(batch, grads)]
+        assert isinstance(buffer, Pieces)
         out = []
         wanted = set(batch)
         for frag in owned_fragments(group, 0):  # a group of one rank owns everything

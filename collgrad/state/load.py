@@ -296,6 +296,7 @@ def _fragment_targets(source: Source, local: LocalGrads, stored: Mapping[str, St
     for position, group in enumerate(source.layout.groups):
         buffer = local.buffers[position]
         if group.kind is Partitioning.REPLICATED:
+            assert isinstance(buffer, list)
             for k, slot in enumerate(group.params):
                 if slot.name in stored:
                     out.setdefault(slot.name, []).append(Target(0, slot.numel, buffer[k]))

@@ -11,7 +11,9 @@ the public functions use; pass another ``ModelCache`` (e.g. in tests) to keep so
 from __future__ import annotations
 
 import weakref
-from typing import Any, Hashable, Iterable
+from typing import Hashable, Iterable
+
+import torch
 
 from collgrad import _compat
 from collgrad.core.dispatch import Dispatcher
@@ -29,12 +31,12 @@ class ModelCache:
     """Sources per dispatcher and per model, both held weakly."""
 
     def __init__(self) -> None:
-        self._by_dispatcher: weakref.WeakKeyDictionary[Dispatcher, weakref.WeakKeyDictionary[Any, PerModel]] = (
+        self._by_dispatcher: weakref.WeakKeyDictionary[Dispatcher, weakref.WeakKeyDictionary[object, PerModel]] = (
             weakref.WeakKeyDictionary()
         )
-        self._writes: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._writes: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
 
-    def of(self, dispatcher: Dispatcher) -> weakref.WeakKeyDictionary[Any, PerModel]:
+    def of(self, dispatcher: Dispatcher) -> weakref.WeakKeyDictionary[object, PerModel]:
         """The models ``dispatcher`` has opened sources for, each with its sources by selection."""
         found = self._by_dispatcher.get(dispatcher)
         if found is None:
@@ -52,7 +54,7 @@ class ModelCache:
         model: Model,
         params: Iterable[object] | None,
         kind: StateKind,
-        optimizer: Any,
+        optimizer: torch.optim.Optimizer | None,
     ) -> tuple[Source, bool]:
         """The cached Source of ``kind`` of ``model`` for this ``params`` selection (and ``optimizer``)
         if its layout still holds, else a new one (an empty model or selection refused), and whether

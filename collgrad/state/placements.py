@@ -5,10 +5,11 @@ again before a gather) and how many pieces it holds (the width of that exchange'
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from collgrad.backends.agreement import stable_hash
 from collgrad.core.buffers import Pieces, main_run, run_view
+from collgrad.state.adapters.base import GroupBuffer
 from collgrad.state.cache import PlanCache
 from collgrad.state.layout import Partitioning, StateLayout
 from collgrad.state.steps import Sent, sent_pieces
@@ -41,7 +42,7 @@ def sent_message(buffer: Pieces) -> Pieces:
     return Pieces([run_view(buffer, run), *others] if run else others)
 
 
-def _gathered_as_they_lie(layout: StateLayout, buffers: Sequence[Any]) -> list[tuple[int, Pieces]]:
+def _gathered_as_they_lie(layout: StateLayout, buffers: Sequence[GroupBuffer]) -> list[tuple[int, Pieces]]:
     """(group index, buffer) of every group gathered as its partitions lie (ZeRO-1/2)."""
     return [
         (layout.groups[position].index, buffer)
@@ -50,7 +51,7 @@ def _gathered_as_they_lie(layout: StateLayout, buffers: Sequence[Any]) -> list[t
     ]
 
 
-def placement_print(layout: StateLayout, plans: PlanCache, buffers: Sequence[Any]) -> int:
+def placement_print(layout: StateLayout, plans: PlanCache, buffers: Sequence[GroupBuffer]) -> int:
     """What this rank tells the others of where its gradient pieces lie: a print of them if the
     placements cached in ``plans`` still hold for every group, else ``CHANGED``, which makes every
     rank exchange placements again before such a gather."""
@@ -66,7 +67,7 @@ def placement_print(layout: StateLayout, plans: PlanCache, buffers: Sequence[Any
     return stable_hash(prints) & ((1 << 62) - 1)
 
 
-def piece_count(layout: StateLayout, buffers: Sequence[Any]) -> int:
+def piece_count(layout: StateLayout, buffers: Sequence[GroupBuffer]) -> int:
     """The most pieces this rank holds in any group gathered as its partitions lie: a placements
     exchange pads every rank's row to three numbers per piece of the largest count told."""
     return max((len(placed(buffer).pieces) for _, buffer in _gathered_as_they_lie(layout, buffers)), default=0)

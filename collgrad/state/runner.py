@@ -3,12 +3,13 @@ and the last touches of its results (the parameter's shape, the output dtype, un
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
 from collgrad.backends.ops import Op
 from collgrad.core.record import CallRecord
+from collgrad.state.adapters.base import GroupBuffer
 from collgrad.state.call import OpenCall
 from collgrad.state.layout import LayoutGroup, ParamSlot
 from collgrad.state.plan import GroupPlan
@@ -29,7 +30,7 @@ class Step:
         call: OpenCall,
         gplan: GroupPlan,
         group: LayoutGroup,
-        buffer: Any,
+        buffer: GroupBuffer | None,
         b: int,
         batch: tuple[int, ...],
         calls: list[CallRecord],

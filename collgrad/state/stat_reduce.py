@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from collgrad import _compat
 from collgrad.core.buffers import Pieces
 from collgrad.state import stat_blocks
-from collgrad.state.adapters.base import rank_in
+from collgrad.state.adapters.base import GroupBuffer, rank_in
 from collgrad.state.cache import PlanCache
 from collgrad.state.layout import Fragment, LayoutGroup, Partitioning, owned_fragments
 from collgrad.state.stat_blocks import Arranged, Rows, blocks
@@ -63,15 +63,17 @@ def _block_elements(buffer: Pieces) -> int:
     return stat_blocks.CPU_BLOCK_BYTES // buffer.given[0].element_size() if buffer.device.type == "cpu" else 0
 
 
-def _reduce(plans: PlanCache, group: LayoutGroup, buffer: Any) -> _Reduced:
+def _reduce(plans: PlanCache, group: LayoutGroup, buffer: GroupBuffer) -> _Reduced:
     """Per result (a fragment, or a span of one): the parameter it belongs to, its L2 norm (accumulated
     in fp32 at least), its min and its max; and the i-th result's view (for the rare count of
     non-finite elements)."""
     if group.kind is Partitioning.REPLICATED:  # full gradients, often views of one flat buffer (BF16_Optimizer)
+        assert isinstance(buffer, list)
         buffer = Pieces([buffer[k] for k in range(len(group.params))])
         if buffer.placement() is None:
             views = buffer.pieces
             return (torch.arange(len(views)), *_one_by_one(views), views.__getitem__)
+    assert isinstance(buffer, Pieces)
     placed = buffer.placement()
     if placed is None:
         return _reduce_where_they_lie(group, buffer)
@@ -141,7 +143,7 @@ def _one_by_one(views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, 
     return torch.stack(_compat.vector_norms(views)), torch.stack(lows), torch.stack(highs)
 
 
-def partials(plans: PlanCache, group: LayoutGroup, buffer: Any) -> torch.Tensor:
+def partials(plans: PlanCache, group: LayoutGroup, buffer: GroupBuffer) -> torch.Tensor:
     """[3, P] float64 on the CPU: sum of squares, max |g| and non-finite count over this rank's
     elements of each parameter."""
     out = torch.zeros(3, len(group.params), dtype=torch.float64)

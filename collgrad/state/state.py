@@ -9,7 +9,7 @@ gradients are, so every plan, executor and record applies unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -102,7 +102,7 @@ def safe_get_full_model_optimizer_states(
     key: str,
     *,
     params: Iterable[str | torch.Tensor] | None = None,
-    optimizer: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
     bucket_bytes: int | None = None,
     plan: str = "auto",
     policy: Policy | None = None,
@@ -141,7 +141,7 @@ def iter_full_model_optimizer_states(
     key: str,
     *,
     params: Iterable[str | torch.Tensor] | None = None,
-    optimizer: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
     bucket_bytes: int | None = None,
     plan: str = "auto",
     policy: Policy | None = None,
@@ -195,7 +195,7 @@ def safe_set_full_model_optimizer_states(
     values: Mapping[str, torch.Tensor],
     *,
     params: Iterable[str | torch.Tensor] | None = None,
-    optimizer: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
     check: bool = True,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
@@ -221,7 +221,7 @@ def _open(
     plan: str,
     policy: Policy | None,
     dispatcher: Dispatcher | None,
-    optimizer: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> OpenCall:
     """The call opened on every rank together (arguments, source, agreement; see OpenCall); nothing to
     unscale: master weights and optimizer states are true values."""

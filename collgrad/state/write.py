@@ -16,7 +16,7 @@ results back, next bucket; about two buckets of extra memory.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -77,7 +77,7 @@ def _word_sum(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _checked(source: Source, grads: Any, argument: str = "grads") -> dict[str, torch.Tensor]:
+def _checked(source: Source, grads: object, argument: str = "grads") -> dict[str, torch.Tensor]:
     """``grads`` (the ``argument`` of the call) as {name: tensor} in layout order, each shaped like its
     parameter (a shard for model-parallel names). Raises InvalidArgumentError / UnknownParameterError
     on this rank."""
@@ -137,7 +137,7 @@ def set_full(
     dispatcher: Dispatcher | None,
     name: str,
     state: StateKind = GRAD,
-    optimizer: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> StateRecord:
     """``given`` (name -> full value of ``state``, the same on every rank) written where this rank owns
     it, checked and agreed as ``safe_set_full_model_grads`` says; ``name``: the public function called."""

@@ -30,6 +30,7 @@ __all__ = [
     "Model",
     "Problem",
     "LocalGrads",
+    "GroupBuffer",
     "Source",
     "ReplicatedSource",
     "per_element_state",
@@ -190,6 +191,11 @@ class Problem(enum.IntEnum):
         }[self]
 
 
+#: One layout group's local tensors: a ``Pieces`` (PARTITIONED_FLAT, SLICED), or the full tensor of each
+#: parameter (REPLICATED).
+GroupBuffer = Pieces | list[torch.Tensor]
+
+
 @dataclass
 class LocalGrads:
     """One call's view of this rank's gradients."""
@@ -197,7 +203,7 @@ class LocalGrads:
     problem: Problem
     #: per layout group: a ``buffers.Pieces`` (PARTITIONED_FLAT, SLICED) or a list of full
     #: gradients per parameter (REPLICATED); empty when ``problem`` is set.
-    buffers: list[Any]
+    buffers: list[GroupBuffer]
     loss_scale: float = 1.0
     detail: str = ""  # what exactly is wrong, for this rank's own message
 
@@ -243,11 +249,13 @@ class Source:
         for position, group in enumerate(self.layout.groups):
             buffer = local.buffers[position]
             if group.kind is Partitioning.REPLICATED:
+                assert isinstance(buffer, list)
                 targets = self._full_targets(buffer)
                 for k, slot in enumerate(group.params):
                     if slot.name in values:
                         self._write_full(k, slot, targets, _scaled(values[slot.name], scale))
                 continue
+            assert isinstance(buffer, Pieces)
             placed = buffer.placement()
             span = placed[0] if placed is not None else None
             for name, lo, numel, local_offset, at in self._write_plan(group, buffer):
