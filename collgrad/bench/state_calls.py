@@ -140,9 +140,9 @@ def _load(s: Setting) -> Call:
 
 
 def _raw_reads(s: Setting) -> Call:
-    """The floor of a load: the same byte ranges this rank's load reads, each one ``os.preadv`` from the
-    same files into its own place in one preallocated buffer of all of them (the memory a load fills, in
-    one piece; no checks, no conversion, no second copy)."""
+    """The floor of a load: the same byte ranges this rank's load reads (adjacent ones joined, as the load
+    joins them), each one ``os.preadv`` from the same files into its own place in one preallocated buffer
+    of all of them (the memory a load fills, in one piece; no checks, no conversion, no second copy)."""
     reads = read_plan(s.subject.engine, s.checkpoint())
     view = memoryview(bytearray(sum(r.nbytes for r in reads)))
     starts = [0]
@@ -150,12 +150,12 @@ def _raw_reads(s: Setting) -> Call:
         starts.append(starts[-1] + r.nbytes)
 
     def call() -> Any:
-        fds = {f: os.open(f, os.O_RDONLY) for f in dict.fromkeys(r.stored.file for r in reads)}
+        fds = {f: os.open(f, os.O_RDONLY) for f in dict.fromkeys(r.file for r in reads)}
         try:
             for r, at in zip(reads, starts):
                 done = 0
                 while done < r.nbytes:
-                    done += os.preadv(fds[r.stored.file], [view[at + done : at + r.nbytes]], r.offset + done)
+                    done += os.preadv(fds[r.file], [view[at + done : at + r.nbytes]], r.offset + done)
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -206,20 +206,19 @@ def _inside(directory: str, shard: str, index: str) -> str:
     return resolved
 
 
-def _read_range(fd: int, stored: Stored, lo: int, out: torch.Tensor) -> int:
-    """Elements ``[lo, lo + out.numel())`` of ``stored`` (flat, row-major), read from the open file
-    ``fd`` straight into ``out`` (contiguous, CPU, of ``stored.dtype``); returns the bytes read. OSError
-    where the file ends early or reading fails. Local."""
-    assert out.is_contiguous() and out.device.type == "cpu" and out.dtype == stored.dtype
+def _pread_into(fd: int, file: str, offset: int, out: torch.Tensor) -> int:
+    """``out``'s bytes read from the open ``file`` (``fd``) at byte ``offset``, straight into ``out``
+    (contiguous, CPU); returns the bytes read. OSError where the file ends early or reading fails."""
+    assert out.is_contiguous() and out.device.type == "cpu"
     nbytes = out.numel() * out.element_size()
     if not nbytes:
         return 0
     view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
-    offset, done = stored.start + lo * stored.dtype.itemsize, 0
+    done = 0
     while done < nbytes:
         got = os.preadv(fd, [view[done : done + min(nbytes - done, _MOST)]], offset + done)
         if got == 0:
-            raise OSError(f"{stored.file} ends at byte {offset + done}, inside a tensor")
+            raise OSError(f"{file} ends at byte {offset + done}, inside a tensor")
         done += got
     return nbytes
 
@@ -236,13 +235,18 @@ class RangeReader:
         """Elements ``[lo, lo + numel)`` of ``stored`` (flat, row-major, in its dtype), read into ``into``
         (contiguous, CPU, of that dtype and size) or a new buffer; OSError where the file ends early or
         reading fails."""
-        fd = self._fds.get(stored.file)
-        if fd is None:
-            fd = self._fds[stored.file] = os.open(stored.file, os.O_RDONLY)
         out = torch.empty(numel, dtype=stored.dtype) if into is None else into.view(-1)
-        assert out.numel() == numel
-        self.bytes_read += _read_range(fd, stored, lo, out)
+        assert out.numel() == numel and out.dtype == stored.dtype
+        self.read_at(stored.file, stored.start + lo * stored.dtype.itemsize, out)
         return out
+
+    def read_at(self, file: str, offset: int, out: torch.Tensor) -> None:
+        """``out``'s bytes (contiguous, CPU) read from ``file`` at byte ``offset``: a range the
+        checked headers of ``file`` place inside it. OSError where the file ends early or reading fails."""
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = self._fds[file] = os.open(file, os.O_RDONLY)
+        self.bytes_read += _pread_into(fd, file, offset, out)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -38,9 +38,8 @@ from collgrad.state.files import Checkpoint, RangeReader, Stored, open_checkpoin
 from collgrad.state.kinds import FP32
 from collgrad.state.layout import Partitioning, owned_fragments
 from collgrad.state.outcome import agree_outcome
-from collgrad.state.save import persistent_buffers
 
-__all__ = ["load_full_model", "LoadedModel", "Read", "read_plan", "reads"]
+__all__ = ["load_full_model", "LoadedModel", "Read", "Run", "Copy", "Target", "read_plan", "reads", "joined_runs"]
 
 
 @dataclass(frozen=True)
@@ -134,14 +133,12 @@ def load_full_model(
     reader = RangeReader()
     try:
         with torch.no_grad():
-            for read, targets in plan:
-                # straight into the first target that can take it, else into a buffer of its own
-                direct = next((w for w in targets if w.takes(read.stored, read.lo, read.numel)), None)
-                values = reader.read(read.stored, read.lo, read.numel, None if direct is None else direct.dest)
-                for w in targets:
-                    if w is not direct:
-                        w.write(values[w.at - read.lo : w.at - read.lo + w.numel])
-                del values  # one read buffer at a time
+            for run in plan:
+                buffer = run.dest if run.dest is not None else torch.empty(run.numel, dtype=run.dtype)
+                reader.read_at(run.file, run.offset, buffer)
+                for copy in run.copies:
+                    copy.target.write(buffer[copy.at : copy.at + copy.target.numel])
+                del buffer  # one read buffer at a time
     except (OSError, CollgradError) as caught:
         error = caught
     finally:
@@ -164,11 +161,11 @@ def load_full_model(
 def _sources(model: adapters.Model, names: list[str] | None) -> list[tuple[Source, LocalGrads]]:
     """The sources a load writes, each with this rank's view of its local tensors, module weights first
     (every parameter), then the fp32 masters of the trainable ones where the optimizer keeps its own."""
-    out = []
+    out: list[tuple[Source, LocalGrads]] = []
     for kind in model.load_kinds():
         selected = names
-        if kind == FP32:  # the masters of the trainable parameters only
-            selected = [n for n, p in select(model.module, names, trainable=False) if p.requires_grad]
+        if kind == FP32:  # the masters of the trainable parameters only (the weights' source has them all)
+            selected = [n for n, p in out[0][0].params.items() if p.requires_grad]
             if not selected:
                 continue
         source = source_of(model, kind, params=selected)[0]
@@ -190,10 +187,20 @@ def _match(
     for a shape that differs, or with ``strict`` for keys on one side only."""
     aliases: dict[str, list[str]] = {}
     canonical: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(canonical.setdefault(id(p), name), []).append(name)
+    buffers: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):  # one walk for both
+        dot = prefix + "." if prefix else ""
+        for attr, p in sub._parameters.items():
+            if p is not None:
+                aliases.setdefault(canonical.setdefault(id(p), dot + attr), []).append(dot + attr)
+        if names is None:
+            for attr, buffer in sub._buffers.items():
+                persistent = buffer is not None and attr not in sub._non_persistent_buffers_set
+                if persistent and id(buffer) not in seen:  # each once, under its first name (as saved)
+                    seen.add(id(buffer))
+                    buffers[dot + attr] = buffer.detach()
     shapes = {slot.name: slot.shape for group in weights.layout.groups for slot in group.params}
-    buffers = dict(persistent_buffers(module)) if names is None else {}
     for name, buffer in buffers.items():
         shapes[name], aliases[name] = tuple(buffer.shape), [name]
     stored, missing, wrong = {}, [], []
@@ -271,19 +278,8 @@ def _targets(source: Source, local: LocalGrads, stored: Mapping[str, Stored], ou
 
                 out.setdefault(name, []).append(Target(0, stored[name].numel, put=put))
         return
-    # A source's pieces are the same objects while its tensors are (adapters cache them): so are the
-    # views into them, worked out once (a few ms a call at 400 tensors), kept with the source.
-    key = (tuple(id(b) for b in local.buffers), frozenset(n for n in source.params if n in stored))
-    found = source.scratch.get("load targets")
-    if found is not None and found[0] == key:
-        for name, targets in found[1].items():
-            out.setdefault(name, []).extend(targets)
-    else:
-        made = _fragment_targets(source, local, stored)
-        if all(isinstance(b, Pieces) for b in local.buffers):
-            source.scratch["load targets"] = (key, made, local.buffers)  # the buffers kept: their ids stay theirs
-        for name, targets in made.items():
-            out.setdefault(name, []).extend(targets)
+    for name, targets in _fragment_targets(source, local, stored).items():
+        out.setdefault(name, []).extend(targets)
     for name, tensor in source.held_whole().items():
         if name in stored:
             out.setdefault(name, []).append(Target(0, tensor.numel(), tensor))
@@ -336,25 +332,161 @@ def reads(targets: Sequence[tuple[int, int]], numel: int) -> tuple[tuple[int, in
     return tuple(sorted(set(targets)))
 
 
-def _plan(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> list[tuple[Read, list[Target]]]:
-    """This rank's reads, each once, with every place its elements go. Local."""
+#: The most bytes of ranges read together into a buffer of their own (ranges read straight into place
+#: are joined without a bound: they take no memory).
+MAX_RUN_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Elements ``[at, at + target.numel)`` of a run put in place by ``target``."""
+
+    at: int
+    target: Target
+
+
+@dataclass(frozen=True)
+class Run:
+    """Adjacent byte ranges of one file, read with one call: ``nbytes`` at ``offset``, ``numel`` elements
+    of ``dtype``, straight into ``dest`` where the first place each range goes lies right after the
+    previous one's in one storage (a flat view over all of them), else into a buffer of its own; then
+    ``copies`` put the run's elements where else they go. ``dest``: flat."""
+
+    file: str
+    offset: int
+    numel: int
+    dtype: torch.dtype
+    dest: torch.Tensor | None
+    copies: tuple[Copy, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def _plan(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> list[Run]:
+    """This rank's reads, each range once, joined into runs where they are adjacent in the file and (read
+    straight into place) in memory, with every place their elements go. Kept with the module weights'
+    source for the next load of a checkpoint laid out the same into the same tensors. Local."""
+    key = _plan_key(opened, matched)
+    scratch = opened[0][0].scratch
+    found = scratch.get("load plan")
+    if key is not None and found is not None and found[0] == key:
+        kept: list[Run] = found[1]
+        return kept
+    runs = _planned(opened, matched)
+    if key is not None:
+        scratch["load plan"] = (key, runs)
+    return runs
+
+
+def _plan_key(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> tuple[object, ...] | None:
+    """What a plan depends on: every matched tensor as stored (file, offset, dtype, shape), and where
+    this rank keeps each (the address, size and dtype of every tensor it keeps them in: a kept plan's
+    views keep their storage alive, so an address that matches one is the same storage). None where a
+    target is a setter (not kept). Local."""
+    parts: list[object] = [tuple(matched.stored.items())]
+    for source, local in opened:
+        if source.accessor_set is not None:
+            return None
+        for buffer in local.buffers:
+            tensors = buffer.given if isinstance(buffer, Pieces) else buffer
+            parts.append(tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
+        parts.append(tuple((n, t.data_ptr(), t.dtype) for n, t in source.held_whole().items()))
+    parts.append(tuple((n, b.data_ptr(), b.dtype) for n, b in matched.buffers.items()))
+    return tuple(parts)
+
+
+def _planned(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> list[Run]:
     targets: dict[str, list[Target]] = {}
     for source, local in opened:
         _targets(source, local, matched.stored, targets)
     for name, buffer in matched.buffers.items():
         targets[name] = [Target(0, buffer.numel(), buffer)]
-    plan = []
+    single = []
     for name, wanted in targets.items():
         stored = matched.stored[name]
         for lo, numel in reads([(w.at, w.numel) for w in wanted], stored.numel):
-            plan.append((Read(stored, lo, numel), [w for w in wanted if lo <= w.at and w.at + w.numel <= lo + numel]))
-    return plan
+            read = Read(stored, lo, numel)
+            covered = [w for w in wanted if lo <= w.at and w.at + w.numel <= lo + numel]
+            direct = next((w for w in covered if w.takes(stored, lo, numel)), None)  # straight into place
+            copies = tuple(Copy(w.at - lo, w) for w in covered if w is not direct)
+            dest = None if direct is None or direct.dest is None else direct.dest.view(-1)  # contiguous
+            single.append(Run(stored.file, read.offset, numel, stored.dtype, dest, copies))
+    return joined_runs(single)
 
 
-def read_plan(model: object, path: str | os.PathLike[str]) -> tuple[Read, ...]:
-    """The ranges ``load_full_model(model, path, strict=False)`` reads on this rank, in order, without
-    reading them (the benchmark times the same reads raw). Local: no communication."""
+def joined_runs(runs: Iterable[Run]) -> list[Run]:
+    """``runs`` in file order, each joined with the next where its bytes follow in the file and its
+    elements in memory (``_joined``), and within each the copies into adjacent places made one. Pure."""
+    out: list[Run] = []
+    for run in sorted(runs, key=lambda r: (r.file, r.offset)):
+        joined = _joined(out[-1], run) if out else None
+        if joined is not None:
+            out[-1] = joined
+        else:
+            out.append(run)
+    return [replace(run, copies=_joined_copies(run.copies)) for run in out]
+
+
+def _joined(first: Run, then: Run) -> Run | None:
+    """``first`` and ``then`` as one run, where ``then``'s bytes follow ``first``'s in the same file and
+    either both are read straight into place, ``then``'s right after ``first``'s in one storage, or
+    both into buffers of their own, together at most ``MAX_RUN_BYTES``; else None. Pure."""
+    if (first.file, first.dtype, first.offset + first.nbytes) != (then.file, then.dtype, then.offset):
+        return None
+    if first.dest is not None and then.dest is not None:
+        dest = _adjacent(first.dest, then.dest)
+        if dest is None:
+            return None
+    elif first.dest is None and then.dest is None:
+        if first.nbytes + then.nbytes > MAX_RUN_BYTES:
+            return None
+        dest = None
+    else:
+        return None
+    moved = tuple(Copy(first.numel + c.at, c.target) for c in then.copies)
+    return Run(first.file, first.offset, first.numel + then.numel, first.dtype, dest, first.copies + moved)
+
+
+def _joined_copies(copies: tuple[Copy, ...]) -> tuple[Copy, ...]:
+    """``copies`` by storage, each one whose elements follow the previous one's, in the run and in the
+    same storage, made one with it (adjacent fragments of a flat partition: one copy). Pure."""
+    out: list[Copy] = []
+    for copy in sorted(copies, key=_storage_then_at):
+        last = out[-1] if out else None
+        dest = None
+        if last is not None and last.at + last.target.numel == copy.at:
+            a, b = last.target.dest, copy.target.dest
+            dest = _adjacent(a, b) if a is not None and b is not None else None
+        if last is not None and dest is not None:
+            out[-1] = Copy(last.at, Target(last.target.at, dest.numel(), dest))
+        else:
+            out.append(copy)
+    return tuple(out)
+
+
+def _storage_then_at(copy: Copy) -> tuple[int, int]:
+    dest = copy.target.dest
+    return (dest.untyped_storage().data_ptr() if dest is not None else -1, copy.at)
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """One flat view over ``a`` then ``b``, where both are contiguous views of one storage, of one dtype,
+    and ``b`` begins where ``a`` ends; else None."""
+    if a.dtype != b.dtype or a.device != b.device or not (a.is_contiguous() and b.is_contiguous()):
+        return None
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    if a.storage_offset() + a.numel() != b.storage_offset():
+        return None
+    return a.as_strided((a.numel() + b.numel(),), (1,), a.storage_offset())
+
+
+def read_plan(model: object, path: str | os.PathLike[str]) -> tuple[Run, ...]:
+    """The runs of byte ranges ``load_full_model(model, path, strict=False)`` reads on this rank, in
+    order, without reading them (the benchmark times the same reads raw). Local: no communication."""
     resolved = adapters.resolve(model)
     opened = _sources(resolved, None)
     matched = _match(resolved.module, opened[0][0], open_checkpoint(path), None, strict=False)
-    return tuple(read for read, _ in _plan(opened, matched))
+    return tuple(_plan(opened, matched))

@@ -108,6 +108,7 @@ def _worker(rank, world, root):
             "bytes_read": loaded.bytes_read,
         }
     }
+    out["kept plan"] = _kept_plan(rank, root, world, plain, file)
     for name, (stage, dtype, offload) in CONFIGS.items():
         eng = models.engine(_config(stage, dtype, offload), _model())
         path = single if name.startswith("zero2") else sharded
@@ -141,6 +142,28 @@ def _worker(rank, world, root):
             out["refusals"] = _refusals(eng, rank, world, root)
         out[name] = entry
     return out
+
+
+def _kept_plan(rank, root, world, plain, file) -> list[bool]:
+    """A load's plan is kept for the next load of a checkpoint laid out the same into the same tensors:
+    rewritten in place with other values, the file's new values are what a load reads; a parameter
+    given a new tensor gets them too (the plan kept for the old one is not used)."""
+    from safetensors.torch import save_file
+
+    import collgrad
+
+    again, other = os.path.join(root, f"again-{world}.safetensors"), {k: v + 1 for k, v in file.items()}
+    seen = []
+    for values, replace in ((other, False), (file, False), (other, True)):
+        torch.distributed.barrier()
+        if rank == 0:
+            save_file(values, again)
+        torch.distributed.barrier()
+        if replace:
+            plain.inp.weight.data = torch.zeros_like(plain.inp.weight)  # a new tensor where the plan had one
+        collgrad.load_full_model(plain, again)
+        seen.append(_same({k: v for k, v in plain.state_dict().items() if k != "tied_out.weight"}, values))
+    return seen
 
 
 def _raw(path, header, data: bytes) -> None:
@@ -289,6 +312,11 @@ def test_a_plain_module_loads_whole_on_every_rank(results):
     total = sum(t.numel() * t.element_size() for k, t in _pretrained().state_dict().items() if k != "tied_out.weight")
     for res in per_rank:
         assert res["plain"] == {"equal": True, "tied": True, "bytes_read": total}
+
+
+def test_a_kept_plan_reads_the_files_values_into_the_models_tensors(results):
+    _, per_rank = results
+    assert all(res["kept plan"] == [True, True, True] for res in per_rank)
 
 
 def test_each_rank_reads_only_its_share_under_zero3(results):

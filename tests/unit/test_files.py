@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from collgrad.errors import CheckpointError
 from collgrad.state.files import RangeReader, open_checkpoint, read_header
-from collgrad.state.load import reads
+from collgrad.state.load import MAX_RUN_BYTES, Copy, Run, Target, joined_runs, reads
 
 safetensors = pytest.importorskip(
     "safetensors.torch", reason="safetensors is not installed (pip install 'collgrad[hf]')"
@@ -103,3 +103,57 @@ def test_the_planned_reads_cover_every_target_once(numel, wanted):
     assert len(set(planned)) == len(planned)  # no range read twice
     if (0, numel) in targets:
         assert planned == ((0, numel),)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(1, 12), min_size=1, max_size=8),
+    st.randoms(use_true_random=False),
+    st.lists(st.booleans(), min_size=8, max_size=8),
+)
+def test_joined_runs_read_every_range_where_it_goes(tmp_path_factory, sizes, rng, straight):
+    """Tensors stored back to back in a file go to views of one flat tensor in a shuffled order (some
+    read straight into place, others through a buffer and a copy), each also copied into a second flat
+    tensor: the joined runs read and copy the same as one read per tensor, and join only what is
+    adjacent in the file and in memory."""
+    path = str(tmp_path_factory.mktemp("runs") / "data.bin")
+    total = sum(sizes)
+    stored = torch.randn(total)
+    with open(path, "wb") as f:
+        f.write(stored.numpy().tobytes())
+    order = list(range(len(sizes)))
+    rng.shuffle(order)
+    places, at = {}, 0
+    for i in order:  # where tensor i lies in memory
+        places[i] = at
+        at += sizes[i]
+    into, mirror = torch.zeros(total), torch.zeros(total)
+    single, offset = [], 0
+    for i, n in enumerate(sizes):
+        view, copy = into[places[i] : places[i] + n], mirror[places[i] : places[i] + n]
+        copies = (Copy(0, Target(0, n, copy)),)
+        if straight[i]:
+            single.append(Run(path, offset * 4, n, torch.float32, view, copies))
+        else:
+            single.append(Run(path, offset * 4, n, torch.float32, None, (Copy(0, Target(0, n, view)), *copies)))
+        offset += n
+    runs = joined_runs(single)
+    with RangeReader() as reader:
+        for run in runs:
+            buffer = run.dest if run.dest is not None else torch.empty(run.numel)
+            reader.read_at(run.file, run.offset, buffer)
+            for c in run.copies:
+                c.target.write(buffer[c.at : c.at + c.target.numel])
+        assert reader.bytes_read == total * 4  # every byte once
+    expected, starts = torch.empty(total), [sum(sizes[:i]) for i in range(len(sizes))]
+    for i, n in enumerate(sizes):
+        expected[places[i] : places[i] + n] = stored[starts[i] : starts[i] + n]
+    assert torch.equal(into, expected) and torch.equal(mirror, expected)
+    assert all(r.nbytes <= MAX_RUN_BYTES or r.dest is not None for r in runs)
+    # joined exactly where the next tensor is read the same way and, straight into place, lies next
+    joins = sum(
+        1
+        for i in range(len(sizes) - 1)
+        if straight[i] == straight[i + 1] and (not straight[i] or places[i] + sizes[i] == places[i + 1])
+    )
+    assert len(runs) == len(sizes) - joins
