@@ -32,7 +32,16 @@ from collgrad import _compat
 from collgrad.errors import CheckpointError
 from collgrad.state.shards import INDEX_NAME, SAFE_DTYPES, SINGLE_NAME
 
-__all__ = ["Stored", "Checkpoint", "open_checkpoint", "read_header", "RangeReader", "read_all", "MAX_HEADER_BYTES"]
+__all__ = [
+    "Stored",
+    "Checkpoint",
+    "open_checkpoint",
+    "read_header",
+    "RangeReader",
+    "bytes_of",
+    "read_all",
+    "MAX_HEADER_BYTES",
+]
 
 #: safetensors' own limit on a header (its reader refuses larger ones: "header too large").
 MAX_HEADER_BYTES = 100_000_000
@@ -206,15 +215,20 @@ def _inside(directory: str, shard: str, index: str) -> str:
     return resolved
 
 
-def _pread_into(fd: int, file: str, offset: int, out: torch.Tensor) -> int:
-    """``out``'s bytes read from the open ``file`` (``fd``) at byte ``offset``, straight into ``out``
-    (contiguous, CPU); returns the bytes read. OSError where the file ends early or reading fails."""
+def bytes_of(out: torch.Tensor) -> memoryview:
+    """The bytes of ``out`` (contiguous, CPU) as a writable memoryview, valid while ``out``'s storage
+    lives (keep ``out`` with it)."""
     assert out.is_contiguous() and out.device.type == "cpu"
     nbytes = out.numel() * out.element_size()
     if not nbytes:
-        return 0
-    view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
-    done = 0
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
+
+
+def _pread_into(fd: int, file: str, offset: int, view: memoryview) -> int:
+    """``view`` filled from the open ``file`` (``fd``) at byte ``offset``; returns the bytes read. OSError
+    where the file ends early or reading fails."""
+    nbytes, done = len(view), 0
     while done < nbytes:
         got = os.preadv(fd, [view[done : done + min(nbytes - done, _MOST)]], offset + done)
         if got == 0:
@@ -240,13 +254,14 @@ class RangeReader:
         self.read_at(stored.file, stored.start + lo * stored.dtype.itemsize, out)
         return out
 
-    def read_at(self, file: str, offset: int, out: torch.Tensor) -> None:
-        """``out``'s bytes (contiguous, CPU) read from ``file`` at byte ``offset``: a range the
-        checked headers of ``file`` place inside it. OSError where the file ends early or reading fails."""
+    def read_at(self, file: str, offset: int, out: torch.Tensor | memoryview) -> None:
+        """``out``'s bytes (a contiguous CPU tensor, or its ``bytes_of``) read from ``file`` at byte
+        ``offset``: a range the checked headers of ``file`` place inside it. OSError where the file
+        ends early or reading fails."""
         fd = self._fds.get(file)
         if fd is None:
             fd = self._fds[file] = os.open(file, os.O_RDONLY)
-        self.bytes_read += _pread_into(fd, file, offset, out)
+        self.bytes_read += _pread_into(fd, file, offset, bytes_of(out) if isinstance(out, torch.Tensor) else out)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -18,6 +18,7 @@ in their own dtype, as the step's cast of the masters would give them.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, replace
@@ -34,12 +35,24 @@ from collgrad.errors import CheckpointError, CollgradError, LayoutChangedError
 from collgrad.state import adapters
 from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in, select
 from collgrad.state.call import source_of
-from collgrad.state.files import Checkpoint, RangeReader, Stored, open_checkpoint
+from collgrad.state.files import Checkpoint, RangeReader, Stored, bytes_of, open_checkpoint
 from collgrad.state.kinds import FP32
 from collgrad.state.layout import Partitioning, owned_fragments
 from collgrad.state.outcome import agree_outcome
 
-__all__ = ["load_full_model", "LoadedModel", "Read", "Run", "Copy", "Target", "read_plan", "reads", "joined_runs"]
+__all__ = [
+    "load_full_model",
+    "LoadedModel",
+    "LoadPlan",
+    "Read",
+    "Run",
+    "Copy",
+    "Target",
+    "read_plan",
+    "reads",
+    "joined_runs",
+    "with_moves",
+]
 
 
 @dataclass(frozen=True)
@@ -133,12 +146,16 @@ def load_full_model(
     reader = RangeReader()
     try:
         with torch.no_grad():
-            for run in plan:
-                buffer = run.dest if run.dest is not None else torch.empty(run.numel, dtype=run.dtype)
+            for run in plan.runs:
+                if run.into is not None:  # straight into place
+                    reader.read_at(run.file, run.offset, run.into)
+                    continue
+                buffer = torch.empty(run.numel, dtype=run.dtype)
                 reader.read_at(run.file, run.offset, buffer)
                 for copy in run.copies:
                     copy.target.write(buffer[copy.at : copy.at + copy.target.numel])
                 del buffer  # one read buffer at a time
+            plan.move()
     except (OSError, CollgradError) as caught:
         error = caught
     finally:
@@ -363,8 +380,13 @@ class Run:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    @functools.cached_property
+    def into(self) -> memoryview | None:
+        """``dest``'s bytes, worked out once per run (a kept plan reads into the same ones again)."""
+        return bytes_of(self.dest) if self.dest is not None else None
 
-def _plan(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> list[Run]:
+
+def _plan(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> LoadPlan:
     """This rank's reads, each range once, joined into runs where they are adjacent in the file and (read
     straight into place) in memory, with every place their elements go. Kept with the module weights'
     source for the next load of a checkpoint laid out the same into the same tensors. Local."""
@@ -372,12 +394,12 @@ def _plan(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> lis
     scratch = opened[0][0].scratch
     found = scratch.get("load plan")
     if key is not None and found is not None and found[0] == key:
-        kept: list[Run] = found[1]
+        kept: LoadPlan = found[1]
         return kept
-    runs = _planned(opened, matched)
+    plan = with_moves(_planned(opened, matched))
     if key is not None:
-        scratch["load plan"] = (key, runs)
-    return runs
+        scratch["load plan"] = (key, plan)
+    return plan
 
 
 def _plan_key(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> tuple[object, ...] | None:
@@ -429,6 +451,81 @@ def joined_runs(runs: Iterable[Run]) -> list[Run]:
     return [replace(run, copies=_joined_copies(run.copies)) for run in out]
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    """A load's reads and, once they are all done, the copies from where they were read straight into
+    place to where else those elements go (``moves``: values, target), adjacent ones made one."""
+
+    runs: tuple[Run, ...]
+    moves: tuple[tuple[torch.Tensor, Target], ...]
+
+    @functools.cached_property
+    def _batched(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, Target]]]:
+        """The moves into views on the device of their values, as two lists for one foreach copy (flat
+        views), and the rest (setters, another device) one by one."""
+        into, values, rest = [], [], []
+        for v, target in self.moves:
+            dest = target.dest
+            if dest is not None and dest.device == v.device and dest.is_contiguous():
+                into.append(dest.view(-1))
+                values.append(v)
+            else:
+                rest.append((v, target))
+        return into, values, rest
+
+    def move(self) -> None:
+        """Every move done: one foreach copy for those it can take, the rest one by one. Local."""
+        into, values, rest = self._batched
+        if into:
+            torch._foreach_copy_(into, values)  # one call, not one per tensor (converting dtypes as copy_)
+        for v, target in rest:
+            target.write(v)
+
+
+def with_moves(runs: Iterable[Run]) -> LoadPlan:
+    """``runs`` with the copies of those read straight into place moved after every read (their values
+    stay where they were read: each place is written once), each joined with the next where both its
+    values and its target follow in one storage (ZeRO-3's weight partitions, one flat buffer, into the
+    fp32 partition, another: one copy). The copies of a run read into a buffer of its own stay with it.
+    Pure."""
+    kept: list[Run] = []
+    moves: list[tuple[torch.Tensor, Target]] = []
+    for run in runs:
+        if run.dest is None:
+            kept.append(run)
+            continue
+        moves.extend((run.dest[c.at : c.at + c.target.numel], c.target) for c in run.copies)
+        kept.append(replace(run, copies=()))
+    moves.sort(key=lambda m: _place(m[1].dest))
+    joined: list[tuple[torch.Tensor, Target]] = []
+    for values, target in moves:
+        merged = _moved_together(joined[-1], (values, target)) if joined else None
+        if merged is not None:
+            joined[-1] = merged
+        else:
+            joined.append((values, target))
+    return LoadPlan(tuple(kept), tuple(joined))
+
+
+def _moved_together(
+    first: tuple[torch.Tensor, Target], then: tuple[torch.Tensor, Target]
+) -> tuple[torch.Tensor, Target] | None:
+    """Two moves as one, where ``then``'s values follow ``first``'s and its place follows ``first``'s,
+    each in one storage; else None."""
+    (first_values, first_target), (then_values, then_target) = first, then
+    if first_target.dest is None or then_target.dest is None:
+        return None
+    values, dest = _adjacent(first_values, then_values), _adjacent(first_target.dest, then_target.dest)
+    if values is None or dest is None:
+        return None
+    return values, Target(first_target.at, dest.numel(), dest)
+
+
+def _place(dest: torch.Tensor | None) -> tuple[int, int]:
+    """Where ``dest`` lies (its storage, its offset in it): ordering by it puts neighbours side by side."""
+    return (dest.untyped_storage().data_ptr(), int(dest.storage_offset())) if dest is not None else (-1, 0)
+
+
 def _joined(first: Run, then: Run) -> Run | None:
     """``first`` and ``then`` as one run, where ``then``'s bytes follow ``first``'s in the same file and
     either both are read straight into place, ``then``'s right after ``first``'s in one storage, or
@@ -467,8 +564,7 @@ def _joined_copies(copies: tuple[Copy, ...]) -> tuple[Copy, ...]:
 
 
 def _storage_then_at(copy: Copy) -> tuple[int, int]:
-    dest = copy.target.dest
-    return (dest.untyped_storage().data_ptr() if dest is not None else -1, copy.at)
+    return (_place(copy.target.dest)[0], copy.at)
 
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -489,4 +585,4 @@ def read_plan(model: object, path: str | os.PathLike[str]) -> tuple[Run, ...]:
     resolved = adapters.resolve(model)
     opened = _sources(resolved, None)
     matched = _match(resolved.module, opened[0][0], open_checkpoint(path), None, strict=False)
-    return tuple(_plan(opened, matched))
+    return _plan(opened, matched).runs

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from collgrad.errors import CheckpointError
 from collgrad.state.files import RangeReader, open_checkpoint, read_header
-from collgrad.state.load import MAX_RUN_BYTES, Copy, Run, Target, joined_runs, reads
+from collgrad.state.load import MAX_RUN_BYTES, Copy, Run, Target, joined_runs, reads, with_moves
 
 safetensors = pytest.importorskip(
     "safetensors.torch", reason="safetensors is not installed (pip install 'collgrad[hf]')"
@@ -138,12 +138,15 @@ def test_joined_runs_read_every_range_where_it_goes(tmp_path_factory, sizes, rng
             single.append(Run(path, offset * 4, n, torch.float32, None, (Copy(0, Target(0, n, view)), *copies)))
         offset += n
     runs = joined_runs(single)
+    plan = with_moves(runs)
     with RangeReader() as reader:
-        for run in runs:
+        for run in plan.runs:
             buffer = run.dest if run.dest is not None else torch.empty(run.numel)
             reader.read_at(run.file, run.offset, buffer)
             for c in run.copies:
                 c.target.write(buffer[c.at : c.at + c.target.numel])
+        for values, target in plan.moves:  # from where runs read straight into place, once all are read
+            target.write(values)
         assert reader.bytes_read == total * 4  # every byte once
     expected, starts = torch.empty(total), [sum(sizes[:i]) for i in range(len(sizes))]
     for i, n in enumerate(sizes):
@@ -157,3 +160,13 @@ def test_joined_runs_read_every_range_where_it_goes(tmp_path_factory, sizes, rng
         if straight[i] == straight[i + 1] and (not straight[i] or places[i] + sizes[i] == places[i + 1])
     )
     assert len(runs) == len(sizes) - joins
+    # the mirror lies as `into` does: the moves from what was read straight into place are one copy
+    # where those places lie back to back
+    if _straight_back_to_back(sizes, places, straight):
+        assert len(plan.moves) == (1 if any(straight[: len(sizes)]) else 0)
+
+
+def _straight_back_to_back(sizes, places, straight) -> bool:
+    """The tensors read straight into place lie back to back in memory, in some order."""
+    spans = sorted((places[i], sizes[i]) for i in range(len(sizes)) if straight[i])
+    return all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
