@@ -203,7 +203,7 @@ class LocalGrads:
     problem: Problem
     #: per layout group: a ``buffers.Pieces`` (PARTITIONED_FLAT, SLICED) or a list of full
     #: gradients per parameter (REPLICATED); empty when ``problem`` is set.
-    buffers: list[GroupBuffer]
+    buffers: Sequence[GroupBuffer]
     loss_scale: float = 1.0
     detail: str = ""  # what exactly is wrong, for this rank's own message
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from typing import Any, Callable, ClassVar, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Hashable, Iterable, Mapping, Sequence
 
 import deepspeed
 import torch
@@ -93,6 +93,9 @@ __all__ = [
     "VERSION",
 ]
 
+#: A selection of parameters by name, in module order.
+Named = list[tuple[str, nn.Parameter]]
+
 VERSION: str = deepspeed.__version__
 GatheredParameters = deepspeed.zero.GatheredParameters  # the documented way to change ZeRO-3 weights
 
@@ -106,7 +109,7 @@ except ImportError:  # a 0.19 release without it: the engine imports what it nee
     pass
 
 
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> DeepSpeedEngine:
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> DeepSpeedEngine:
     """``deepspeed.initialize`` for collgrad's own tools (the benchmark), so that they too reach
     DeepSpeed only through this module. Collective: every rank of the job calls it."""
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -229,7 +232,7 @@ def _loss_scale(engine: DeepSpeedEngine) -> float:
     if not engine.fp16_enabled():
         return 1.0
     opt = engine.optimizer
-    scale = getattr(opt, "loss_scale", None)
+    scale: Any = getattr(opt, "loss_scale", None)
     if scale is None:
         scale = getattr(opt, "cur_scale", 1.0)
     return float(scale)
@@ -289,7 +292,7 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]], 
 
 
 class _EngineSource(Source):
-    def __init__(self, engine: DeepSpeedEngine, named, model_parallel) -> None:
+    def __init__(self, engine: DeepSpeedEngine, named: Named, model_parallel: frozenset[str]) -> None:
         self._engine = weakref.ref(engine)  # cached keyed weakly by the engine: never hold it
         self.opt = engine.optimizer
         self.params = dict(named)
@@ -313,7 +316,7 @@ class _Zero12(_EngineSource):
     and each of its optimizer states are flat tensors of ``partition_size[i]`` elements in the flat
     buffer's order (one piece per rank for the master and its states)."""
 
-    def __init__(self, engine, named, model_parallel, kind: StateKind) -> None:
+    def __init__(self, engine: DeepSpeedEngine, named: Named, model_parallel: frozenset[str], kind: StateKind) -> None:
         self.kind = kind
         super().__init__(engine, named, model_parallel)
         opt, groups = self.opt, []
@@ -361,16 +364,18 @@ class _Zero12(_EngineSource):
         grad_accum_dtype fp32), else the model's."""
         opt = self.opt
         if self.kind != GRAD:
-            return opt.single_partition_of_fp32_groups[i].dtype
-        return torch.float32 if (opt.cpu_offload or _fp32_accumulation(opt)) else opt.bit16_groups_flat[i].dtype
+            master: torch.dtype = opt.single_partition_of_fp32_groups[i].dtype
+            return master
+        model: torch.dtype = opt.bit16_groups_flat[i].dtype
+        return torch.float32 if (opt.cpu_offload or _fp32_accumulation(opt)) else model
 
-    def _sign(self):
+    def _sign(self) -> Hashable:
         return tuple((f.data_ptr(), f.numel()) for f in self.opt.bit16_groups_flat)
 
     def valid(self) -> bool:
-        return self._sign() == self._signature
+        return bool(self._sign() == self._signature)
 
-    def _pieces_of(self, i: int, fragments: list) -> Pieces:
+    def _pieces_of(self, i: int, fragments: Sequence[torch.Tensor]) -> Pieces:
         """Group ``i``'s fragment list as Pieces, where they lie known from the last call while
         DeepSpeed holds the same fragment tensors (see PiecesCache)."""
         cache = self.scratch.get(("pieces", i))
@@ -423,7 +428,7 @@ class _Zero12(_EngineSource):
             buffers.append(self._pieces_of(group.index, [local]))
         return LocalGrads(Problem.OK, buffers)
 
-    def after_write(self, values) -> None:
+    def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
         """New fp32 weights: the low-precision copy every rank holds whole made from them now, as the
         step's all-gather would (DeepSpeed's own setter leaves it, so the next forward used old weights).
         New gradients, with CPU offload: ZeRO-1/2 clips with per-parameter norms it computed during
@@ -443,13 +448,21 @@ class _Zero12(_EngineSource):
                     opt.norm_for_param_grads[param_id] = grad.narrow(0, dest_offset, numel).to(get_norm_dtype()).norm(2)
 
 
-def _fp32_accumulation(opt) -> bool:
+def _fp32_accumulation(opt: Any) -> bool:
     """bf16 + ``grad_accum_dtype: fp32`` keeps a compact fp32 partition (GradPartitionBufferGroup)."""
     accum = getattr(opt, "gradient_accumulation_dtype", None)
     return accum == torch.float32 and opt.bit16_groups_flat[0].dtype != torch.float32
 
 
-def zero3_group(index: int, params: list, names: list[str], pg, model_parallel, wire, out) -> LayoutGroup:
+def zero3_group(
+    index: int,
+    params: Sequence[Any],
+    names: list[str],
+    pg: ProcessGroup,
+    model_parallel: frozenset[str],
+    wire: torch.dtype,
+    out: torch.dtype,
+) -> LayoutGroup:
     """ZeRO-3 ``params`` partitioned over ``pg`` as layout group ``index``: each rank holds
     ``partition_numel()`` elements of each, back to back in this order."""
     slots, offset = [], 0
@@ -467,13 +480,13 @@ class _Zero3(_EngineSource):
     it; fp32 masters and their states: the slice ``_get_fp32_opt_state_partition`` returns
     (``grad_position``'s place in ``fp32_partitioned_groups_flat[i]`` or in its state)."""
 
-    def __init__(self, engine, named, model_parallel, kind: StateKind) -> None:
+    def __init__(self, engine: DeepSpeedEngine, named: Named, model_parallel: frozenset[str], kind: StateKind) -> None:
         self.kind = kind
         super().__init__(engine, named, model_parallel)
         opt = self.opt
         self.out_dtype = getattr(opt, "master_weights_and_grads_dtype", torch.float32)
         self.members: dict[int, list[nn.Parameter]] = {}
-        pgs = {}
+        pgs: dict[int, ProcessGroup] = {}
         for sub_group in opt.fp16_groups:
             for p in sub_group:
                 if id(p) in self.names:
@@ -496,11 +509,12 @@ class _Zero3(_EngineSource):
     def _wire_dtype(self) -> torch.dtype:
         opt = self.opt
         if self.kind != GRAD or getattr(opt, "offload_optimizer", False):
-            return opt.fp32_partitioned_groups_flat[0].dtype
+            master: torch.dtype = opt.fp32_partitioned_groups_flat[0].dtype
+            return master
         buffer = getattr(opt, "grad_partitions_flat_buffer", None)
         return buffer.dtype if buffer is not None else self.out_dtype
 
-    def _sign(self):
+    def _sign(self) -> Hashable:
         opt = self.opt
         if self.kind != GRAD:
             return tuple(flat.data_ptr() for flat in opt.fp32_partitioned_groups_flat)
@@ -513,7 +527,7 @@ class _Zero3(_EngineSource):
         return (None if buffer is None else buffer.data_ptr(), grads)
 
     def valid(self) -> bool:
-        return self._sign() == self._signature
+        return bool(self._sign() == self._signature)
 
     def release(self) -> None:
         super().release()
@@ -575,7 +589,7 @@ class _Zero3(_EngineSource):
         self._pieces, self.scratch["read"] = pieces, held
         return LocalGrads(Problem.OK, pieces)
 
-    def after_write(self, values) -> None:
+    def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
         """New fp32 weights: each parameter's own partition (``ds_tensor``) made from this rank's new
         fp32 slice, and a parameter held whole (persistent, or gathered) made the new value, as the
         step leaves them."""
@@ -590,7 +604,7 @@ class _Zero3(_EngineSource):
                 if p.data.numel() == p.ds_numel:
                     copy_to_weights({name: p}, {name: value})
 
-    def write(self, local: LocalGrads, values, scale: float) -> None:
+    def write(self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float) -> None:
         """Gradients: through DeepSpeed's own local setter, parameter by parameter (no communication): it
         writes this rank's slice where the step reads it (flat buffer, CPU offload, NVMe swap write-back)
         and refreshes the per-parameter norms offload clips with. NVMe: that setter swaps the
@@ -602,7 +616,7 @@ class _Zero3(_EngineSource):
         opt = self.opt
         with SwappedIn(opt, write_back=True) as swapped:
             for name, new in values.items():
-                p = self.params[name]
+                p: Any = self.params[name]  # a ZeRO-3 parameter: partition_numel, ds_tensor, ...
                 rank = torch.distributed.get_rank(group=opt._get_param_partition_group(p))
                 size = p.partition_numel()
                 flat = new.detach().reshape(-1).to(torch.float32)
@@ -638,7 +652,8 @@ def _replicated(
     stage0 = engine.zero_optimization_stage() == 0
     values: Callable[[], Any] = lambda: [None] * len(named)  # noqa: E731 - the accessor reads each
     problem: Callable[[], Problem] = always_ok
-    scaled, dtype, set_grad, full_shape = False, torch.float32, None, None
+    scaled, set_grad, full_shape = False, None, None
+    dtype: torch.dtype | None = torch.float32
     accessor = kind != WEIGHTS and not (stage0 and isinstance(opt, torch.optim.Optimizer))
     if kind == GRAD and optimizer == "BF16_Optimizer":
         # fp32_groups_has_gradients: set when backward adds into the fp32 accumulation buffer, cleared
@@ -735,7 +750,7 @@ class _Zero3Weights(_EngineSource):
         super().__init__(engine, named, model_parallel)
         opt = self.opt
         members: dict[tuple[int, torch.dtype], list[Any]] = {}
-        pgs = {}
+        pgs: dict[tuple[int, torch.dtype], ProcessGroup] = {}
         for _, param in named:
             p: Any = param  # a ZeRO-3 parameter: ds_tensor, ds_shape, ...
             pg = opt._get_param_partition_group(p)

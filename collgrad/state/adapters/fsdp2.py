@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Hashable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from collgrad import _compat
 from collgrad.core.buffers import Pieces, SameTensors, flat_alias
 from collgrad.errors import InvalidArgumentError
 from collgrad.state.adapters.base import (
+    GroupBuffer,
     LocalGrads,
     Model,
     Problem,
@@ -87,7 +88,7 @@ class FSDP2Source(Source):
             self._registered.append((model.get_submodule(path), attr, p))
         #: This step's local shards as Pieces, while FSDP2 holds the same shards (see read()): let go
         #: as soon as FSDP2 frees any of them.
-        self._held: list[Pieces] | None = None
+        self._held: Sequence[GroupBuffer] | None = None
         me = weakref.ref(self)  # the callback must not keep the source alive
 
         def forget() -> None:
@@ -135,7 +136,8 @@ class FSDP2Source(Source):
                 slice_numel = -(-rows // world) * (numel // max(rows, 1))
                 slots.append(ParamSlot(name, shape, numel, offset, slice_numel, name in tensor_parallel))
                 offset += slice_numel
-            dtype = self.params[params[0][0]].to_local().dtype
+            first: Any = self.params[params[0][0]]  # a DTensor
+            dtype = first.to_local().dtype
             groups.append(
                 LayoutGroup(
                     index, Partitioning.SLICED, tuple(_compat.group_ranks(pg)), offset, dtype, dtype, tuple(slots)
@@ -210,14 +212,15 @@ class FSDP2Source(Source):
                     # DTensor's local shard itself (to_local() is an autograd function, costly per
                     # call), flat, as an alias that does not keep the shard tensor alive (see read())
                     shard = grad._local_tensor if isinstance(grad, DTensor) else None
-                    local = flat_alias(shard) if shard is not None and shard.is_contiguous() else None
-                    if local is None or local.numel() != owned:
+                    alias = flat_alias(shard) if shard is not None and shard.is_contiguous() else None
+                    if alias is None or alias.numel() != owned:
                         return LocalGrads(
                             Problem.LAYOUT_CHANGED,
                             [],
                             detail=f"{name}: the local gradient shard is not the {owned} elements of dim-0 rows "
                             "FSDP2 gives this rank",
                         )
+                    local = alias
                 pieces.append(local)
                 if pad:  # the padding every rank's slice has, so that gathers line up
                     pieces.append(_zeros(self.scratch, pad, group.wire_dtype, self.device))
@@ -225,7 +228,7 @@ class FSDP2Source(Source):
         return LocalGrads(Problem.OK, buffers)
 
 
-def _zeros(scratch: dict, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _zeros(scratch: dict[Hashable, Any], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Read-only zero padding, kept between calls (never written: no fragment covers padding)."""
     key = ("padding", dtype, device)
     found = scratch.get(key)
@@ -245,12 +248,12 @@ def _fsdp_params(model: nn.Module) -> list[Any]:
     return out
 
 
-def _accumulating_params(model: nn.Module):
+def _accumulating_params(model: nn.Module) -> Callable[[], Iterator[bool]]:
     """A function telling, per FSDP parameter, whether it holds gradients accumulated without
     reduction (micro-steps under ``set_requires_gradient_sync(False)``)."""
     fsdp_params = _fsdp_params(model)
 
-    def accumulating():
+    def accumulating() -> Iterator[bool]:
         # FSDP2's post-backward without reduction leaves the unreduced gradient on the unsharded
         # parameter, or upcast in unsharded_accumulated_grad (reduce_dtype); a reducing one clears both.
         for fp in fsdp_params:
@@ -294,7 +297,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     cpu_offload=True)``; the other ranks get an empty dict). Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state: dict[str, Any] = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return state
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -304,4 +310,4 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    set_model_state_dict(model, state, options=options)
+    set_model_state_dict(model, dict(state), options=options)
