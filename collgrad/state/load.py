@@ -420,6 +420,8 @@ def _plan_key(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) ->
 
 
 def _planned(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> list[Run]:
+    """Every place this rank keeps each matched tensor, the ranges to read for them (each once, straight
+    into the first place that can take it where one can), joined into runs. Local."""
     targets: dict[str, list[Target]] = {}
     for source, local in opened:
         _targets(source, local, matched.stored, targets)
