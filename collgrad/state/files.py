@@ -18,7 +18,6 @@ Local: no process group. The loader (load.py) agrees on the verdict between rank
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -30,7 +29,7 @@ import torch
 
 from collgrad import _compat
 from collgrad.errors import CheckpointError
-from collgrad.state.shards import INDEX_NAME, SAFE_DTYPES, SINGLE_NAME
+from collgrad.state.shards import INDEX_NAME, SAFE_DTYPES, SINGLE_NAME, bytes_of
 
 __all__ = [
     "Stored",
@@ -38,7 +37,6 @@ __all__ = [
     "open_checkpoint",
     "read_header",
     "RangeReader",
-    "bytes_of",
     "read_all",
     "MAX_HEADER_BYTES",
 ]
@@ -63,6 +61,10 @@ class Stored:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def byte_offset(self, lo: int) -> int:
+        """Where element ``lo`` (flat) starts in the file."""
+        return self.start + lo * self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -215,16 +217,6 @@ def _inside(directory: str, shard: str, index: str) -> str:
     return resolved
 
 
-def bytes_of(out: torch.Tensor) -> memoryview:
-    """The bytes of ``out`` (contiguous, CPU) as a writable memoryview, valid while ``out``'s storage
-    lives (keep ``out`` with it)."""
-    assert out.is_contiguous() and out.device.type == "cpu"
-    nbytes = out.numel() * out.element_size()
-    if not nbytes:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
-
-
 def _pread_into(fd: int, file: str, offset: int, view: memoryview) -> int:
     """``view`` filled from the open ``file`` (``fd``) at byte ``offset``; returns the bytes read. OSError
     where the file ends early or reading fails."""
@@ -251,7 +243,7 @@ class RangeReader:
         reading fails."""
         out = torch.empty(numel, dtype=stored.dtype) if into is None else into.view(-1)
         assert out.numel() == numel and out.dtype == stored.dtype
-        self.read_at(stored.file, stored.start + lo * stored.dtype.itemsize, out)
+        self.read_at(stored.file, stored.byte_offset(lo), out)
         return out
 
     def read_at(self, file: str, offset: int, out: torch.Tensor | memoryview) -> None:

@@ -22,7 +22,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -35,16 +35,17 @@ from collgrad.errors import CheckpointError, CollgradError, LayoutChangedError
 from collgrad.state import adapters
 from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in, select
 from collgrad.state.call import source_of
-from collgrad.state.files import Checkpoint, RangeReader, Stored, bytes_of, open_checkpoint
+from collgrad.state.files import Checkpoint, RangeReader, Stored, open_checkpoint
 from collgrad.state.kinds import FP32
 from collgrad.state.layout import Partitioning, owned_fragments
 from collgrad.state.outcome import agree_outcome
+from collgrad.state.save import persistent_buffers
+from collgrad.state.shards import bytes_of
 
 __all__ = [
     "load_full_model",
     "LoadedModel",
     "LoadPlan",
-    "Read",
     "Run",
     "Copy",
     "Target",
@@ -204,19 +205,9 @@ def _match(
     for a shape that differs, or with ``strict`` for keys on one side only."""
     aliases: dict[str, list[str]] = {}
     canonical: dict[int, str] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for prefix, sub in module.named_modules(remove_duplicate=False):  # one walk for both
-        dot = prefix + "." if prefix else ""
-        for attr, p in sub._parameters.items():
-            if p is not None:
-                aliases.setdefault(canonical.setdefault(id(p), dot + attr), []).append(dot + attr)
-        if names is None:
-            for attr, buffer in sub._buffers.items():
-                persistent = buffer is not None and attr not in sub._non_persistent_buffers_set
-                if persistent and id(buffer) not in seen:  # each once, under its first name (as saved)
-                    seen.add(id(buffer))
-                    buffers[dot + attr] = buffer.detach()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(canonical.setdefault(id(p), name), []).append(name)
+    buffers = dict(persistent_buffers(module)) if names is None else {}  # as save_full_model writes them
     shapes = {slot.name: slot.shape for group in weights.layout.groups for slot in group.params}
     for name, buffer in buffers.items():
         shapes[name], aliases[name] = tuple(buffer.shape), [name]
@@ -323,24 +314,6 @@ def _fragment_targets(source: Source, local: LocalGrads, stored: Mapping[str, St
     return out
 
 
-@dataclass(frozen=True)
-class Read:
-    """One range this rank reads: elements ``[lo, lo + numel)`` (flat) of the tensor ``stored``."""
-
-    stored: Stored
-    lo: int
-    numel: int
-
-    @property
-    def offset(self) -> int:
-        """Where the range starts in its file."""
-        return self.stored.start + self.lo * self.stored.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.stored.dtype.itemsize
-
-
 def reads(targets: Sequence[tuple[int, int]], numel: int) -> tuple[tuple[int, int], ...]:
     """The ranges to read of a tensor of ``numel`` elements for ``targets`` (first element, elements):
     the whole tensor once where any target wants it whole, else each distinct range once. Pure."""
@@ -348,6 +321,8 @@ def reads(targets: Sequence[tuple[int, int]], numel: int) -> tuple[tuple[int, in
         return ((0, numel),)
     return tuple(sorted(set(targets)))
 
+
+_T = TypeVar("_T")
 
 #: The most bytes of ranges read together into a buffer of their own (ranges read straight into place
 #: are joined without a bound: they take no memory).
@@ -431,26 +406,30 @@ def _planned(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> 
     for name, wanted in targets.items():
         stored = matched.stored[name]
         for lo, numel in reads([(w.at, w.numel) for w in wanted], stored.numel):
-            read = Read(stored, lo, numel)
             covered = [w for w in wanted if lo <= w.at and w.at + w.numel <= lo + numel]
             direct = next((w for w in covered if w.takes(stored, lo, numel)), None)  # straight into place
             copies = tuple(Copy(w.at - lo, w) for w in covered if w is not direct)
             dest = None if direct is None or direct.dest is None else direct.dest.view(-1)  # contiguous
-            single.append(Run(stored.file, read.offset, numel, stored.dtype, dest, copies))
+            single.append(Run(stored.file, stored.byte_offset(lo), numel, stored.dtype, dest, copies))
     return joined_runs(single)
 
 
 def joined_runs(runs: Iterable[Run]) -> list[Run]:
     """``runs`` in file order, each joined with the next where its bytes follow in the file and its
-    elements in memory (``_joined``), and within each the copies into adjacent places made one. Pure."""
-    out: list[Run] = []
-    for run in sorted(runs, key=lambda r: (r.file, r.offset)):
-        joined = _joined(out[-1], run) if out else None
-        if joined is not None:
-            out[-1] = joined
+    elements in memory (``_joined``). Pure."""
+    return _folded(sorted(runs, key=lambda r: (r.file, r.offset)), _joined)
+
+
+def _folded(items: Iterable[_T], together: Callable[[_T, _T], _T | None]) -> list[_T]:
+    """``items`` in order, each made one with the one before it where ``together`` can (else None). Pure."""
+    out: list[_T] = []
+    for item in items:
+        merged = together(out[-1], item) if out else None
+        if merged is not None:
+            out[-1] = merged
         else:
-            out.append(run)
-    return [replace(run, copies=_joined_copies(run.copies)) for run in out]
+            out.append(item)
+    return out
 
 
 @dataclass(frozen=True)
@@ -488,24 +467,18 @@ def with_moves(runs: Iterable[Run]) -> LoadPlan:
     """``runs`` with the copies of those read straight into place moved after every read (their values
     stay where they were read: each place is written once), each joined with the next where both its
     values and its target follow in one storage (ZeRO-3's weight partitions, one flat buffer, into the
-    fp32 partition, another: one copy). The copies of a run read into a buffer of its own stay with it.
-    Pure."""
+    fp32 partition, another: one copy). The copies of a run read into a buffer of its own stay with it,
+    joined the same way by storage. Pure."""
     kept: list[Run] = []
     moves: list[tuple[torch.Tensor, Target]] = []
     for run in runs:
         if run.dest is None:
-            kept.append(run)
+            copies = _folded(sorted(run.copies, key=lambda c: (_place(c.target.dest)[0], c.at)), _copied_together)
+            kept.append(replace(run, copies=tuple(copies)))
             continue
         moves.extend((run.dest[c.at : c.at + c.target.numel], c.target) for c in run.copies)
         kept.append(replace(run, copies=()))
-    moves.sort(key=lambda m: _place(m[1].dest))
-    joined: list[tuple[torch.Tensor, Target]] = []
-    for values, target in moves:
-        merged = _moved_together(joined[-1], (values, target)) if joined else None
-        if merged is not None:
-            joined[-1] = merged
-        else:
-            joined.append((values, target))
+    joined = _folded(sorted(moves, key=lambda m: _place(m[1].dest)), _moved_together)
     return LoadPlan(tuple(kept), tuple(joined))
 
 
@@ -548,25 +521,14 @@ def _joined(first: Run, then: Run) -> Run | None:
     return Run(first.file, first.offset, first.numel + then.numel, first.dtype, dest, first.copies + moved)
 
 
-def _joined_copies(copies: tuple[Copy, ...]) -> tuple[Copy, ...]:
-    """``copies`` by storage, each one whose elements follow the previous one's, in the run and in the
-    same storage, made one with it (adjacent fragments of a flat partition: one copy). Pure."""
-    out: list[Copy] = []
-    for copy in sorted(copies, key=_storage_then_at):
-        last = out[-1] if out else None
-        dest = None
-        if last is not None and last.at + last.target.numel == copy.at:
-            a, b = last.target.dest, copy.target.dest
-            dest = _adjacent(a, b) if a is not None and b is not None else None
-        if last is not None and dest is not None:
-            out[-1] = Copy(last.at, Target(last.target.at, dest.numel(), dest))
-        else:
-            out.append(copy)
-    return tuple(out)
-
-
-def _storage_then_at(copy: Copy) -> tuple[int, int]:
-    return (_place(copy.target.dest)[0], copy.at)
+def _copied_together(first: Copy, then: Copy) -> Copy | None:
+    """Two copies out of one run's buffer as one, where ``then``'s elements follow ``first``'s in the
+    run and its place follows ``first``'s in one storage; else None."""
+    a, b = first.target.dest, then.target.dest
+    if first.at + first.target.numel != then.at or a is None or b is None:
+        return None
+    dest = _adjacent(a, b)
+    return Copy(first.at, Target(first.target.at, dest.numel(), dest)) if dest is not None else None
 
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:

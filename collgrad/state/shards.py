@@ -35,6 +35,7 @@ __all__ = [
     "shard_name",
     "write_safetensors",
     "SAFE_DTYPES",
+    "bytes_of",
     "SINGLE_NAME",
     "INDEX_NAME",
 ]
@@ -136,15 +137,17 @@ def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], metada
         f.write(shard.header)
         for _, t in tensors:
             if t.numel():
-                f.write(_bytes_of(t.detach().cpu().contiguous()))
+                f.write(bytes_of(t.detach().cpu().contiguous()))
         f.flush()
         os.fsync(f.fileno())
     return shard.data_bytes
 
 
-def _bytes_of(data: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's bytes, as they lie (no copy)."""
-    return memoryview(data.reshape(-1).view(torch.uint8).numpy())
+def bytes_of(data: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, as they lie (no copy): writable, and holding the tensor's storage
+    while it lives (reads land in the tensor itself)."""
+    assert data.is_contiguous() and data.device.type == "cpu"
+    return memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 @dataclass
@@ -203,7 +206,7 @@ class ShardFiles:
                     f"rank {_compat.rank()}: {name} has {data.numel()} elements, not {entry.shape}"
                 )
             if data.numel():
-                self._write(fd, _bytes_of(data), offset)
+                self._write(fd, bytes_of(data), offset)
         except Exception as error:  # noqa: BLE001 - told to every rank by the caller
             self.error = error
 
