@@ -75,6 +75,17 @@ class LoadedModel:
 
 
 @dataclass(frozen=True)
+class Into:
+    """One source a load writes, this rank's view of its local tensors, and the stored tensor each of
+    its names takes (a load of the training state reads the weights and the masters of one parameter
+    from different files)."""
+
+    source: Source
+    local: LocalGrads
+    stored: Mapping[str, Stored]
+
+
+@dataclass(frozen=True)
 class _Matched:
     """The checkpoint's tensor for each name the model keeps (by the model's name), and what did not match."""
 
@@ -143,8 +154,31 @@ def load_full_model(
         compared="arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes)",
     )
     assert checkpoint is not None and matched is not None  # else an agreement raised
-    plan = _plan(opened, matched)
+    plan = _plan(
+        [Into(source, local, matched.stored) for source, local in opened],
+        [(b, matched.stored[n]) for n, b in matched.buffers.items()],
+    )
+    bytes_read, error = execute(plan)
+    what = "read its part of the checkpoint"
+    agree_outcome(group, me, error, call="load_full_model", what=what, timeout_s=dispatcher.timeout)
+    files = tuple(sorted({s.file for s in matched.stored.values()}))
+    return LoadedModel(
+        os.fspath(path),
+        files,
+        len(matched.stored),
+        bytes_read,
+        checkpoint.header_bytes,
+        time.perf_counter() - start,
+        matched.missing,
+        matched.unexpected,
+    )
+
+
+def execute(plan: LoadPlan) -> tuple[int, BaseException | None]:
+    """``plan``'s reads and copies done on this rank: the bytes read, and the error that stopped them (an
+    I/O error, a setter's), for the caller to agree on. Local."""
     reader = RangeReader()
+    error: BaseException | None = None
     try:
         with torch.no_grad():
             for run in plan.runs:
@@ -161,19 +195,7 @@ def load_full_model(
         error = caught
     finally:
         reader.close()
-    what = "read its part of the checkpoint"
-    agree_outcome(group, me, error, call="load_full_model", what=what, timeout_s=dispatcher.timeout)
-    files = tuple(sorted({s.file for s in matched.stored.values()}))
-    return LoadedModel(
-        os.fspath(path),
-        files,
-        len(matched.stored),
-        reader.bytes_read,
-        checkpoint.header_bytes,
-        time.perf_counter() - start,
-        matched.missing,
-        matched.unexpected,
-    )
+    return reader.bytes_read, error
 
 
 def _sources(model: adapters.Model, names: list[str] | None) -> list[tuple[Source, LocalGrads]]:
@@ -271,10 +293,12 @@ class Target:
         )
 
 
-def _targets(source: Source, local: LocalGrads, stored: Mapping[str, Stored], out: dict[str, list[Target]]) -> None:
-    """Every place this rank keeps a tensor of ``source`` the checkpoint holds, added to ``out`` by name:
-    its fragments of each partitioned one (the layout's owned_fragments, as views of the pieces), what it
-    holds whole. Local."""
+def _targets(
+    source: Source, local: LocalGrads, stored: Mapping[str, Stored], out: dict[Stored, list[Target]]
+) -> None:
+    """Every place this rank keeps a tensor of ``source`` that ``stored`` holds, added to ``out`` by the
+    stored tensor it takes: its fragments of each partitioned one (the layout's owned_fragments, as
+    views of the pieces), what it holds whole. Local."""
     if source.accessor_set is not None:  # a layout collgrad does not read: DeepSpeed's local setter
         setter = source.accessor_set
         for name, param in source.params.items():
@@ -284,13 +308,13 @@ def _targets(source: Source, local: LocalGrads, stored: Mapping[str, Stored], ou
                 def put(values: torch.Tensor, param: nn.Parameter = param, shape: tuple[int, ...] = shape) -> None:
                     setter(param, values.reshape(shape).to(torch.float32))
 
-                out.setdefault(name, []).append(Target(0, stored[name].numel, put=put))
+                out.setdefault(stored[name], []).append(Target(0, stored[name].numel, put=put))
         return
     for name, targets in _fragment_targets(source, local, stored).items():
-        out.setdefault(name, []).extend(targets)
+        out.setdefault(stored[name], []).extend(targets)
     for name, tensor in source.held_whole().items():
         if name in stored:
-            out.setdefault(name, []).append(Target(0, tensor.numel(), tensor))
+            out.setdefault(stored[name], []).append(Target(0, tensor.numel(), tensor))
 
 
 def _fragment_targets(source: Source, local: LocalGrads, stored: Mapping[str, Stored]) -> dict[str, list[Target]]:
@@ -361,50 +385,50 @@ class Run:
         return bytes_of(self.dest) if self.dest is not None else None
 
 
-def _plan(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> LoadPlan:
+def _plan(into: Sequence[Into], buffers: Sequence[tuple[torch.Tensor, Stored]]) -> LoadPlan:
     """This rank's reads, each range once, joined into runs where they are adjacent in the file and (read
-    straight into place) in memory, with every place their elements go. Kept with the module weights'
-    source for the next load of a checkpoint laid out the same into the same tensors. Local."""
-    key = _plan_key(opened, matched)
-    scratch = opened[0][0].scratch
+    straight into place) in memory, with every place their elements go. Kept with the first source's
+    scratch for the next load of a checkpoint laid out the same into the same tensors. Local."""
+    key = _plan_key(into, buffers)
+    scratch = into[0].source.scratch
     found = scratch.get("load plan")
     if key is not None and found is not None and found[0] == key:
         kept: LoadPlan = found[1]
         return kept
-    plan = with_moves(_planned(opened, matched))
+    plan = with_moves(_planned(into, buffers))
     if key is not None:
         scratch["load plan"] = (key, plan)
     return plan
 
 
-def _plan_key(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> tuple[object, ...] | None:
+def _plan_key(into: Sequence[Into], buffers: Sequence[tuple[torch.Tensor, Stored]]) -> tuple[object, ...] | None:
     """What a plan depends on: every matched tensor as stored (file, offset, dtype, shape), and where
     this rank keeps each (the address, size and dtype of every tensor it keeps them in: a kept plan's
     views keep their storage alive, so an address that matches one is the same storage). None where a
     target is a setter (not kept). Local."""
-    parts: list[object] = [tuple(matched.stored.items())]
-    for source, local in opened:
-        if source.accessor_set is not None:
+    parts: list[object] = []
+    for one in into:
+        if one.source.accessor_set is not None:
             return None
-        for buffer in local.buffers:
+        parts.append(tuple(one.stored.items()))
+        for buffer in one.local.buffers:
             tensors = buffer.given if isinstance(buffer, Pieces) else buffer
             parts.append(tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
-        parts.append(tuple((n, t.data_ptr(), t.dtype) for n, t in source.held_whole().items()))
-    parts.append(tuple((n, b.data_ptr(), b.dtype) for n, b in matched.buffers.items()))
+        parts.append(tuple((n, t.data_ptr(), t.dtype) for n, t in one.source.held_whole().items()))
+    parts.append(tuple((b.data_ptr(), b.dtype, stored) for b, stored in buffers))
     return tuple(parts)
 
 
-def _planned(opened: Sequence[tuple[Source, LocalGrads]], matched: _Matched) -> list[Run]:
-    """Every place this rank keeps each matched tensor, the ranges to read for them (each once, straight
-    into the first place that can take it where one can), joined into runs. Local."""
-    targets: dict[str, list[Target]] = {}
-    for source, local in opened:
-        _targets(source, local, matched.stored, targets)
-    for name, buffer in matched.buffers.items():
-        targets[name] = [Target(0, buffer.numel(), buffer)]
+def _planned(into: Sequence[Into], buffers: Sequence[tuple[torch.Tensor, Stored]]) -> list[Run]:
+    """Every place this rank keeps each stored tensor a source takes, the ranges to read for them (each
+    once, straight into the first place that can take it where one can), joined into runs. Local."""
+    targets: dict[Stored, list[Target]] = {}
+    for one in into:
+        _targets(one.source, one.local, one.stored, targets)
+    for buffer, stored in buffers:
+        targets.setdefault(stored, []).append(Target(0, buffer.numel(), buffer))
     single = []
-    for name, wanted in targets.items():
-        stored = matched.stored[name]
+    for stored, wanted in targets.items():
         for lo, numel in reads([(w.at, w.numel) for w in wanted], stored.numel):
             covered = [w for w in wanted if lo <= w.at and w.at + w.numel <= lo + numel]
             direct = next((w for w in covered if w.takes(stored, lo, numel)), None)  # straight into place
@@ -549,4 +573,5 @@ def read_plan(model: object, path: str | os.PathLike[str]) -> tuple[Run, ...]:
     resolved = adapters.resolve(model)
     opened = _sources(resolved, None)
     matched = _match(resolved.module, opened[0][0], open_checkpoint(path), None, strict=False)
-    return _plan(opened, matched).runs
+    into = [Into(source, local, matched.stored) for source, local in opened]
+    return _plan(into, [(b, matched.stored[n]) for n, b in matched.buffers.items()]).runs
