@@ -35,6 +35,7 @@ __all__ = [
     "Stored",
     "Checkpoint",
     "open_checkpoint",
+    "open_mapped",
     "read_header",
     "RangeReader",
     "read_all",
@@ -170,7 +171,14 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             raise _refuse(path, f"holds neither {SINGLE_NAME} nor {INDEX_NAME}")
         tensors, header = read_header(single)
         return Checkpoint(path, (single,), tensors, header)
-    weight_map = _weight_map(index)
+    return open_mapped(path, _weight_map(index), index)
+
+
+def open_mapped(path: str, weight_map: Mapping[str, str], index: str) -> Checkpoint:
+    """The tensors ``weight_map`` places (name -> file, relative to the directory ``path``), as the index
+    ``index`` (the file that holds the map, named in errors) gives them: every file checked to lie
+    inside ``path`` and every header checked, every name found in its file's header. CheckpointError
+    otherwise. Local."""
     files = {shard: _inside(path, shard, index) for shard in dict.fromkeys(weight_map.values())}
     headers, header_bytes = {}, 0
     for shard, file in files.items():

@@ -10,6 +10,7 @@ all-gather over the model's group; then every rank raises together, or all go on
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 from torch.distributed import ProcessGroup
 
@@ -30,16 +31,19 @@ def agree_outcome(
     timeout_s: float,
     arguments: int = 0,
     compared: str = "arguments",
-) -> None:
+    extra: Sequence[int] = (),
+) -> list[list[int]]:
     """Every rank of ``group`` learns whether any rank failed to ``what`` (and, with ``arguments``,
     whether every rank passed the same ``compared``): this rank raises its own failure (a CollgradError
     as it is, anything else wrapped in one naming ``call``), the others RankFailedError naming it.
-    Collective over ``group`` (None: this process alone)."""
+    ``extra``: more of this rank's numbers for the others; returns every rank's row (its code, its
+    ``arguments``, then its ``extra``) in the group's order, where none failed. Collective over
+    ``group`` (None: this process alone)."""
     code = 0 if error is None else (getattr(error, "errno", None) or 255)
-    rows = [[code, arguments]]
+    rows = [[code, arguments, *extra]]
     ranks = [me]
     if group is not None:
-        rows = agreement.exchange(group, [code, arguments], timeout_s=timeout_s, what=f"{call}: {what}")
+        rows = agreement.exchange(group, [code, arguments, *extra], timeout_s=timeout_s, what=f"{call}: {what}")
         ranks = list(_compat.group_ranks(group))
     if error is not None:
         if isinstance(error, CollgradError):
@@ -55,3 +59,4 @@ def agree_outcome(
             f"ranks passed different {compared} to {call} [seen by rank {me}]: pass the same on every rank",
             ("arguments",),
         )
+    return rows

@@ -38,6 +38,8 @@ __all__ = [
     "bytes_of",
     "SINGLE_NAME",
     "INDEX_NAME",
+    "RangeWriter",
+    "write_all",
 ]
 
 #: torch dtypes and their safetensors names
@@ -278,10 +280,69 @@ class ShardFiles:
 
     def _write(self, fd: int, data: memoryview, offset: int) -> bool:
         try:
-            while len(data):
-                done = os.pwrite(fd, data[:_MOST], offset)
-                data, offset = data[done:], offset + done
+            write_all(fd, data, offset)
         except OSError as error:
             self.error = error
             return False
         return True
+
+
+def write_all(fd: int, data: memoryview, offset: int) -> None:
+    """``data`` written to the open file ``fd`` at byte ``offset``, however many calls that takes. OSError
+    where the disk refuses it."""
+    while len(data):
+        done = os.pwrite(fd, data[:_MOST], offset)
+        data, offset = data[done:], offset + done
+
+
+class RangeWriter:
+    """Byte ranges written at their offsets into files of known size that several ranks fill together:
+    each file opened once (created where it is not there yet, and given its final size), every write
+    counted; a failure kept in ``error`` (later writes skipped), never raised, for the caller to tell
+    the other ranks. ``finish`` flushes every file to the disk and closes it; ``remove`` takes away the
+    files this rank opened (after a failure anywhere). Local."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self.opened: list[str] = []
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+
+    def write(self, path: str, size: int, offset: int, data: memoryview) -> None:
+        """``data`` at byte ``offset`` of ``path``, a file of ``size`` bytes."""
+        if self.error is not None:
+            return
+        try:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                self.opened.append(path)
+                os.ftruncate(fd, size)  # the same size on every rank: nothing written is cut
+            write_all(fd, data, offset)
+            self.bytes_written += len(data)
+        except OSError as error:
+            self.error = error
+
+    def finish(self) -> None:
+        """Every file this rank wrote flushed to the disk (fsync) and closed."""
+        for fd in self._fds.values():
+            try:
+                if self.error is None:
+                    os.fsync(fd)
+            except OSError as error:
+                self.error = error
+            finally:
+                os.close(fd)
+        self._fds.clear()
+
+    def remove(self) -> None:
+        """Every file this rank opened removed (closed first)."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        for path in self.opened:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        self.opened.clear()

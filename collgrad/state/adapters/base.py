@@ -28,6 +28,8 @@ from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLay
 
 __all__ = [
     "Model",
+    "OptimizerView",
+    "create_states",
     "Problem",
     "LocalGrads",
     "GroupBuffer",
@@ -82,6 +84,100 @@ class Model:
             "wraps): there is no fused step to hook. With a torch optimizer, call your function between "
             "backward() and optimizer.step() (or register it with optimizer.register_step_pre_hook)"
         )
+
+
+    def optimizer_view(self, optimizer: Any) -> OptimizerView:
+        """Where ``optimizer`` (the torch optimizer stepping this module's parameters) keeps each trainable
+        parameter's state; InvalidArgumentError (this rank) where none is given or it does not step
+        them all. Local."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidArgumentError(
+                f"rank {_compat.rank()}: {type(self.module).__name__} keeps no optimizer of its own: pass "
+                f"optimizer= (the torch.optim.Optimizer over its parameters), got {type(optimizer).__name__}"
+            )
+        groups = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        trainable = select(self.module, None, trainable=True)
+        outside = [n for n, p in trainable if id(p) not in groups]
+        if outside:
+            raise InvalidArgumentError(
+                f"rank {_compat.rank()}: the optimizer does not step {', '.join(outside[:4])}"
+                f"{' and more' if len(outside) > 4 else ''}: pass the optimizer over every trainable parameter"
+            )
+        holders = {n: p for n, p in trainable}
+        return OptimizerView(optimizer, holders, {n: groups[id(p)] for n, p in trainable}, optimizer.step)
+
+    def lr_scheduler(self, given: Any) -> Any:
+        """The LR scheduler whose ``state_dict()`` a training state holds: ``given``, or the one the
+        framework keeps (a DeepSpeed engine's)."""
+        return given
+
+    def counters(self) -> dict[str, int | float]:
+        """The framework's own counters of a run (a DeepSpeed engine's steps and samples, its fp16 loss
+        scaler), by name; none for a module. Local."""
+        return {}
+
+    def set_counters(self, values: Mapping[str, int | float]) -> None:
+        """``counters()`` put back (names as it gives them, each checked by the caller). Local."""
+
+
+@dataclass(frozen=True)
+class OptimizerView:
+    """Where an optimizer keeps the state of each trainable parameter: ``optimizer``, the torch optimizer
+    whose ``state`` and ``param_groups`` hold it; ``holders``, by parameter name, the tensor its state
+    is keyed by in ``optimizer.state`` (the parameter itself; under ZeRO the flat fp32 partition of its
+    group, which several share); ``groups``, by name, the index of its param group; ``step``, the
+    optimizer's update over every holder (how a state an optimizer creates in its first step is made);
+    ``linked``, what the framework must do once states exist (DeepSpeed links its accessors' fragments
+    to them only in a step)."""
+
+    optimizer: torch.optim.Optimizer
+    holders: Mapping[str, torch.Tensor]
+    groups: Mapping[str, int]
+    step: Callable[[], Any]
+    linked: Callable[[], None] = lambda: None
+    unlinked: Callable[[], None] = lambda: None
+
+    def distinct_holders(self) -> list[torch.Tensor]:
+        """Every holder once, in the order of the parameters."""
+        seen: dict[int, torch.Tensor] = {}
+        for holder in self.holders.values():
+            seen.setdefault(id(holder), holder)
+        return list(seen.values())
+
+
+def create_states(view: OptimizerView) -> Callable[[], None]:
+    """The optimizer's states made where it has none yet, as its first step makes them (a zero gradient
+    on every holder, every learning rate 0 for that one update, then both put back: the values it
+    steps are unchanged, the states are the caller's to overwrite); returns what removes them again
+    (a refused load leaves the optimizer as it was). As ``torch.distributed.checkpoint.state_dict``
+    initializes an optimizer's states before loading them. Local."""
+    holders = [h for h in view.distinct_holders() if not view.optimizer.state.get(h)]
+    if not holders:
+        return lambda: None
+    grads = [h.grad for h in holders]
+    rates = [g.get("lr") for g in view.optimizer.param_groups]
+    try:
+        for h in holders:
+            h.grad = torch.zeros_like(h)
+        for g in view.optimizer.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        with torch.no_grad():
+            view.step()
+    finally:
+        for h, grad in zip(holders, grads):
+            h.grad = grad
+        for g, lr in zip(view.optimizer.param_groups, rates):
+            if lr is not None:
+                g["lr"] = lr
+    view.linked()
+
+    def undo() -> None:
+        for h in holders:
+            view.optimizer.state.pop(h, None)
+        view.unlinked()
+
+    return undo
 
 
 def optimizer_states(optimizer: Any, state: StateKind) -> Callable[[], Any]:

@@ -58,6 +58,7 @@ from collgrad.errors import InvalidArgumentError
 from collgrad.state.adapters.base import (
     LocalGrads,
     Model,
+    OptimizerView,
     Problem,
     ReplicatedSource,
     Source,
@@ -172,6 +173,99 @@ class DeepSpeedModel(Model):
 
     def hook_step(self, run: Callable[[Any], None]) -> Callable[[], None]:
         return hook_model_step(self.engine, run)
+
+    def optimizer_view(self, optimizer: Any) -> OptimizerView:
+        """The engine's own optimizer (``optimizer`` is not used): see ``optimizer_view``."""
+        return optimizer_view(self.engine)
+
+    def lr_scheduler(self, given: Any) -> Any:
+        return given if given is not None else self.engine.lr_scheduler
+
+    def counters(self) -> dict[str, int | float]:
+        engine = self.engine
+        out: dict[str, int | float] = {name: int(getattr(engine, name)) for name in ENGINE_COUNTERS}
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        if engine.fp16_enabled() and scaler is not None:
+            for name in LOSS_SCALER_STATE:
+                if isinstance(getattr(scaler, name, None), (int, float)):
+                    out[f"loss_scaler.{name}"] = getattr(scaler, name)
+        return out
+
+    def set_counters(self, values: Mapping[str, int | float]) -> None:
+        engine = self.engine
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        for name, value in values.items():
+            if name.startswith("loss_scaler."):
+                if scaler is not None:
+                    setattr(scaler, name.removeprefix("loss_scaler."), value)
+            else:
+                setattr(engine, name, value)
+
+
+#: What a DeepSpeed engine counts of a run (its ``save_checkpoint`` keeps the same).
+ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+#: The state of DeepSpeed's fp16 loss scaler (``DynamicLossScaler``; a static scaler has ``cur_scale``).
+LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def optimizer_view(engine: DeepSpeedEngine) -> OptimizerView:
+    """Where ``engine``'s optimizer keeps each trainable parameter's state (DeepSpeed 0.19):
+
+    - ZeRO-1/2: the torch optimizer it wraps (``opt.optimizer``) keys each param group's state by the
+      group's flat fp32 partition ``single_partition_of_fp32_groups[i]``; DeepSpeed links its accessors'
+      fragments to those states lazily, in its first step (``_lazy_init_hp_params_optimizer_state``).
+    - ZeRO-3: by each sub-group's flat fp32 partition ``fp32_partitioned_groups_flat[i]``, of param group
+      ``sub_group_to_group_id[i]``; the wrapped optimizer holds a sub-group's partition in its group's
+      params only while DeepSpeed steps it (``_optimizer_step(i)``, which the update here runs too).
+    - Stage 0 with a torch optimizer: each parameter itself.
+
+    InvalidArgumentError (this rank) for any other optimizer (BF16_Optimizer, fp16 stage 0, NVMe-swapped
+    sub-groups): collgrad does not read their states in place. Local."""
+    opt = engine.optimizer
+    names = {id(p): n for n, p in select(engine.module, None, trainable=True)}
+    kind = type(opt).__name__
+    holders: dict[str, torch.Tensor] = {}
+    groups: dict[str, int] = {}
+    if kind == "DeepSpeedZeroOptimizer":
+        inner = opt.optimizer
+        for i, params in enumerate(opt.bit16_groups):
+            flat = opt.single_partition_of_fp32_groups[i]
+            group = next(k for k, g in enumerate(inner.param_groups) if any(p is flat for p in g["params"]))
+            for p in params:
+                if id(p) in names:
+                    holders[names[id(p)]], groups[names[id(p)]] = flat, group
+
+        def linked() -> None:
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+
+        def unlinked() -> None:
+            opt._hp_optimizer_states_linked = False
+
+        return OptimizerView(inner, holders, groups, inner.step, linked, unlinked)
+    if kind == "DeepSpeedZeroOptimizer_Stage3":
+        if any(opt._swappable_optimizer_subgroup(i) for i in range(len(opt.fp16_groups))):
+            raise InvalidArgumentError(
+                f"rank {_compat.rank()}: this ZeRO-3 engine swaps optimizer states to NVMe, which a training "
+                "state does not read yet: save it with engine.save_checkpoint"
+            )
+        for i, params in enumerate(opt.fp16_groups):
+            flat = opt.fp32_partitioned_groups_flat[i]
+            for p in params:
+                if id(p) in names:
+                    holders[names[id(p)]], groups[names[id(p)]] = flat, opt.sub_group_to_group_id[i]
+
+        def step() -> None:
+            for i in range(len(opt.fp16_groups)):
+                opt._optimizer_step(i)
+
+        return OptimizerView(opt.optimizer, holders, groups, step)
+    if isinstance(opt, torch.optim.Optimizer):
+        return Model.optimizer_view(DeepSpeedModel(engine), opt)
+    raise InvalidArgumentError(
+        f"rank {_compat.rank()}: {kind} keeps optimizer states a training state does not read yet: "
+        "save this engine with engine.save_checkpoint"
+    )
 
 
 def refuse_unfound(module: nn.Module) -> None:
