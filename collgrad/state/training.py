@@ -30,6 +30,7 @@ load   check: manifest, headers and index (untrusted), names, shapes, param grou
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
@@ -55,7 +56,17 @@ from collgrad.state.outcome import agree_outcome
 from collgrad.state.save import DEFAULT_MAX_SHARD_BYTES, persistent_buffers
 from collgrad.state.shards import INDEX_NAME, SINGLE_NAME, Entry, RangeWriter, Shard, bytes_of, plan_shards
 
-__all__ = ["save_training_state", "load_training_state", "SavedTrainingState", "LoadedTrainingState"]
+__all__ = [
+    "save_training_state",
+    "load_training_state",
+    "SavedTrainingState",
+    "LoadedTrainingState",
+    "Files",
+    "Placed",
+    "lay_out",
+    "write_small",
+    "commit",
+]
 
 
 @dataclass(frozen=True)
@@ -197,7 +208,7 @@ def _held(model: adapters.Model, optimizer: Any, lr_scheduler: Any) -> _Held:
 
 
 @dataclass(frozen=True)
-class _Placed:
+class Placed:
     """Where a tensor lies in a checkpoint being written: its file (path, size), its bytes' offset, its entry."""
 
     path: str
@@ -207,13 +218,13 @@ class _Placed:
 
 
 @dataclass(frozen=True)
-class _Files:
+class Files:
     """A save's files, laid out before any byte moves: by file stem, its shards and the name of each;
     where each tensor lies, by (stem, name)."""
 
     directory: str
     shards: Mapping[str, tuple[tuple[str, Shard], ...]]
-    placed: Mapping[tuple[str, str], _Placed]
+    placed: Mapping[tuple[str, str], Placed]
 
     def mapped(self, stem: str) -> dict[str, str]:
         """The file each tensor of ``stem`` is in, by name (as an index's ``weight_map``)."""
@@ -231,28 +242,37 @@ def _entries(source: Source, local: LocalGrads) -> list[Entry]:
     return out
 
 
-def _lay_out(directory: str, held: _Held, generation: str, max_shard_bytes: int) -> _Files:
-    """Every file of the save and the place of every tensor in it: the same on every rank (it depends
-    only on the layouts). Pure."""
+def lay_out(directory: str, entries: Mapping[str, Sequence[Entry]], generation: str, max_shard_bytes: int) -> Files:
+    """Every file of a save and the place of every tensor in it, from each file stem's tensors in order
+    (``model``: the weights and buffers, ``fp32``, ``optimizer-<k>``: the k-th key of the manifest's
+    optimizer states), each stem cut into shards of at most ``max_shard_bytes``: the same on every
+    rank. Pure."""
     shards: dict[str, tuple[tuple[str, Shard], ...]] = {}
-    placed: dict[tuple[str, str], _Placed] = {}
-    for stem, source, local in held.sources:
-        entries = _entries(source, local)
-        if stem == "model":
-            entries += [Entry(n, tuple(b.shape), b.dtype) for n, b in held.buffers]
-        if not entries:
+    placed: dict[tuple[str, str], Placed] = {}
+    for stem, listed in entries.items():
+        if not listed:
             continue
-        cut = plan_shards(entries, max_shard_bytes, {"format": "pt"})
+        cut = plan_shards(list(listed), max_shard_bytes, {"format": "pt"})
         named = tuple((f"{stem}-{generation}-{k + 1:05d}-of-{len(cut):05d}.safetensors", s) for k, s in enumerate(cut))
         shards[stem] = named
         for file, shard in named:
             path = os.path.join(directory, file)
             for entry, offset in zip(shard.entries, shard.offsets):
-                placed[(stem, entry.name)] = _Placed(path, shard.size, offset, entry)
-    return _Files(directory, shards, placed)
+                placed[(stem, entry.name)] = Placed(path, shard.size, offset, entry)
+    return Files(directory, shards, placed)
 
 
-def _writes(held: _Held, files: _Files, index: int, world: int) -> Iterator[tuple[_Placed, int, torch.Tensor]]:
+def _entries_of(held: _Held) -> dict[str, list[Entry]]:
+    """Each file stem's tensors as this rank's sources lay them out (the same on every rank)."""
+    out = {}
+    for stem, source, local in held.sources:
+        out[stem] = _entries(source, local)
+        if stem == "model":
+            out[stem] += [Entry(n, tuple(b.shape), b.dtype) for n, b in held.buffers]
+    return out
+
+
+def _writes(held: _Held, files: Files, index: int, world: int) -> Iterator[tuple[Placed, int, torch.Tensor]]:
     """What this rank writes, as (tensor's place, first element, values): the fragments it holds of
     every partitioned tensor, and its share of the tensors every rank holds whole (each written by one
     rank, the ranks taking turns through each file's bytes). Local."""
@@ -275,7 +295,7 @@ def _writes(held: _Held, files: _Files, index: int, world: int) -> Iterator[tupl
 
 
 def _share(
-    whole: Sequence[tuple[str, torch.Tensor]], places: Sequence[_Placed], index: int, world: int
+    whole: Sequence[tuple[str, torch.Tensor]], places: Sequence[Placed], index: int, world: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's share of tensors every rank holds whole: tensor k by the rank whose turn its first
     byte falls in, counting through their bytes in order (contiguous runs per rank). Pure."""
@@ -287,7 +307,7 @@ def _share(
         at += place.entry.nbytes
 
 
-def _write(held: _Held, files: _Files, index: int, world: int, writer: RangeWriter) -> None:
+def _write(held: _Held, files: Files, index: int, world: int, writer: RangeWriter) -> None:
     """This rank's part of every file written (rank 0 also every header), at its offsets. Failures are
     kept in ``writer.error``."""
     if index == 0:
@@ -390,7 +410,7 @@ def save_training_state(
             "needs a directory every rank shares (a shared file system); use save_full_model for the weights"
         )
     index, world = ranks.index(me), len(ranks)
-    files = _lay_out(path, held, generation, max_shard_bytes)
+    files = lay_out(path, _entries_of(held), generation, max_shard_bytes)
     writer = RangeWriter()
     manifest = _manifest(resolved, held, files, generation, world)
     temporaries: list[tuple[str, str]] = []
@@ -398,7 +418,7 @@ def save_training_state(
         _write(held, files, index, world, writer)
         writer.finish()
         if index == 0 and writer.error is None:
-            temporaries = _write_small(path, manifest, files, generation)
+            temporaries = write_small(path, manifest, files, generation)
     except OSError as caught:
         writer.error = caught
     except InvalidArgumentError as caught:  # a value JSON cannot hold (found on every rank alike)
@@ -415,10 +435,7 @@ def save_training_state(
     error = None
     if index == 0:
         try:
-            for temporary, final in temporaries:  # the index, then the manifest: the checkpoint
-                os.replace(temporary, final)
-            _sync_directory(path)
-            _remove_stale(path, set(manifest.files()))
+            commit(path, temporaries, set(manifest.files()))
         except OSError as caught:
             error = caught
     agree_outcome(group, me, error, call=call, what="put the checkpoint in place", timeout_s=dispatcher.timeout)
@@ -442,7 +459,7 @@ def _shared_json(held: _Held) -> bytes:
     return probe.to_json()
 
 
-def _manifest(model: adapters.Model, held: _Held, files: _Files, generation: str, world: int) -> Manifest:
+def _manifest(model: adapters.Model, held: _Held, files: Files, generation: str, world: int) -> Manifest:
     layout = next(source.layout.variant for stem, source, _ in held.sources if stem == "fp32") if held.sources else ""
     saved_by = {"framework": model.framework, "layout": layout, "world_size": world}
     return Manifest(
@@ -458,11 +475,9 @@ def _manifest(model: adapters.Model, held: _Held, files: _Files, generation: str
     )
 
 
-def _write_small(path: str, manifest: Manifest, files: _Files, generation: str) -> list[tuple[str, str]]:
+def write_small(path: str, manifest: Manifest, files: Files, generation: str) -> list[tuple[str, str]]:
     """The index and the manifest written under temporary names and flushed to the disk; returns each
     (temporary, final). OSError where the disk refuses them."""
-    import json
-
     weight_map = files.mapped("model")
     total = sum(s.data_bytes for _, s in files.shards.get("model", ()))
     index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
@@ -475,6 +490,16 @@ def _write_small(path: str, manifest: Manifest, files: _Files, generation: str) 
             os.fsync(f.fileno())
         out.append((temporary, os.path.join(path, final)))
     return out
+
+
+def commit(path: str, temporaries: Sequence[tuple[str, str]], files: set[str]) -> None:
+    """A written checkpoint put in place: the index, then the manifest (the checkpoint) renamed over
+    the previous ones, the directory flushed, then the tensor files of earlier saves removed. OSError
+    where the file system refuses."""
+    for temporary, final in temporaries:
+        os.replace(temporary, final)
+    _sync_directory(path)
+    _remove_stale(path, files)
 
 
 def _probe(path: str, rank: int) -> None:
