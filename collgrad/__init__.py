@@ -41,13 +41,16 @@ from collgrad.state import (
     GradStat,
     GradStats,
     LoadedModel,
+    LoadedTrainingState,
     PreStepHook,
     SavedModel,
+    SavedTrainingState,
     StateRecord,
     iter_full_model_fp32_params,
     iter_full_model_grads,
     iter_full_model_optimizer_states,
     load_full_model,
+    load_training_state,
     register_pre_step_hook,
     safe_get_full_model_fp32_params,
     safe_get_full_model_grad_stats,
@@ -58,6 +61,7 @@ from collgrad.state import (
     safe_set_full_model_optimizer_states,
     safe_update_full_model_grads,
     save_full_model,
+    save_training_state,
 )
 
 __version__ = "0.1.0"
@@ -80,6 +84,9 @@ __all__ = [
     # Consolidated checkpoints: written, and read back into any layout
     "save_full_model",
     "load_full_model",
+    # The whole training state: saved once, resumed at any world size, stage or framework
+    "save_training_state",
+    "load_training_state",
     # What those calls return
     "FullState",
     "FullGrads",
@@ -90,6 +97,8 @@ __all__ = [
     "PreStepHook",
     "SavedModel",
     "LoadedModel",
+    "SavedTrainingState",
+    "LoadedTrainingState",
     # Coalesced collectives
     "all_reduce_coalesced",
     "all_gather_coalesced",

@@ -22,6 +22,8 @@ stats.py         safe_get_full_model_grad_stats: per-parameter statistics withou
 save.py          save_full_model: a consolidated checkpoint streamed into safetensors shards (shards.py)
 load.py          load_full_model: a checkpoint read back where the model keeps it, each rank its own
                  bytes (files.py: safetensors headers and indexes checked as untrusted input)
+training.py      save_training_state / load_training_state: the whole training state, world-size-free,
+                 each rank writing and reading its own ranges (manifest.py: what is where, as JSON)
 outcome.py       a phase of a file-writing or -reading call agreed by every rank
 hook.py          register_pre_step_hook: a function run inside DeepSpeed's fused step(), where they are valid
 record.py        what a call did
@@ -42,6 +44,12 @@ from collgrad.state.state import (
     safe_set_full_model_optimizer_states,
 )
 from collgrad.state.stats import GradStat, GradStats, safe_get_full_model_grad_stats
+from collgrad.state.training import (
+    LoadedTrainingState,
+    SavedTrainingState,
+    load_training_state,
+    save_training_state,
+)
 from collgrad.state.write import safe_set_full_model_grads, safe_update_full_model_grads
 
 __all__ = [
@@ -59,6 +67,8 @@ __all__ = [
     "safe_set_full_model_optimizer_states",
     "save_full_model",
     "load_full_model",
+    "save_training_state",
+    "load_training_state",
     "FullState",
     "FullGrads",
     "FullStateStream",
@@ -69,6 +79,8 @@ __all__ = [
     "PreStepHook",
     "SavedModel",
     "LoadedModel",
+    "SavedTrainingState",
+    "LoadedTrainingState",
     "StateKind",
     "OptimizerState",
     "GRAD",

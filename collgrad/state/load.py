@@ -293,9 +293,7 @@ class Target:
         )
 
 
-def _targets(
-    source: Source, local: LocalGrads, stored: Mapping[str, Stored], out: dict[Stored, list[Target]]
-) -> None:
+def _targets(source: Source, local: LocalGrads, stored: Mapping[str, Stored], out: dict[Stored, list[Target]]) -> None:
     """Every place this rank keeps a tensor of ``source`` that ``stored`` holds, added to ``out`` by the
     stored tensor it takes: its fragments of each partitioned one (the layout's owned_fragments, as
     views of the pieces), what it holds whole. Local."""

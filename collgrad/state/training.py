@@ -35,7 +35,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -583,7 +583,7 @@ def load_training_state(
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
     path = os.fspath(directory)
     resolved, error, group, me = adapters.enter(model)
-    undo = _nothing
+    undo: Callable[[], None] | None = None
     manifest: Manifest | None = None
     matched: _Matched | None = None
     view: OptimizerView | None = None
@@ -614,7 +614,8 @@ def load_training_state(
             compared="arguments or checkpoints (directory, strict; or the files' names, dtypes and shapes)",
         )
     except CollgradError:
-        undo()
+        if undo is not None:
+            undo()
         raise
     assert manifest is not None and matched is not None and view is not None and resolved is not None
     bytes_read, error = execute(_plan(matched.into, matched.buffers))
@@ -635,15 +636,11 @@ def load_training_state(
         tuple(manifest.optimizer),
         bytes_read,
         header_bytes,
-        undo is not _nothing,
+        undo is not None,
         time.perf_counter() - start,
         matched.missing,
         matched.unexpected,
     )
-
-
-def _nothing() -> None:
-    pass
 
 
 def _checkpoints(path: str, manifest: Manifest) -> dict[str, Checkpoint]:
@@ -692,12 +689,10 @@ def _match(
     buffers = dict(persistent_buffers(model.module))
     stored_weights = checkpoints["model"].tensors
     masters = checkpoints["fp32"].tensors if "fp32" in checkpoints else {}
-    missing = [n for n in trainable if n not in masters] + [
-        n for n in [*shapes, *buffers] if n not in trainable and n not in stored_weights
-    ]
-    unexpected = [n for n in masters if n not in view.holders] + [
-        n for n in stored_weights if n not in shapes and n not in buffers
-    ]
+    missing = [n for n in trainable if n not in masters]
+    missing += [n for n in [*shapes, *buffers] if n not in trainable and n not in stored_weights]
+    unexpected = list(dict.fromkeys([*(n for n in masters if n not in view.holders), *stored_weights]))
+    unexpected = [n for n in unexpected if n not in shapes and n not in buffers]
     if strict and (missing or unexpected):
         parts = [f"missing from the checkpoint: {_listed(missing)}"] if missing else []
         parts += [f"not in the model: {_listed(unexpected)}"] if unexpected else []

@@ -85,7 +85,6 @@ class Model:
             "backward() and optimizer.step() (or register it with optimizer.register_step_pre_hook)"
         )
 
-
     def optimizer_view(self, optimizer: Any) -> OptimizerView:
         """Where ``optimizer`` (the torch optimizer stepping this module's parameters) keeps each trainable
         parameter's state; InvalidArgumentError (this rank) where none is given or it does not step
@@ -145,15 +144,16 @@ class OptimizerView:
         return list(seen.values())
 
 
-def create_states(view: OptimizerView) -> Callable[[], None]:
+def create_states(view: OptimizerView) -> Callable[[], None] | None:
     """The optimizer's states made where it has none yet, as its first step makes them (a zero gradient
     on every holder, every learning rate 0 for that one update, then both put back: the values it
     steps are unchanged, the states are the caller's to overwrite); returns what removes them again
     (a refused load leaves the optimizer as it was). As ``torch.distributed.checkpoint.state_dict``
-    initializes an optimizer's states before loading them. Local."""
+    initializes an optimizer's states before loading them. None where every holder has its states
+    already. Local."""
     holders = [h for h in view.distinct_holders() if not view.optimizer.state.get(h)]
     if not holders:
-        return lambda: None
+        return None
     grads = [h.grad for h in holders]
     rates = [g.get("lr") for g in view.optimizer.param_groups]
     try:

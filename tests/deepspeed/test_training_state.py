@@ -1,0 +1,525 @@
+"""save_training_state / load_training_state across world sizes, ZeRO stages and frameworks, on real CPU
+ranks: three launches (2 ranks, then 3, then 2 again) share one directory of checkpoints.
+
+    world 2   ZeRO-2 fp32 + CPU offload, ZeRO-3 bf16, ZeRO-1 fp32, FSDP2, a plain module: each trained 2
+              steps, saved, trained 2 more; loaded back into itself (the saved state bitwise, then the same
+              2 steps bitwise the uninterrupted run); stages crossed (ZeRO-2 -> ZeRO-3 -> ZeRO-1), ZeRO-1
+              -> FSDP2 -> ZeRO-2; a save that fails on one rank; every malformed checkpoint refused
+    world 3   fresh engines (never stepped) and FSDP2 resume world 2's checkpoints, bitwise; one step on
+              close to plain PyTorch from the same state; a refused load removes the states it created
+    world 2   a fresh engine resumes world 3's checkpoint, bitwise
+
+Every comparison is against the frameworks' own accessors (``safe_get_full_fp32_param``,
+``safe_get_full_optimizer_state``, ``GatheredParameters``, ``full_tensor()``), recorded before the save.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
+
+import torch
+
+from tests.harness import attempt, run_ranks
+
+KEYS = ("exp_avg", "exp_avg_sq")
+LR = 1e-3
+#: name: (stage, dtype, CPU offload, ZeRO-3 persistence threshold)
+ENGINES = {
+    "zero2_offload": (2, "fp32", True, None),
+    "zero3_bf16": (3, "bf16", False, 0),
+    "zero1": (1, "fp32", False, None),
+}
+
+
+def _engine(stage, dtype, offload, threshold=None):
+    from tests.deepspeed import models
+
+    extra = {} if threshold is None else {"stage3_param_persistence_threshold": threshold}
+    cfg = models.config(stage, dtype=dtype, offload=offload, **extra)
+    cfg["gradient_clipping"] = 0.0
+    return models.engine(cfg, models.Net())
+
+
+def _train(eng, rank, first, steps=2):
+    from tests.deepspeed import models
+
+    for step in range(first, first + steps):
+        models.run_backward(eng, rank, batch=lambda r, m, dtype, s=step: models.batch(r, s, dtype))
+        eng.step()
+
+
+def _recorded(eng) -> dict:
+    """DeepSpeed's own view of the training state: every trainable parameter's fp32 master and Adam
+    states (its accessors), every module weight gathered whole. Collective."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    module = eng.module
+    out = {"fp32": {}, **{k: {} for k in KEYS}}
+    for n, p in module.named_parameters():
+        if p.requires_grad:
+            out["fp32"][n] = safe_get_full_fp32_param(p).clone()
+            for k in KEYS:
+                out[k][n] = safe_get_full_optimizer_state(p, k).clone()
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=eng.zero_optimization_stage() == 3):
+        out["weights"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out["steps"] = eng.global_steps
+    return out
+
+
+def _fsdp2(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.deepspeed import models
+
+    net = models.Net()
+    fully_shard(net, mesh=init_device_mesh("cpu", (world,)))
+    return net, torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=LR)
+
+
+def _fsdp2_train(net, opt, rank, first, steps=1):
+    from tests.deepspeed import models
+
+    for step in range(first, first + steps):
+        x, y = models.batch(rank, step)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _fsdp2_recorded(net, opt) -> dict:
+    out = {"fp32": {}, **{k: {} for k in KEYS}}
+    for n, p in net.named_parameters():
+        if p.requires_grad:
+            out["fp32"][n] = p.full_tensor().clone()
+            for k in KEYS:
+                out[k][n] = opt.state[p][k].full_tensor().clone()
+    out["weights"] = {n: p.full_tensor().clone() for n, p in net.named_parameters()}
+    return out
+
+
+def _equal(ours: dict, theirs: dict, kinds=("fp32", *KEYS)) -> dict[str, bool]:
+    """Per kind: every tensor of ``theirs`` bitwise equal in ``ours``."""
+    return {
+        k: ours[k].keys() == theirs[k].keys() and all(torch.equal(ours[k][n], theirs[k][n]) for n in theirs[k])
+        for k in kinds
+    }
+
+
+def _weights_are_masters(rec: dict) -> bool:
+    """The module's weights are the masters in the module's dtype (frozen ones as they are)."""
+    return all(torch.equal(rec["weights"][n], m.to(rec["weights"][n].dtype)) for n, m in rec["fp32"].items())
+
+
+def _steps_of(eng) -> list[float]:
+    """The step count of every state of the optimizer DeepSpeed wraps (one per flat partition)."""
+    inner = eng.optimizer.optimizer
+    return sorted({float(s["step"]) for s in inner.state.values()})
+
+
+def _dump(root, name, rank, value) -> None:
+    if rank == 0:
+        torch.save(value, os.path.join(root, f"{name}.pt"))
+    torch.distributed.barrier()
+
+
+def _kept(root, name) -> dict:
+    return torch.load(os.path.join(root, f"{name}.pt"), weights_only=True)
+
+
+# ---------------------------------------------------------------------------------------------- world 2
+
+
+def _first(rank, world, root):
+    from collgrad import load_training_state, save_training_state
+    from tests.deepspeed import models
+
+    out: dict = {}
+    engines = {}
+    for name, spec in ENGINES.items():
+        eng = _engine(*spec)
+        _train(eng, rank, 0)
+        saved = save_training_state(eng, os.path.join(root, name))
+        before = _recorded(eng)
+        _dump(root, name, rank, before)
+        _train(eng, rank, 2)
+        uninterrupted = _recorded(eng)
+        loaded = load_training_state(eng, os.path.join(root, name))
+        back = _recorded(eng)
+        _train(eng, rank, 2)
+        resumed = _recorded(eng)
+        out[name] = {
+            "saved": (saved.tensors, len(saved.files), saved.bytes_written > 0),
+            "back": _equal(back, before, ("fp32", *KEYS, "weights")),
+            "counters": (back["steps"], resumed["steps"], _steps_of(eng)),
+            "resumed": _equal(resumed, uninterrupted, ("fp32", *KEYS, "weights")),
+            "loaded": (loaded.tensors, loaded.states, loaded.created_states, loaded.missing_keys),
+        }
+        engines[name] = (eng, before)
+    # across stages: ZeRO-2's checkpoint into the ZeRO-3 engine, ZeRO-3's into the ZeRO-1 engine
+    for source, target in (("zero2_offload", "zero3_bf16"), ("zero3_bf16", "zero1")):
+        eng = engines[target][0]
+        load_training_state(eng, os.path.join(root, source))
+        got = _recorded(eng)
+        out[f"{source} -> {target}"] = {**_equal(got, engines[source][1]), "weights": _weights_are_masters(got)}
+    # ZeRO-1 -> FSDP2 -> ZeRO-2
+    net, opt = _fsdp2(world)
+    load_training_state(net, os.path.join(root, "zero1"), optimizer=opt)
+    got = _fsdp2_recorded(net, opt)
+    out["zero1 -> fsdp2"] = {
+        **_equal(got, engines["zero1"][1]),
+        "steps": sorted({float(s["step"]) for s in opt.state.values()}),
+    }
+    out["fsdp2 trains as plain pytorch"] = _trains_as_plain(
+        lambda: _fsdp2_train(net, opt, rank, 2), lambda: _fsdp2_recorded(net, opt), engines["zero1"][1], world
+    )
+    save_training_state(net, os.path.join(root, "fsdp2"), optimizer=opt)
+    fsdp2 = _fsdp2_recorded(net, opt)
+    _dump(root, "fsdp2", rank, fsdp2)
+    eng = engines["zero2_offload"][0]
+    load_training_state(eng, os.path.join(root, "fsdp2"))
+    out["fsdp2 -> zero2_offload"] = {**_equal(_recorded(eng), fsdp2), "steps": _steps_of(eng)}
+    out["plain"] = _plain(rank, root)
+    out["failed save"] = _failed_save(engines["zero1"][0], rank, root, engines["zero1"][1])
+    out["refusals"] = _refusals(engines["zero3_bf16"][0], rank, world, root)
+    return out
+
+
+def _trains_as_plain(step, record, start: dict, world) -> dict[str, float]:
+    """One step of the model from the state ``start`` (its masters and Adam states, 2 steps taken)
+    against plain PyTorch's Adam from the same state with the mean gradient of every rank's batch:
+    the largest difference of each master, in units of the learning rate (a wrong state moves an
+    update by about one; the reduction's order by less than 1e-4)."""
+    from tests.deepspeed import models
+
+    def make():
+        net = models.Net()
+        with torch.no_grad():
+            for n, p in net.named_parameters():
+                if n in start["fp32"]:
+                    p.copy_(start["fp32"][n])
+        return net
+
+    grads = models.reference_grads(
+        world, make=make, batch=lambda r, m, dtype=torch.float32: models.batch(r, 2 + m, dtype)
+    )
+    plain = make()
+    params = [p for p in plain.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=LR)
+    named = {n: p for n, p in plain.named_parameters() if p.requires_grad}
+    for n, p in named.items():
+        opt.state[p] = {"step": torch.tensor(2.0), **{k: start[k][n].clone() for k in KEYS}}
+        p.grad = grads[n].clone()
+    opt.step()
+    step()
+    ours = record()
+    return {n: float((ours["fp32"][n] - p.detach()).abs().max()) / LR for n, p in named.items()}
+
+
+def _plain(rank, root) -> dict:
+    """A plain module (replicated on every rank, as under DDP) with SGD's momentum and a scheduler."""
+    from collgrad import load_full_model, load_training_state, save_training_state
+    from tests.deepspeed import models
+
+    def build():
+        net = models.Net()
+        net.register_buffer("seen", torch.arange(3.0))
+        opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+        return net, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def train(net, opt, sched, first):
+        for step in range(first, first + 2):
+            x, y = models.batch(0, step)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+    net, opt, sched = build()
+    train(net, opt, sched, 0)
+    path = os.path.join(root, "sgd")
+    save_training_state(net, path, optimizer=opt, lr_scheduler=sched)
+    net_at_save = {n: t.clone() for n, t in net.state_dict().items()}
+    train(net, opt, sched, 2)
+    fresh, fresh_opt, fresh_sched = build()
+    loaded = load_training_state(fresh, path, optimizer=fresh_opt, lr_scheduler=fresh_sched)
+    train(fresh, fresh_opt, fresh_sched, 2)
+    weights_only = models.Net()
+    weights_only.register_buffer("seen", torch.zeros(3))
+    load_full_model(weights_only, path, strict=False)  # the weights, as from_pretrained reads the index
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    return {
+        "resumed": all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), fresh.state_dict().values())),
+        "lr": (fresh_opt.param_groups[0]["lr"], opt.param_groups[0]["lr"]),
+        "states": loaded.states,
+        "created": loaded.created_states,
+        "index names": sorted(index["weight_map"]),
+        "weights load": all(torch.equal(weights_only.state_dict()[n], t) for n, t in _saved_weights(path).items())
+        and all(torch.equal(weights_only.state_dict()[n], t) for n, t in net_at_save.items()),
+    }
+
+
+def _saved_weights(path) -> dict:
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        files = set(json.load(f)["weight_map"].values())
+    out = {}
+    for file in sorted(files):
+        out.update(load_file(os.path.join(path, file)))
+    return out
+
+
+def _failed_save(eng, rank, root, recorded) -> dict:
+    """A save over an existing checkpoint that fails on rank 1 (the disk full): every rank raises, and the
+    previous checkpoint is untouched and loads."""
+    from collgrad import load_training_state, save_training_state
+
+    path = os.path.join(root, "zero1")
+    before = sorted(os.listdir(path))
+    torch.distributed.barrier()  # every rank has looked before any writes
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if rank == 1:
+        os.pwrite = full
+    try:
+        seen = attempt(lambda: save_training_state(eng, path))
+    finally:
+        os.pwrite = real
+    torch.distributed.barrier()
+    after = sorted(os.listdir(path))
+    load_training_state(eng, path)
+    return {
+        "seen": seen,
+        "files unchanged": (sorted(set(before) - set(after)), sorted(set(after) - set(before))),
+        "loads": _equal(_recorded(eng), recorded),
+    }
+
+
+def _refusals(eng, rank, world, root) -> dict:
+    """Every malformed or foreign checkpoint refused on every rank, the engine's state unchanged."""
+    from collgrad import load_training_state
+
+    good = os.path.join(root, "zero3_bf16")
+    cases = {}
+    for case in (
+        "missing file",
+        "truncated",
+        "manifest disagrees",
+        "outside",
+        "bad json",
+        "another model",
+        "other optimizer",
+    ):
+        path = os.path.join(root, f"bad-{case.replace(' ', '-')}")
+        if case in ("another model", "other optimizer"):
+            path = _foreign(rank, root, case)
+        elif rank == 0:
+            shutil.copytree(good, path)
+            _spoil(path, case)
+        torch.distributed.barrier()
+        cases[case] = path
+    before = _recorded(eng)
+    seen = {case: attempt(lambda p=path: load_training_state(eng, p)) for case, path in cases.items()}
+    return {"seen": seen, "unchanged": _equal(_recorded(eng), before, ("fp32", *KEYS, "weights"))}
+
+
+def _spoil(path, case) -> None:
+    with open(os.path.join(path, "training_state.json")) as f:
+        manifest = json.load(f)
+    fp32 = manifest["tensors"]["fp32"]
+    first = sorted(set(fp32.values()))[0]
+    if case == "missing file":
+        os.remove(os.path.join(path, first))
+    elif case == "truncated":
+        file = os.path.join(path, sorted(set(manifest["tensors"]["optimizer"]["exp_avg"].values()))[0])
+        os.truncate(file, os.path.getsize(file) - 8)
+    elif case == "manifest disagrees":  # a name the file's header does not hold
+        fp32["inp.weightX"] = fp32.pop("inp.weight")
+    elif case == "outside":
+        fp32["inp.weight"] = "../" + first
+    if case == "bad json":
+        with open(os.path.join(path, "training_state.json"), "w") as f:
+            f.write("{not json")
+    elif case in ("manifest disagrees", "outside"):
+        with open(os.path.join(path, "training_state.json"), "w") as f:
+            json.dump(manifest, f)
+
+
+def _foreign(rank, root, case) -> str:
+    """A checkpoint of another model (other names and shapes), or of the same model stepped by SGD."""
+    from collgrad import save_training_state
+    from tests.deepspeed import models
+
+    path = os.path.join(root, f"bad-{case.replace(' ', '-')}")
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4)) if case == "another model" else models.Net()
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    for p in net.parameters():
+        p.grad = torch.ones_like(p) if p.requires_grad else None
+    opt.step()
+    save_training_state(net, path, optimizer=opt)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- world 3
+
+
+def _second(rank, world, root):
+    from collgrad import load_training_state, save_training_state
+
+    out: dict = {}
+    fresh = _engine(3, "fp32", False)  # never stepped; persistent (whole) parameters
+    refused = attempt(lambda: load_training_state(fresh, os.path.join(root, "bad-other-optimizer")))
+    out["refused fresh"] = (refused["error"], len(fresh.optimizer.optimizer.state))
+    loaded = load_training_state(fresh, os.path.join(root, "zero2_offload"))
+    got = _recorded(fresh)
+    start = _kept(root, "zero2_offload")
+    out["zero2_offload -> fresh zero3"] = {
+        **_equal(got, start),
+        "weights": _weights_are_masters(got),
+        "created": loaded.created_states,
+        "steps": (_steps_of(fresh), got["steps"]),
+    }
+    out["trains as plain pytorch"] = _trains_as_plain(
+        lambda: _train(fresh, rank, 2, steps=1), lambda: _recorded(fresh), start, world
+    )
+    save_training_state(fresh, os.path.join(root, "world3"))
+    _dump(root, "world3", rank, _recorded(fresh))
+    other = _engine(2, "bf16", False)
+    load_training_state(other, os.path.join(root, "zero3_bf16"))
+    got = _recorded(other)
+    out["zero3_bf16 -> fresh zero2 bf16"] = {
+        **_equal(got, _kept(root, "zero3_bf16")),
+        "weights": _weights_are_masters(got),
+    }
+    net, opt = _fsdp2(world)
+    load_training_state(net, os.path.join(root, "fsdp2"), optimizer=opt)
+    out["fsdp2 world 2 -> fsdp2 world 3"] = _equal(_fsdp2_recorded(net, opt), _kept(root, "fsdp2"))
+    return out
+
+
+def _third(rank, world, root):
+    from collgrad import load_training_state
+
+    fresh = _engine(2, "fp32", False)
+    load_training_state(fresh, os.path.join(root, "world3"))
+    got = _recorded(fresh)
+    return {"world3 -> fresh zero2": {**_equal(got, _kept(root, "world3")), "weights": _weights_are_masters(got)}}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("training-state"))
+    first = run_ranks(_first, 2, root, timeout=600)
+    second = run_ranks(_second, 3, root, timeout=600)
+    third = run_ranks(_third, 2, root, timeout=600)
+    return first, second, third
+
+
+def _all_true(found: dict) -> bool:
+    return all(v is True for v in found.values() if isinstance(v, bool))
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_a_checkpoint_loaded_back_is_the_saved_state_and_training_goes_on_bitwise(results, name):
+    for res in results[0]:
+        entry = res[name]
+        assert all(entry["back"].values()), entry["back"]
+        assert all(entry["resumed"].values()), entry["resumed"]
+        assert entry["counters"] == (2, 4, [4.0])  # the engine's steps put back, then stepped twice
+        assert entry["loaded"][1] == KEYS and entry["loaded"][2] is False  # states existed: none created
+
+
+@pytest.mark.parametrize("pair", ["zero2_offload -> zero3_bf16", "zero3_bf16 -> zero1"])
+def test_a_checkpoint_resumes_at_another_stage_bitwise(results, pair):
+    for res in results[0]:
+        assert all(res[pair].values()), res[pair]
+
+
+def test_zero_to_fsdp2_and_back_bitwise(results):
+    for res in results[0]:
+        to_fsdp2, back = res["zero1 -> fsdp2"], res["fsdp2 -> zero2_offload"]
+        assert to_fsdp2.pop("steps") == [2.0] and all(to_fsdp2.values()), to_fsdp2
+        assert back.pop("steps") == [3.0] and all(back.values()), back
+
+
+def test_fsdp2_trains_on_from_a_zero_checkpoint_as_plain_pytorch(results):
+    for res in results[0]:
+        worst = max(res["fsdp2 trains as plain pytorch"].values())
+        assert worst < 1e-3, res["fsdp2 trains as plain pytorch"]
+
+
+def test_a_plain_module_resumes_bitwise_and_its_weights_load_as_from_pretrained_reads_them(results):
+    for res in results[0]:
+        plain = res["plain"]
+        assert plain["resumed"] and plain["weights load"]
+        assert plain["lr"][0] == plain["lr"][1] == 0.1 * 0.5**4
+        assert plain["states"] == ("momentum_buffer",) and plain["created"]
+        assert "tied_out.weight" not in plain["index names"] and "seen" in plain["index names"]
+
+
+def test_a_save_that_fails_on_one_rank_raises_everywhere_and_leaves_the_previous_checkpoint(results):
+    seen = [res["failed save"]["seen"] for res in results[0]]
+    assert "No space left" in seen[1]["message"] and seen[1]["error"] == "CollgradError"
+    assert seen[0]["error"] == "RankFailedError" and "rank 1" in seen[0]["message"]
+    for res in results[0]:
+        assert res["failed save"]["files unchanged"] == ([], []) and all(res["failed save"]["loads"].values())
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("missing file", "is not there"),
+        ("truncated", "data section"),
+        ("manifest disagrees", "does not hold it"),
+        ("outside", "not a plain .safetensors name"),
+        ("bad json", "not valid JSON"),
+        ("another model", "does not match the model"),
+        ("other optimizer", "momentum_buffer"),
+    ],
+)
+def test_a_bad_checkpoint_is_refused_on_every_rank(results, case, words):
+    for res in results[0]:
+        seen = res["refusals"]["seen"][case]
+        assert seen["error"] == "CheckpointError" and words in seen["message"], seen
+
+
+def test_the_model_and_optimizer_are_unchanged_by_every_refusal(results):
+    for res in results[0]:
+        assert all(res["refusals"]["unchanged"].values()), res["refusals"]["unchanged"]
+
+
+def test_a_refused_load_into_an_optimizer_that_never_stepped_leaves_it_without_states(results):
+    for res in results[1]:
+        assert res["refused fresh"] == ("CheckpointError", 0)
+
+
+def test_world_2_resumes_at_world_3_into_fresh_engines_bitwise(results):
+    for res in results[1]:
+        entry = dict(res["zero2_offload -> fresh zero3"])
+        assert entry.pop("created") is True and entry.pop("steps") == ([2.0], 2)
+        assert all(entry.values()), entry
+        assert all(res["zero3_bf16 -> fresh zero2 bf16"].values()), res["zero3_bf16 -> fresh zero2 bf16"]
+        assert all(res["fsdp2 world 2 -> fsdp2 world 3"].values())
+
+
+def test_training_at_world_3_goes_on_as_plain_pytorch_from_the_saved_state(results):
+    for res in results[1]:
+        assert max(res["trains as plain pytorch"].values()) < 1e-3, res["trains as plain pytorch"]
+
+
+def test_world_3_resumes_at_world_2(results):
+    for res in results[2]:
+        assert all(res["world3 -> fresh zero2"].values()), res["world3 -> fresh zero2"]
