@@ -140,7 +140,6 @@ def _kept(root, name) -> dict:
 
 def _first(rank, world, root):
     from collgrad import load_training_state, save_training_state
-    from tests.deepspeed import models
 
     out: dict = {}
     engines = {}
