@@ -35,7 +35,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -46,13 +46,14 @@ from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import CheckpointError, CollgradError, InvalidArgumentError, LayoutChangedError
 from collgrad.state import adapters
 from collgrad.state.adapters.base import LocalGrads, OptimizerView, Problem, Source, create_states, rank_in
-from collgrad.state.call import source_of
+from collgrad.state.call import OpenCall, source_of
 from collgrad.state.files import Checkpoint, Stored, open_mapped
 from collgrad.state.kinds import FP32, WEIGHTS, OptimizerState, StateKind
 from collgrad.state.layout import Partitioning, owned_fragments
 from collgrad.state.load import Into, _plan, execute
 from collgrad.state.manifest import MANIFEST_NAME, Manifest, ParamGroup, encode, read_manifest
 from collgrad.state.outcome import agree_outcome
+from collgrad.state.read import FullStateStream
 from collgrad.state.save import DEFAULT_MAX_SHARD_BYTES, persistent_buffers
 from collgrad.state.shards import INDEX_NAME, SINGLE_NAME, Entry, RangeWriter, Shard, bytes_of, plan_shards
 
@@ -82,6 +83,8 @@ class SavedTrainingState:
     bytes: int
     bytes_written: int
     seconds: float
+    #: the ranks did not share the directory: rank 0 wrote every tensor, streamed to it
+    streamed: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,9 +111,9 @@ class LoadedTrainingState:
 @dataclass
 class _Held:
     """A model's training state as this rank holds it: each kind's source with this rank's view of it
-    (file stem, source, local), the persistent buffers, and what is not a tensor of the model's shape."""
+    (file stem, kind, source, local), the persistent buffers, and what is not a tensor of the model's shape."""
 
-    sources: list[tuple[str, Source, LocalGrads]]
+    sources: list[tuple[str, StateKind, Source, LocalGrads]]
     buffers: list[tuple[str, torch.Tensor]]
     keys: tuple[str, ...]
     param_groups: tuple[ParamGroup, ...]
@@ -187,10 +190,13 @@ def _held(model: adapters.Model, optimizer: Any, lr_scheduler: Any) -> _Held:
     view = model.optimizer_view(optimizer)
     keys = _state_keys(view)
     trainable = list(view.holders)
-    sources = [("model", *_opened(model, WEIGHTS, optimizer, None))]
-    sources.append(("fp32", *_opened(model, FP32, optimizer, trainable)))
+    sources: list[tuple[str, StateKind, Source, LocalGrads]] = [
+        ("model", WEIGHTS, *_opened(model, WEIGHTS, optimizer, None))
+    ]
+    sources.append(("fp32", FP32, *_opened(model, FP32, optimizer, trainable)))
     for k, key in enumerate(keys):
-        sources.append((f"optimizer-{k}", *_opened(model, OptimizerState(key), optimizer, trainable)))
+        kind = OptimizerState(key)
+        sources.append((f"optimizer-{k}", kind, *_opened(model, kind, optimizer, trainable)))
     scheduler = model.lr_scheduler(lr_scheduler)
     state = None if scheduler is None else scheduler.state_dict()
     return _Held(
@@ -265,7 +271,7 @@ def lay_out(directory: str, entries: Mapping[str, Sequence[Entry]], generation: 
 def _entries_of(held: _Held) -> dict[str, list[Entry]]:
     """Each file stem's tensors as this rank's sources lay them out (the same on every rank)."""
     out = {}
-    for stem, source, local in held.sources:
+    for stem, _, source, local in held.sources:
         out[stem] = _entries(source, local)
         if stem == "model":
             out[stem] += [Entry(n, tuple(b.shape), b.dtype) for n, b in held.buffers]
@@ -276,7 +282,7 @@ def _writes(held: _Held, files: Files, index: int, world: int) -> Iterator[tuple
     """What this rank writes, as (tensor's place, first element, values): the fragments it holds of
     every partitioned tensor, and its share of the tensors every rank holds whole (each written by one
     rank, the ranks taking turns through each file's bytes). Local."""
-    for stem, source, local in held.sources:
+    for stem, _, source, local in held.sources:
         whole: list[tuple[str, torch.Tensor]] = []
         for group, buffer in zip(source.layout.groups, local.buffers):
             if group.kind is Partitioning.REPLICATED:
@@ -323,6 +329,52 @@ def _write(held: _Held, files: Files, index: int, world: int, writer: RangeWrite
                 writer.write(place.path, place.size, place.offset + lo * place.entry.dtype.itemsize, bytes_of(data))
 
 
+def _stream(
+    entrance: adapters.Entrance,
+    held: _Held,
+    files: Files,
+    index: int,
+    optimizer: Any,
+    dispatcher: Dispatcher,
+    writer: RangeWriter,
+) -> None:
+    """Every tensor written whole by rank 0, where the ranks do not share the directory: each kind
+    partitioned among the ranks streamed to every rank a bucket at a time (one collective per bucket),
+    what every rank holds whole written as it is. Collective: every rank takes part in every stream,
+    whatever fails (failures are kept in ``writer.error``)."""
+    if index == 0:
+        for named in files.shards.values():
+            for file, shard in named:
+                writer.write(os.path.join(files.directory, file), shard.size, 0, memoryview(shard.header))
+    for stem, kind, source, local in held.sources:
+        whole = source.accessor is None and all(g.kind is Partitioning.REPLICATED for g in source.layout.groups)
+        tensors: Iterable[tuple[str, torch.Tensor]]
+        if whole:
+            tensors = [
+                (s.name, b[k])
+                for g, b in zip(source.layout.groups, local.buffers)
+                for k, s in enumerate(g.params)
+                if isinstance(b, list)
+            ]
+        else:
+            call = OpenCall(
+                entrance,
+                name=f"save_training_state:{stem}",
+                streaming=True,
+                kind=kind,
+                params=list(source.params),
+                dispatcher=dispatcher,
+                optimizer=optimizer,
+            )
+            tensors = FullStateStream(call, copy=False)
+        for name, tensor in [*tensors, *(held.buffers if stem == "model" else [])]:
+            if index == 0:
+                place = files.placed[(stem, name)]
+                data = tensor.detach().reshape(-1).to("cpu", place.entry.dtype).contiguous()
+                if data.numel():
+                    writer.write(place.path, place.size, place.offset, bytes_of(data))
+
+
 # -------------------------------------------------------------------------------------------------- save
 
 
@@ -349,7 +401,9 @@ def save_training_state(
 
     Each rank writes the ranges it holds straight to their final offsets in the shared files (what
     every rank holds whole, the ranks share); no collective carries any state, only four small
-    agreements. The ranks must share ``directory`` (found out at the start). A state that is not per
+    agreements. Where the ranks do not share ``directory`` (found out at the start: each looks for the
+    others' probe files), rank 0 writes the whole checkpoint into its own, every partitioned kind
+    streamed to it one bucket at a time (as ``save_full_model`` does). A state that is not per
     element must be the same on every rank, or the save is refused. Never half a checkpoint: the new
     files carry a new generation in their names, flushed to the disk before the manifest (the
     checkpoint) is renamed into place; a failure on any rank raises on every rank and leaves the
@@ -403,19 +457,17 @@ def save_training_state(
         group, me, None, call=call, what="look for the others' files", timeout_s=dispatcher.timeout, extra=(int(sees),)
     )
     _unprobe(path, me)
-    if not all(row[2] for row in rows):
-        blind = [r for r, row in zip(ranks, rows) if not row[2]]
-        raise InvalidArgumentError(
-            f"rank {me}: ranks {blind} do not see the files the others write in {path}: save_training_state "
-            "needs a directory every rank shares (a shared file system); use save_full_model for the weights"
-        )
+    shared = all(row[2] for row in rows)
     index, world = ranks.index(me), len(ranks)
     files = lay_out(path, _entries_of(held), generation, max_shard_bytes)
     writer = RangeWriter()
     manifest = _manifest(resolved, held, files, generation, world)
     temporaries: list[tuple[str, str]] = []
     try:
-        _write(held, files, index, world, writer)
+        if shared:
+            _write(held, files, index, world, writer)
+        else:  # each rank's directory is its own: rank 0 writes every tensor as the streams bring it
+            _stream(adapters.Entrance(resolved, None, group, me), held, files, index, optimizer, dispatcher, writer)
         writer.finish()
         if index == 0 and writer.error is None:
             temporaries = write_small(path, manifest, files, generation)
@@ -449,6 +501,7 @@ def save_training_state(
         data,
         writer.bytes_written,
         time.perf_counter() - start,
+        not shared,
     )
 
 
@@ -460,7 +513,9 @@ def _shared_json(held: _Held) -> bytes:
 
 
 def _manifest(model: adapters.Model, held: _Held, files: Files, generation: str, world: int) -> Manifest:
-    layout = next(source.layout.variant for stem, source, _ in held.sources if stem == "fp32") if held.sources else ""
+    layout = (
+        next(source.layout.variant for stem, _, source, _ in held.sources if stem == "fp32") if held.sources else ""
+    )
     saved_by = {"framework": model.framework, "layout": layout, "world_size": world}
     return Manifest(
         generation,

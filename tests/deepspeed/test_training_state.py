@@ -410,12 +410,38 @@ def _second(rank, world, root):
 
 
 def _third(rank, world, root):
-    from collgrad import load_training_state
+    from collgrad import load_training_state, save_training_state
 
-    fresh = _engine(2, "fp32", False)
+    fresh = _engine(3, "fp32", False, 0)
     load_training_state(fresh, os.path.join(root, "world3"))
     got = _recorded(fresh)
-    return {"world3 -> fresh zero2": {**_equal(got, _kept(root, "world3")), "weights": _weights_are_masters(got)}}
+    out = {"world3 -> fresh zero3": {**_equal(got, _kept(root, "world3")), "weights": _weights_are_masters(got)}}
+    # a directory each rank has to itself: rank 1 sees its own empty file system at the same path
+    private = os.path.join(root, "private")
+    os.makedirs(private, exist_ok=True)
+    torch.distributed.barrier()
+    alone = _own_mount(private) if rank == 1 else True
+    flags = [None] * world
+    torch.distributed.all_gather_object(flags, alone)
+    if not all(flags):
+        return {**out, "streamed": None}
+    saved = save_training_state(fresh, private)
+    out["streamed"] = {"streamed": saved.streamed, "here": sorted(os.listdir(private))}
+    return out
+
+
+def _own_mount(path) -> bool:
+    """This process given a mount namespace of its own with an empty tmpfs over ``path`` (as a rank on
+    another host sees its own disk there); False where the kernel or the container refuses."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rec, ms_private = 0x00020000, 16384, 1 << 18
+    if libc.unshare(clone_newns) != 0:
+        return False
+    if libc.mount(None, b"/", None, ms_rec | ms_private, None) != 0:
+        return False
+    return libc.mount(b"none", path.encode(), b"tmpfs", 0, None) == 0
 
 
 @pytest.fixture(scope="module")
@@ -424,7 +450,7 @@ def results(tmp_path_factory):
     first = run_ranks(_first, 2, root, timeout=600)
     second = run_ranks(_second, 3, root, timeout=600)
     third = run_ranks(_third, 2, root, timeout=600)
-    return first, second, third
+    return first, second, third, root
 
 
 def _all_true(found: dict) -> bool:
@@ -521,4 +547,25 @@ def test_training_at_world_3_goes_on_as_plain_pytorch_from_the_saved_state(resul
 
 def test_world_3_resumes_at_world_2(results):
     for res in results[2]:
-        assert all(res["world3 -> fresh zero2"].values()), res["world3 -> fresh zero2"]
+        assert all(res["world3 -> fresh zero3"].values()), res["world3 -> fresh zero3"]
+
+
+def test_ranks_that_do_not_share_the_directory_stream_to_rank_0_which_writes_it_all(results, tmp_path_factory):
+    """Rank 1 sees its own file system at the path: rank 0 writes the whole checkpoint, streamed to it,
+    and it resumes (here in one process, a plain module with Adam) to the saved state bitwise."""
+    from collgrad import load_training_state
+    from tests.deepspeed import models
+
+    first, second = (res["streamed"] for res in results[2])
+    if first is None:
+        pytest.skip("no mount namespace here (unshare(CLONE_NEWNS) needs CAP_SYS_ADMIN): no unshared directory")
+    assert first["streamed"] and second["streamed"] and second["here"] == []
+    assert "training_state.json" in first["here"]
+    root = str(results[3])
+    net = models.Net()
+    opt = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=LR)
+    loaded = load_training_state(net, os.path.join(root, "private"), optimizer=opt)
+    kept = _kept(root, "world3")
+    named = {n: p for n, p in net.named_parameters() if p.requires_grad}
+    assert loaded.created_states and all(torch.equal(p, kept["fp32"][n]) for n, p in named.items())
+    assert all(torch.equal(opt.state[p][k], kept[k][n]) for n, p in named.items() for k in KEYS)
