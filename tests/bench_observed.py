@@ -52,6 +52,11 @@ DEEPSPEED_ROWS = [
     "raw_reads",
     "deepspeed_getters_loop",
     "dropin_getters_loop",
+    "deepspeed_checkpoint_save",
+    "deepspeed_synced_save",
+    "collgrad_training_save",
+    "deepspeed_checkpoint_load",
+    "collgrad_training_load",
     "raw_all_reduce",
     "raw_all_gather",
 ]
@@ -80,6 +85,10 @@ FSDP2_ROWS = [
     "fsdp2_broadcast_load",
     "collgrad_load",
     "raw_reads",
+    "dcp_save",
+    "collgrad_training_save",
+    "dcp_load",
+    "collgrad_training_load",
     "raw_all_reduce",
     "raw_all_gather",
 ]

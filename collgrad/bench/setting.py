@@ -99,8 +99,19 @@ class Setting:
     #: the checkpoint the load methods read, once written (``checkpoint()``)
     written: str | None = None
 
+    #: the resumable checkpoints the training-state load methods read, by writer, once written
+    resumables: dict[str, str] = field(default_factory=dict)
     #: what to undo when the run ends (the drop-in installed by its row)
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
+
+    def resumable(self, writer: str, save: Callable[[str], Any]) -> str:
+        """The resumable checkpoint ``writer`` ("collgrad", "deepspeed", "dcp") wrote of the model as it is,
+        next to the save methods' directory: ``save(path)`` the first time (a collective: the methods
+        are bound on every rank in the same order)."""
+        if writer not in self.resumables:
+            self.resumables[writer] = f"{self.save_dir}-resume-{writer}"
+            save(self.resumables[writer])
+        return self.resumables[writer]
 
     def checkpoint(self) -> str:
         """The checkpoint the load methods read: the model as ``save_full_model`` writes it (its dtype,
@@ -116,6 +127,8 @@ class Setting:
         shutil.rmtree(self.save_dir, ignore_errors=True)
         if self.written is not None:
             shutil.rmtree(self.written, ignore_errors=True)
+        for path in self.resumables.values():
+            shutil.rmtree(path, ignore_errors=True)
         for undo in self.cleanups:
             undo()
         self.cleanups.clear()

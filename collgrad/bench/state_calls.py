@@ -220,6 +220,77 @@ def _of_loaded(s: Setting, call: Call) -> Reading:
     return Reading(0, 0, read_bytes=tuple(every), checkpoint_bytes=data)
 
 
+def _training_save(s: Setting) -> Call:
+    """collgrad's save of the whole training state: each rank its own ranges, at their offsets."""
+    engine, opt, path = s.subject.engine, s.subject.optimizer_obj, os.path.join(s.save_dir, "training")
+    return lambda: collgrad.save_training_state(engine, path, optimizer=opt, max_shard_bytes=s.shard)
+
+
+def _framework_save(s: Setting) -> Call:
+    """The framework's own save of the training state: DeepSpeed's ``save_checkpoint`` (per-rank files of
+    its partitions), or DCP's ``dcp.save`` of ``get_state_dict`` (FSDP2)."""
+    path = os.path.join(s.save_dir, s.subject.source)
+    return lambda: _framework_saver(s)(path)
+
+
+def _framework_saver(s: Setting) -> Callable[[str], Any]:
+    sub = s.subject
+    if sub.source == "fsdp2":
+        from collgrad.state.adapters import fsdp2
+
+        return lambda path: fsdp2.dcp_save(sub.engine, sub.optimizer_obj, path)
+    return lambda path: sub.engine.save_checkpoint(path)
+
+
+def _framework_save_synced(s: Setting) -> Call:
+    """DeepSpeed's ``save_checkpoint`` made durable as collgrad's save is: then every file of the
+    checkpoint flushed to the disk (``fsync``, on every rank: a file another rank flushed costs
+    nothing more) and the directories (DeepSpeed's checkpoint engine flushes nothing itself)."""
+    path = os.path.join(s.save_dir, "deepspeed-synced")
+    save = _framework_saver(s)
+
+    def call() -> Any:
+        save(path)
+        for where, _, names in os.walk(path):
+            for name in [*names, "."]:
+                fd = os.open(os.path.join(where, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+    return call
+
+
+def _training_load(s: Setting) -> Call:
+    """collgrad's resume from its own checkpoint of the model as it is: each rank its own ranges."""
+    engine, opt = s.subject.engine, s.subject.optimizer_obj
+    path = s.resumable(
+        "collgrad", lambda p: collgrad.save_training_state(engine, p, optimizer=opt, max_shard_bytes=s.shard)
+    )
+    return lambda: collgrad.load_training_state(engine, path, optimizer=opt)
+
+
+def _framework_load(s: Setting) -> Call:
+    """The framework's own resume: DeepSpeed's ``load_checkpoint`` of its ``save_checkpoint``, DCP's
+    ``dcp.load`` into ``get_state_dict`` then ``set_state_dict`` (FSDP2)."""
+    sub = s.subject
+    path = s.resumable(sub.source, _framework_saver(s))
+    if sub.source == "fsdp2":
+        from collgrad.state.adapters import fsdp2
+
+        return lambda: fsdp2.dcp_load(sub.engine, sub.optimizer_obj, path)
+    return lambda: sub.engine.load_checkpoint(path)
+
+
+def _of_training_loaded(s: Setting, call: Call) -> Reading:
+    """One more resume: no collective carries state; the bytes each rank read, gathered from every rank."""
+    loaded: Any = call()
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, loaded.bytes_read)
+    return Reading(0, 0, read_bytes=tuple(every))
+
+
 def _getters(s: Setting, functions: Mapping[str, Callable[..., Any]] | None) -> list[Any]:
     """The documented loop: DeepSpeed's three full getters over every parameter (``functions``: the
     ones installed in their place)."""
@@ -316,4 +387,22 @@ STATE_METHODS: tuple[Method, ...] = (
     # the documented loop of DeepSpeed's three getters, as it is and with collgrad installed in their place
     Method("deepspeed_getters_loop", _getters_loop, _getters_reading, versus="dropin_getters_loop", sources=DS),
     Method("dropin_getters_loop", _dropin_loop, _of_dropin, sources=DS),
+    # the whole training state saved and resumed, against the frameworks' own checkpoints
+    Method(
+        "deepspeed_checkpoint_save", _framework_save, _consolidated_reading, versus="collgrad_training_save", sources=DS
+    ),
+    Method(
+        "deepspeed_synced_save",
+        _framework_save_synced,
+        _consolidated_reading,
+        versus="collgrad_training_save",
+        sources=DS,
+    ),
+    Method("dcp_save", _framework_save, _consolidated_reading, versus="collgrad_training_save", sources=FSDP2),
+    Method("collgrad_training_save", _training_save, lambda s, call: Reading(0, 0)),
+    Method(
+        "deepspeed_checkpoint_load", _framework_load, _consolidated_reading, versus="collgrad_training_load", sources=DS
+    ),
+    Method("dcp_load", _framework_load, _consolidated_reading, versus="collgrad_training_load", sources=FSDP2),
+    Method("collgrad_training_load", _training_load, _of_training_loaded),
 )

@@ -29,7 +29,7 @@ from torch import nn
 
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
-from collgrad.core.buffers import Pieces
+from collgrad.core.buffers import Pieces, adjacent_view
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import CheckpointError, CollgradError, LayoutChangedError
 from collgrad.state import adapters
@@ -512,7 +512,7 @@ def _moved_together(
     (first_values, first_target), (then_values, then_target) = first, then
     if first_target.dest is None or then_target.dest is None:
         return None
-    values, dest = _adjacent(first_values, then_values), _adjacent(first_target.dest, then_target.dest)
+    values, dest = adjacent_view([first_values, then_values]), adjacent_view([first_target.dest, then_target.dest])
     if values is None or dest is None:
         return None
     return values, Target(first_target.at, dest.numel(), dest)
@@ -530,7 +530,7 @@ def _joined(first: Run, then: Run) -> Run | None:
     if (first.file, first.dtype, first.offset + first.nbytes) != (then.file, then.dtype, then.offset):
         return None
     if first.dest is not None and then.dest is not None:
-        dest = _adjacent(first.dest, then.dest)
+        dest = adjacent_view([first.dest, then.dest])
         if dest is None:
             return None
     elif first.dest is None and then.dest is None:
@@ -549,20 +549,8 @@ def _copied_together(first: Copy, then: Copy) -> Copy | None:
     a, b = first.target.dest, then.target.dest
     if first.at + first.target.numel != then.at or a is None or b is None:
         return None
-    dest = _adjacent(a, b)
+    dest = adjacent_view([a, b])
     return Copy(first.at, Target(first.target.at, dest.numel(), dest)) if dest is not None else None
-
-
-def _adjacent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """One flat view over ``a`` then ``b``, where both are contiguous views of one storage, of one dtype,
-    and ``b`` begins where ``a`` ends; else None."""
-    if a.dtype != b.dtype or a.device != b.device or not (a.is_contiguous() and b.is_contiguous()):
-        return None
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return None
-    if a.storage_offset() + a.numel() != b.storage_offset():
-        return None
-    return a.as_strided((a.numel() + b.numel(),), (1,), a.storage_offset())
 
 
 def read_plan(model: object, path: str | os.PathLike[str]) -> tuple[Run, ...]:

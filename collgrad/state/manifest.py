@@ -6,7 +6,9 @@ shape, as JSON. Pure: no process group, no framework.
      "saved_by": {"framework": "deepspeed", "layout": "deepspeed-zero2", "world_size": 2},
      "tensors": {"weights": {name: file}, "fp32": {name: file}, "optimizer": {key: {name: file}}},
      "param_groups": [{"params": [name, ...], "hyperparameters": VALUE}, ...],
-     "param_states": {name: VALUE},          # the optimizer's states that are not per element ("step")
+     "param_states": {"values": [VALUE, ...], "of": {name: index}},
+                                             # the optimizer's states that are not per element ("step"),
+                                             # each distinct one once
      "lr_scheduler": VALUE or null,          # its state_dict()
      "counters": {name: number}}             # the framework's own (a DeepSpeed engine's steps, loss scaler)
 
@@ -84,13 +86,14 @@ class Manifest:
                 {"params": list(g.params), "hyperparameters": encode(dict(g.hyperparameters), "a param group")}
                 for g in self.param_groups
             ],
-            "param_states": {n: encode(dict(v), f"the optimizer's state of {n}") for n, v in self.param_states.items()},
+            "param_states": _deduplicated(self.param_states),
             "lr_scheduler": None
             if self.lr_scheduler is None
             else encode(dict(self.lr_scheduler), "the LR scheduler's state_dict()"),
             "counters": dict(self.counters),
         }
-        return (json.dumps(document, indent=1, sort_keys=True, allow_nan=True) + "\n").encode()
+        # compact: json's C encoder serves only documents without indentation (a state per parameter)
+        return (json.dumps(document, sort_keys=True, separators=(",", ":")) + "\n").encode()
 
     def files(self) -> tuple[str, ...]:
         """Every tensor file it names, each once, in order."""
@@ -98,6 +101,26 @@ class Manifest:
         for mapped in self.optimizer.values():
             names.extend(mapped.values())
         return tuple(dict.fromkeys(names))
+
+
+def _deduplicated(states: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Each parameter's states that are not per element, each distinct value once (``values``) and the
+    index of its own by name (``of``): parameters that share a holder (ZeRO's groups), or whose step
+    counts are equal, share one entry."""
+    values: list[Any] = []
+    of: dict[str, int] = {}
+    by_text: dict[str, int] = {}
+    by_id: dict[int, int] = {}
+    for name, held in states.items():
+        index = by_id.get(id(held))
+        if index is None:
+            encoded = encode(dict(held), f"the optimizer's state of {name}")
+            index = by_text.setdefault(json.dumps(encoded, sort_keys=True), len(values))
+            if index == len(values):
+                values.append(encoded)
+            by_id[id(held)] = index
+        of[name] = index
+    return {"values": values, "of": of}
 
 
 def encode(value: Any, what: str) -> Any:
@@ -181,7 +204,28 @@ def _mapping(found: Any, where: str, what: str) -> dict[str, Any]:
 
 
 def _files(found: Any, where: str, what: str) -> dict[str, str]:
-    return {n: plain_file(f, where) for n, f in _mapping(found, where, what).items()}
+    mapped = _mapping(found, where, what)
+    for file in set(mapped.values()) if all(isinstance(f, str) for f in mapped.values()) else mapped.values():
+        plain_file(file, where)  # each file once (hundreds of tensors share a few files)
+    return mapped
+
+
+def _param_states(found: Any, where: str) -> dict[str, Mapping[str, Any]]:
+    """``_deduplicated``'s form read back: every name's states, each distinct value decoded once (the
+    names that share it share the one mapping)."""
+    found = _mapping(found, where, "param_states")
+    values, of = found.get("values"), _mapping(found.get("of"), where, "param_states.of")
+    if not isinstance(values, list):
+        raise _refuse(where, "param_states.values is not a list")
+    decoded = []
+    for k, value in enumerate(values):
+        held = decode(value, f"{where}: param_states.values[{k}]")
+        if not isinstance(held, dict) or not all(isinstance(key, str) for key in held):
+            raise _refuse(where, f"param_states.values[{k}] is not named values")
+        decoded.append(held)
+    if not all(type(i) is int and 0 <= i < len(decoded) for i in of.values()):
+        raise _refuse(where, "param_states.of names a value that is not there")
+    return {name: decoded[i] for name, i in of.items()}
 
 
 def read_manifest(directory: str) -> Manifest:
@@ -220,12 +264,7 @@ def read_manifest(directory: str) -> Manifest:
         if not isinstance(hyper, dict) or not all(isinstance(h, str) and h != "params" for h in hyper):
             raise _refuse(where, f"param group {k}'s hyperparameters are not named values")
         groups.append(ParamGroup(tuple(params), hyper))
-    states = {}
-    for name, held in _mapping(document.get("param_states", {}), where, "param_states").items():
-        decoded = decode(held, f"{where}: the optimizer's state of {name}")
-        if not isinstance(decoded, dict) or not all(isinstance(k, str) for k in decoded):
-            raise _refuse(where, f"the optimizer's state of {name} is not named values")
-        states[name] = decoded
+    states = _param_states(document.get("param_states"), where)
     scheduler = decode(document.get("lr_scheduler"), f"{where}: lr_scheduler")
     if scheduler is not None and not isinstance(scheduler, dict):
         raise _refuse(where, "lr_scheduler is not a state_dict")

@@ -30,9 +30,12 @@ load   check: manifest, headers and index (untrusted), names, shapes, param grou
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -41,7 +44,7 @@ import torch
 
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
-from collgrad.core.buffers import Pieces
+from collgrad.core.buffers import Pieces, adjacent_view
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import CheckpointError, CollgradError, InvalidArgumentError, LayoutChangedError
 from collgrad.state import adapters
@@ -258,7 +261,7 @@ def lay_out(directory: str, entries: Mapping[str, Sequence[Entry]], generation: 
     for stem, listed in entries.items():
         if not listed:
             continue
-        cut = plan_shards(list(listed), max_shard_bytes, {"format": "pt"})
+        cut = _cut(tuple(listed), max_shard_bytes)
         named = tuple((f"{stem}-{generation}-{k + 1:05d}-of-{len(cut):05d}.safetensors", s) for k, s in enumerate(cut))
         shards[stem] = named
         for file, shard in named:
@@ -266,6 +269,12 @@ def lay_out(directory: str, entries: Mapping[str, Sequence[Entry]], generation: 
             for entry, offset in zip(shard.entries, shard.offsets):
                 placed[(stem, entry.name)] = Placed(path, shard.size, offset, entry)
     return Files(directory, shards, placed)
+
+
+@functools.lru_cache(maxsize=16)
+def _cut(entries: tuple[Entry, ...], max_shard_bytes: int) -> tuple[Shard, ...]:
+    """``entries`` cut into shards with their headers, kept for the next save of the same tensors."""
+    return plan_shards(list(entries), max_shard_bytes, {"format": "pt"})
 
 
 def _entries_of(held: _Held) -> dict[str, list[Entry]]:
@@ -321,12 +330,33 @@ def _write(held: _Held, files: Files, index: int, world: int, writer: RangeWrite
             for file, shard in named:
                 writer.write(os.path.join(files.directory, file), shard.size, 0, memoryview(shard.header))
     with torch.no_grad():
-        for place, lo, values in _writes(held, files, index, world):
+        for path, size, offset, data in _joined(_writes(held, files, index, world)):
             if writer.error is not None:
                 return
-            data = values.detach().reshape(-1).to("cpu", place.entry.dtype).contiguous()
-            if data.numel():
-                writer.write(place.path, place.size, place.offset + lo * place.entry.dtype.itemsize, bytes_of(data))
+            writer.write(path, size, offset, bytes_of(data))
+
+
+def _joined(writes: Iterable[tuple[Placed, int, torch.Tensor]]) -> list[tuple[str, int, int, torch.Tensor]]:
+    """Each write as (file, its size, byte offset, contiguous CPU values in the file's dtype), joined
+    with the one before where its bytes follow in the file and its values in memory (ZeRO's flat
+    partitions, the weights' flat buffer: one write per file). Local."""
+    out: list[tuple[str, int, int, torch.Tensor]] = []
+    for place, lo, values in writes:
+        data = values.detach().reshape(-1)
+        if data.device.type != "cpu" or data.dtype != place.entry.dtype:
+            data = data.to("cpu", place.entry.dtype)
+        data = data.contiguous()
+        if not data.numel():
+            continue
+        offset = place.offset + lo * place.entry.dtype.itemsize
+        if out:
+            path, size, at, before = out[-1]
+            together = adjacent_view([before, data]) if path == place.path and at + before.nbytes == offset else None
+            if together is not None:
+                out[-1] = (path, size, at, together)
+                continue
+        out.append((place.path, place.size, offset, data))
+    return out
 
 
 def _stream(
@@ -413,6 +443,7 @@ def save_training_state(
     ``forward()``/``step()``. Returns a ``SavedTrainingState``.
     """
     start = time.perf_counter()
+    _removed()
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
     path = os.fspath(directory)
     resolved, error, group, me = adapters.enter(model)
@@ -542,19 +573,32 @@ def write_small(path: str, manifest: Manifest, files: Files, generation: str) ->
         with open(temporary, "wb") as f:
             f.write(body)
             f.flush()
-            os.fsync(f.fileno())
+            os.fdatasync(f.fileno())
         out.append((temporary, os.path.join(path, final)))
     return out
 
 
 def commit(path: str, temporaries: Sequence[tuple[str, str]], files: set[str]) -> None:
     """A written checkpoint put in place: the index, then the manifest (the checkpoint) renamed over
-    the previous ones, the directory flushed, then the tensor files of earlier saves removed. OSError
-    where the file system refuses."""
+    the previous ones, the directory flushed; then the tensor files of earlier saves removed, in the
+    background (a later save, or the interpreter's exit, waits for that). OSError where the file
+    system refuses."""
     for temporary, final in temporaries:
         os.replace(temporary, final)
     _sync_directory(path)
-    _remove_stale(path, files)
+    _REMOVING.append(threading.Thread(target=_remove_stale, args=(path, files), name="collgrad-remove-stale"))
+    _REMOVING[-1].start()  # freeing an earlier checkpoint's blocks costs ~10 ms a file: not the caller's wait
+
+
+#: Removals of earlier checkpoints' files still running (a later save waits for them first; the
+#: interpreter, at exit).
+_REMOVING: list[threading.Thread] = []
+
+
+def _removed() -> None:
+    """Every earlier removal of stale files finished (they may name files a new save is about to see)."""
+    while _REMOVING:
+        _REMOVING.pop().join()
 
 
 def _probe(path: str, rank: int) -> None:
@@ -602,7 +646,7 @@ class _Matched:
 
     into: list[Into]
     buffers: list[tuple[torch.Tensor, Stored]]
-    param_states: list[tuple[torch.Tensor, dict[str, Any]]]
+    param_states: list[tuple[torch.Tensor, Mapping[str, Any]]]
     seen: list[object]
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
@@ -836,17 +880,17 @@ def _check_groups(manifest: Manifest, view: OptimizerView, checkpoints: Mapping[
 
 def _param_states(
     manifest: Manifest, view: OptimizerView, loaded: list[str], checkpoints: Mapping[str, Checkpoint]
-) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+) -> list[tuple[torch.Tensor, Mapping[str, Any]]]:
     """Each holder's saved states that are not per element: the same for every parameter it holds
     (ZeRO keys one state by a group's flat partition), CheckpointError (this rank) otherwise."""
-    out: dict[int, tuple[torch.Tensor, dict[str, Any], str]] = {}
+    out: dict[int, tuple[torch.Tensor, Mapping[str, Any], str]] = {}
     for name in loaded:
         holder = view.holders[name]
-        saved = dict(manifest.param_states.get(name, {}))
+        saved = manifest.param_states.get(name, {})
         kept = out.get(id(holder))
         if kept is None:
             out[id(holder)] = (holder, saved, name)
-        elif stable_hash(_json_of(kept[1])) != stable_hash(_json_of(saved)):
+        elif kept[1] is not saved and _json_of(kept[1]) != _json_of(saved):  # one value read once: the same
             raise _refused(
                 manifest_path(checkpoints),
                 f"the optimizer's states of {kept[2]} and {name} ({_listed(sorted(saved))}) differ, and this optimizer "
@@ -867,9 +911,9 @@ def _apply(model: adapters.Model, view: OptimizerView, scheduler: Any, manifest:
         held = view.optimizer.state.setdefault(holder, {})
         for key, value in saved.items():
             now = held.get(key)
-            if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor):
-                value = value.to(now.device, now.dtype)
-            held[key] = value
+            if isinstance(value, torch.Tensor):  # a tensor of its own per holder: optimizers step them in place
+                value = value.to(now.device, now.dtype, copy=True) if isinstance(now, torch.Tensor) else value.clone()
+            held[key] = copy.deepcopy(value) if isinstance(value, (list, dict)) else value
     for group, kept in zip(view.optimizer.param_groups, manifest.param_groups):
         for key, value in kept.hyperparameters.items():
             now = group.get(key)

@@ -128,6 +128,11 @@ def test_floors_and_goals():
         ("deepspeed_gathered_load", "collgrad_load"),
         ("fsdp2_broadcast_load", "collgrad_load"),
         ("deepspeed_getters_loop", "dropin_getters_loop"),
+        ("deepspeed_checkpoint_save", "collgrad_training_save"),
+        ("deepspeed_synced_save", "collgrad_training_save"),
+        ("dcp_save", "collgrad_training_save"),
+        ("deepspeed_checkpoint_load", "collgrad_training_load"),
+        ("dcp_load", "collgrad_training_load"),
     ]
 
 

@@ -56,7 +56,15 @@ from collgrad.state.cache import PlanCache
 from collgrad.state.kinds import GRAD, WEIGHTS, OptimizerState, StateKind
 from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout, owned_fragments
 
-__all__ = ["adapt_sharded", "FSDP2Model", "shard_whole", "full_state_dict", "load_full_state_dict"]
+__all__ = [
+    "adapt_sharded",
+    "FSDP2Model",
+    "shard_whole",
+    "full_state_dict",
+    "load_full_state_dict",
+    "dcp_save",
+    "dcp_load",
+]
 
 
 def is_fsdp2(model: Any) -> bool:
@@ -311,3 +319,24 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     set_model_state_dict(model, dict(state), options=options)
+
+
+def dcp_save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """PyTorch's own checkpoint of the training state (the benchmark's anchor): ``dcp.save`` of
+    ``get_state_dict(model, optimizer)``, each rank its shards of every tensor. Collective."""
+    from torch.distributed.checkpoint import state_dict_saver
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, states = get_state_dict(model, optimizer)
+    state_dict_saver.save({"model": weights, "optimizer": states}, checkpoint_id=path)
+
+
+def dcp_load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """``dcp_save``'s checkpoint resumed as PyTorch documents it: ``dcp.load`` into ``get_state_dict``'s
+    tensors, then ``set_state_dict``. Collective."""
+    from torch.distributed.checkpoint import state_dict_loader
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    weights, states = get_state_dict(model, optimizer)
+    state_dict_loader.load({"model": weights, "optimizer": states}, checkpoint_id=path)  # into them, in place
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=states)
