@@ -11,15 +11,32 @@ from typing import Any
 from collgrad.bench.config import BenchConfig
 from collgrad.bench.methods import floors, versus
 
-__all__ = ["ratios", "format_report", "describe", "GET_LOOPS", "PLANS", "SAVE_ANCHORS", "LOAD_ANCHORS", "NOT_COUNTED"]
+__all__ = [
+    "ratios",
+    "format_report",
+    "describe",
+    "GET_LOOPS",
+    "PLANS",
+    "SAVE_ANCHORS",
+    "LOAD_ANCHORS",
+    "RESUME_ANCHORS",
+    "NOT_COUNTED",
+]
 
 #: The frameworks' consolidations a save is compared with (rank 0 holds the whole model).
 SAVE_ANCHORS = ("deepspeed_consolidated_save", "fsdp2_state_dict_save")
-
-#: Rows of the frameworks' own whose collectives and bytes are not counted ("-" in the table)
 #: The frameworks' loads a load is compared with (rank 0 reads the whole checkpoint).
 LOAD_ANCHORS = ("transformers_zero3_load", "deepspeed_gathered_load", "fsdp2_broadcast_load")
-NOT_COUNTED = (*SAVE_ANCHORS, *LOAD_ANCHORS, "deepspeed_fp32_weights_set_loop")
+#: The frameworks' own resumable checkpoints a training state is compared with (per-rank files).
+RESUME_ANCHORS = (
+    "deepspeed_checkpoint_save",
+    "deepspeed_synced_save",
+    "dcp_save",
+    "deepspeed_checkpoint_load",
+    "dcp_load",
+)
+#: Rows of the frameworks' own whose collectives and bytes are not counted ("-" in the table)
+NOT_COUNTED = (*SAVE_ANCHORS, *LOAD_ANCHORS, *RESUME_ANCHORS, "deepspeed_fp32_weights_set_loop")
 #: The frameworks' per-parameter getters, and collgrad's plans the best of which they are compared with.
 GET_LOOPS = ("deepspeed_loop", "full_tensor_loop")
 PLANS = ("collgrad_all_gather", "collgrad_all_reduce")

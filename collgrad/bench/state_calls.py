@@ -399,7 +399,7 @@ STATE_METHODS: tuple[Method, ...] = (
         sources=DS,
     ),
     Method("dcp_save", _framework_save, _consolidated_reading, versus="collgrad_training_save", sources=FSDP2),
-    Method("collgrad_training_save", _training_save, lambda s, call: Reading(0, 0)),
+    Method("collgrad_training_save", _training_save, _of_saved),
     Method(
         "deepspeed_checkpoint_load", _framework_load, _consolidated_reading, versus="collgrad_training_load", sources=DS
     ),

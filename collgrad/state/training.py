@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
 import os
 import secrets
@@ -57,6 +58,7 @@ from collgrad.state.load import Into, _plan, execute
 from collgrad.state.manifest import MANIFEST_NAME, Manifest, ParamGroup, encode, read_manifest
 from collgrad.state.outcome import agree_outcome
 from collgrad.state.read import FullStateStream
+from collgrad.state.record import StateRecord
 from collgrad.state.save import DEFAULT_MAX_SHARD_BYTES, persistent_buffers
 from collgrad.state.shards import INDEX_NAME, SINGLE_NAME, Entry, RangeWriter, Shard, bytes_of, plan_shards
 
@@ -88,6 +90,8 @@ class SavedTrainingState:
     seconds: float
     #: the ranks did not share the directory: rank 0 wrote every tensor, streamed to it
     streamed: bool = False
+    #: what each stream did (where the ranks do not share the directory, or DeepSpeed's accessors read a kind)
+    records: tuple[StateRecord, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,11 +135,6 @@ def _opened(
     """The source of ``kind`` of ``names`` (None: every parameter) and this rank's view of it, checked
     to be readable in place; LayoutChangedError or InvalidArgumentError (this rank) otherwise."""
     source = source_of(model, kind, optimizer, params=names)[0]
-    if source.accessor is not None or source.accessor_set is not None:
-        raise InvalidArgumentError(
-            f"rank {_compat.rank()}: this model keeps its {kind.describe()} where collgrad reads them only through "
-            "DeepSpeed's accessors (an NVMe-swapped or BF16_Optimizer engine): a training state cannot hold them yet"
-        )
     if source.model_parallel:
         raise InvalidArgumentError(
             f"rank {_compat.rank()}: {sorted(source.model_parallel)[0]} is a tensor- or expert-parallel shard: a "
@@ -200,6 +199,8 @@ def _held(model: adapters.Model, optimizer: Any, lr_scheduler: Any) -> _Held:
     for k, key in enumerate(keys):
         kind = OptimizerState(key)
         sources.append((f"optimizer-{k}", kind, *_opened(model, kind, optimizer, trainable)))
+    if keys and any(source.accessor is not None for _, _, source, _ in sources):
+        view.linked()  # DeepSpeed's accessors read the states through links a checkpoint save may have dropped
     scheduler = model.lr_scheduler(lr_scheduler)
     state = None if scheduler is None else scheduler.state_dict()
     return _Held(
@@ -246,7 +247,10 @@ def _entries(source: Source, local: LocalGrads) -> list[Entry]:
     for position, group in enumerate(source.layout.groups):
         buffer = local.buffers[position]
         for k, slot in enumerate(group.params):
-            dtype = buffer[k].dtype if isinstance(buffer, list) else group.wire_dtype
+            if source.accessor is not None:  # DeepSpeed's accessors return fp32 (masters, their states)
+                dtype = torch.float32
+            else:
+                dtype = buffer[k].dtype if isinstance(buffer, list) else group.wire_dtype
             out.append(Entry(slot.name, slot.shape, dtype))
     return out
 
@@ -292,6 +296,8 @@ def _writes(held: _Held, files: Files, index: int, world: int) -> Iterator[tuple
     every partitioned tensor, and its share of the tensors every rank holds whole (each written by one
     rank, the ranks taking turns through each file's bytes). Local."""
     for stem, _, source, local in held.sources:
+        if source.accessor is not None:  # read only through DeepSpeed's accessors: streamed (``_stream``)
+            continue
         whole: list[tuple[str, torch.Tensor]] = []
         for group, buffer in zip(source.layout.groups, local.buffers):
             if group.kind is Partitioning.REPLICATED:
@@ -367,16 +373,21 @@ def _stream(
     optimizer: Any,
     dispatcher: Dispatcher,
     writer: RangeWriter,
-) -> None:
-    """Every tensor written whole by rank 0, where the ranks do not share the directory: each kind
+    every: bool,
+) -> list[StateRecord]:
+    """Tensors written whole by rank 0 as streams bring them: ``every`` one, headers included, where the
+    ranks do not share the directory, else only the kinds read through DeepSpeed's accessors. A kind
     partitioned among the ranks streamed to every rank a bucket at a time (one collective per bucket),
     what every rank holds whole written as it is. Collective: every rank takes part in every stream,
-    whatever fails (failures are kept in ``writer.error``)."""
-    if index == 0:
+    whatever fails (failures are kept in ``writer.error``). Returns the streams' records."""
+    streams: list[FullStateStream] = []
+    if index == 0 and every:
         for named in files.shards.values():
             for file, shard in named:
                 writer.write(os.path.join(files.directory, file), shard.size, 0, memoryview(shard.header))
     for stem, kind, source, local in held.sources:
+        if not every and source.accessor is None:
+            continue
         whole = source.accessor is None and all(g.kind is Partitioning.REPLICATED for g in source.layout.groups)
         tensors: Iterable[tuple[str, torch.Tensor]]
         if whole:
@@ -396,13 +407,16 @@ def _stream(
                 dispatcher=dispatcher,
                 optimizer=optimizer,
             )
-            tensors = FullStateStream(call, copy=False)
-        for name, tensor in [*tensors, *(held.buffers if stem == "model" else [])]:
+            stream = FullStateStream(call, copy=False)  # each valid until the next: written at once
+            tensors = stream
+            streams.append(stream)
+        for name, tensor in itertools.chain(tensors, held.buffers if stem == "model" and every else ()):
             if index == 0:
                 place = files.placed[(stem, name)]
                 data = tensor.detach().reshape(-1).to("cpu", place.entry.dtype).contiguous()
                 if data.numel():
                     writer.write(place.path, place.size, place.offset, bytes_of(data))
+    return [stream.record() for stream in streams]  # once consumed: what each sent
 
 
 # -------------------------------------------------------------------------------------------------- save
@@ -494,11 +508,14 @@ def save_training_state(
     writer = RangeWriter()
     manifest = _manifest(resolved, held, files, generation, world)
     temporaries: list[tuple[str, str]] = []
+    records: list[StateRecord] = []
     try:
+        entrance = adapters.Entrance(resolved, None, group, me)
         if shared:
             _write(held, files, index, world, writer)
-        else:  # each rank's directory is its own: rank 0 writes every tensor as the streams bring it
-            _stream(adapters.Entrance(resolved, None, group, me), held, files, index, optimizer, dispatcher, writer)
+        # each rank's directory its own: rank 0 writes every tensor as the streams bring it; else only
+        # what DeepSpeed's accessors read (BF16_Optimizer's masters and states, NVMe-swapped ZeRO-3)
+        records = _stream(entrance, held, files, index, optimizer, dispatcher, writer, every=not shared)
         writer.finish()
         if index == 0 and writer.error is None:
             temporaries = write_small(path, manifest, files, generation)
@@ -533,6 +550,7 @@ def save_training_state(
         writer.bytes_written,
         time.perf_counter() - start,
         not shared,
+        tuple(records),
     )
 
 

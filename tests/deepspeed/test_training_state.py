@@ -35,6 +35,7 @@ ENGINES = {
     "zero2_offload": (2, "fp32", True, None),
     "zero3_bf16": (3, "bf16", False, 0),
     "zero1": (1, "fp32", False, None),
+    "bf16_optimizer": (1, "bf16_acc32", False, None),  # its masters and states through DeepSpeed's accessors
 }
 
 

@@ -214,22 +214,27 @@ def optimizer_view(engine: DeepSpeedEngine) -> OptimizerView:
     - ZeRO-1/2: the torch optimizer it wraps (``opt.optimizer``) keys each param group's state by the
       group's flat fp32 partition ``single_partition_of_fp32_groups[i]``; DeepSpeed links its accessors'
       fragments to those states lazily, in its first step (``_lazy_init_hp_params_optimizer_state``).
+      ``BF16_Optimizer`` the same, its partitions ``fp32_groups_flat_partition[i]`` of ``bf16_groups[i]``.
     - ZeRO-3: by each sub-group's flat fp32 partition ``fp32_partitioned_groups_flat[i]``, of param group
       ``sub_group_to_group_id[i]``; the wrapped optimizer holds a sub-group's partition in its group's
       params only while DeepSpeed steps it (``_optimizer_step(i)``, which the update here runs too).
     - Stage 0 with a torch optimizer: each parameter itself.
 
-    InvalidArgumentError (this rank) for any other optimizer (BF16_Optimizer, fp16 stage 0, NVMe-swapped
-    sub-groups): collgrad does not read their states in place. Local."""
+    InvalidArgumentError (this rank) for any other optimizer (fp16 stage 0's, NVMe-swapped sub-groups):
+    collgrad does not read their states in place. Local."""
     opt = engine.optimizer
     names = {id(p): n for n, p in select(engine.module, None, trainable=True)}
     kind = type(opt).__name__
     holders: dict[str, torch.Tensor] = {}
     groups: dict[str, int] = {}
-    if kind == "DeepSpeedZeroOptimizer":
+    if kind in ("DeepSpeedZeroOptimizer", "BF16_Optimizer"):
         inner = opt.optimizer
-        for i, params in enumerate(opt.bit16_groups):
-            flat = opt.single_partition_of_fp32_groups[i]
+        groups_of = opt.bit16_groups if kind == "DeepSpeedZeroOptimizer" else opt.bf16_groups
+        flats = (
+            opt.single_partition_of_fp32_groups if kind == "DeepSpeedZeroOptimizer" else opt.fp32_groups_flat_partition
+        )
+        for i, params in enumerate(groups_of):
+            flat = flats[i]
             group = next(k for k, g in enumerate(inner.param_groups) if any(p is flat for p in g["params"]))
             for p in params:
                 if id(p) in names:
