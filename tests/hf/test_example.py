@@ -1,6 +1,8 @@
 """The examples run as written: the Trainer example writes its chart; examples/ema_and_save.py
 keeps an EMA of the fp32 master weights per ZeRO-3 partition, saves it, and AutoModelForCausalLM loads
-it: bitwise the EMA of the whole weights gathered every step (--check)."""
+it: bitwise the EMA of the whole weights gathered every step (--check); examples/load_pretrained.py
+loads each rank its own bytes; examples/resume_anywhere.py resumes a ZeRO-2 run on 2 ranks under ZeRO-3 on
+3 (bitwise) and FSDP2 on 2 (training on as uninterrupted), and from_pretrained loads its directory."""
 
 from __future__ import annotations
 
@@ -56,3 +58,10 @@ def test_load_pretrained_example_loads_each_rank_its_own_bytes(tmp_path):
     equal = [line for line in lines if "logits equal to from_pretrained's" in line]
     assert len(read) == 4 and all(r < total * 0.6 for r in read), stdout  # ZeRO-3 and FSDP2, 2 ranks each
     assert len(equal) == 4 and all(line.endswith("True") for line in equal), stdout
+
+
+def test_resume_anywhere_example_resumes_at_another_world_size_stage_and_framework(tmp_path):
+    stdout = _run(tmp_path, "resume_anywhere.py", "--out", str(tmp_path / "run"))
+    assert "ZeRO-3, 3 ranks: fp32 masters and Adam states equal to the saved: True" in stdout, stdout
+    assert "as the uninterrupted run's: True" in stdout, stdout
+    assert "logits equal to the model's at the save: True" in stdout, stdout
