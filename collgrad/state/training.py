@@ -457,7 +457,6 @@ def save_training_state(
     ``forward()``/``step()``. Returns a ``SavedTrainingState``.
     """
     start = time.perf_counter()
-    _removed()
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
     path = os.fspath(directory)
     resolved, error, group, me = adapters.enter(model)
@@ -599,24 +598,14 @@ def write_small(path: str, manifest: Manifest, files: Files, generation: str) ->
 def commit(path: str, temporaries: Sequence[tuple[str, str]], files: set[str]) -> None:
     """A written checkpoint put in place: the index, then the manifest (the checkpoint) renamed over
     the previous ones, the directory flushed; then the tensor files of earlier saves removed, in the
-    background (a later save, or the interpreter's exit, waits for that). OSError where the file
-    system refuses."""
+    background (the interpreter's exit waits for that). OSError where the file system refuses."""
     for temporary, final in temporaries:
         os.replace(temporary, final)
     _sync_directory(path)
-    _REMOVING.append(threading.Thread(target=_remove_stale, args=(path, files), name="collgrad-remove-stale"))
-    _REMOVING[-1].start()  # freeing an earlier checkpoint's blocks costs ~10 ms a file: not the caller's wait
-
-
-#: Removals of earlier checkpoints' files still running (a later save waits for them first; the
-#: interpreter, at exit).
-_REMOVING: list[threading.Thread] = []
-
-
-def _removed() -> None:
-    """Every earlier removal of stale files finished (they may name files a new save is about to see)."""
-    while _REMOVING:
-        _REMOVING.pop().join()
+    stale = _stale(path, files)  # named now: files a later save writes are never among them
+    threading.Thread(target=_remove_all, args=(stale,), name="collgrad-remove-stale").start()
+    # (freeing an earlier checkpoint's blocks costs ~10 ms a file: not the caller's wait; a non-daemon
+    # thread, so the interpreter finishes it before it exits)
 
 
 def _probe(path: str, rank: int) -> None:
@@ -644,14 +633,21 @@ def _sync_directory(path: str) -> None:
         os.close(fd)
 
 
-def _remove_stale(path: str, files: set[str]) -> None:
+def _stale(path: str, files: set[str]) -> list[str]:
     """The tensor files of earlier saves in ``path`` that this checkpoint does not name (an earlier
     training state's, an earlier ``save_full_model``'s ``model.safetensors`` or shards, which
     ``from_pretrained`` would load before the index); nothing else."""
+    out = []
     for name in os.listdir(path):
         ours = name.endswith(".safetensors") and "-of-" in name and name.startswith(("model-", "fp32-", "optimizer-"))
         if (ours or name == SINGLE_NAME) and name not in files:
-            _remove(os.path.join(path, name))
+            out.append(os.path.join(path, name))
+    return out
+
+
+def _remove_all(paths: list[str]) -> None:
+    for path in paths:
+        _remove(path)
 
 
 # -------------------------------------------------------------------------------------------------- load
