@@ -70,6 +70,8 @@ __all__ = [
     "Files",
     "Placed",
     "lay_out",
+    "write_headers",
+    "joined_writes",
     "write_small",
     "commit",
 ]
@@ -332,21 +334,28 @@ def _write(held: _Held, files: Files, index: int, world: int, writer: RangeWrite
     """This rank's part of every file written (rank 0 also every header), at its offsets. Failures are
     kept in ``writer.error``."""
     if index == 0:
-        for named in files.shards.values():
-            for file, shard in named:
-                writer.write(os.path.join(files.directory, file), shard.size, 0, memoryview(shard.header))
+        write_headers(files, writer)
     with torch.no_grad():
-        for path, size, offset, data in _joined(_writes(held, files, index, world)):
+        for path, size, offset, data in joined_writes(_writes(held, files, index, world)):
             if writer.error is not None:
                 return
             writer.write(path, size, offset, bytes_of(data))
 
 
-def _joined(writes: Iterable[tuple[Placed, int, torch.Tensor]]) -> list[tuple[str, int, int, torch.Tensor]]:
+def write_headers(files: Files, writer: RangeWriter) -> None:
+    """Every shard's header written at the start of its file (by one writer). Failures are kept in
+    ``writer.error``."""
+    for named in files.shards.values():
+        for file, shard in named:
+            writer.write(os.path.join(files.directory, file), shard.size, 0, memoryview(shard.header))
+
+
+def joined_writes(writes: Iterable[tuple[Placed, int, torch.Tensor]]) -> Iterator[tuple[str, int, int, torch.Tensor]]:
     """Each write as (file, its size, byte offset, contiguous CPU values in the file's dtype), joined
     with the one before where its bytes follow in the file and its values in memory (ZeRO's flat
-    partitions, the weights' flat buffer: one write per file). Local."""
-    out: list[tuple[str, int, int, torch.Tensor]] = []
+    partitions, the weights' flat buffer: one write per file). One at a time, as they come: a value
+    cast to the file's dtype is held only until it is written. Local."""
+    held: tuple[str, int, int, torch.Tensor] | None = None
     for place, lo, values in writes:
         data = values.detach().reshape(-1)
         if data.device.type != "cpu" or data.dtype != place.entry.dtype:
@@ -355,14 +364,16 @@ def _joined(writes: Iterable[tuple[Placed, int, torch.Tensor]]) -> list[tuple[st
         if not data.numel():
             continue
         offset = place.offset + lo * place.entry.dtype.itemsize
-        if out:
-            path, size, at, before = out[-1]
+        if held is not None:
+            path, size, at, before = held
             together = adjacent_view([before, data]) if path == place.path and at + before.nbytes == offset else None
             if together is not None:
-                out[-1] = (path, size, at, together)
+                held = (path, size, at, together)
                 continue
-        out.append((place.path, place.size, offset, data))
-    return out
+            yield held
+        held = (place.path, place.size, offset, data)
+    if held is not None:
+        yield held
 
 
 def _stream(
@@ -382,9 +393,7 @@ def _stream(
     whatever fails (failures are kept in ``writer.error``). Returns the streams' records."""
     streams: list[FullStateStream] = []
     if index == 0 and every:
-        for named in files.shards.values():
-            for file, shard in named:
-                writer.write(os.path.join(files.directory, file), shard.size, 0, memoryview(shard.header))
+        write_headers(files, writer)
     for stem, kind, source, local in held.sources:
         if not every and source.accessor is None:
             continue
