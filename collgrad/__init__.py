@@ -35,6 +35,7 @@ from collgrad.errors import (
     UnknownParameterError,
 )
 from collgrad.state import (
+    Converted,
     FullGrads,
     FullState,
     FullStateStream,
@@ -46,6 +47,7 @@ from collgrad.state import (
     SavedModel,
     SavedTrainingState,
     StateRecord,
+    convert_deepspeed_checkpoint,
     iter_full_model_fp32_params,
     iter_full_model_grads,
     iter_full_model_optimizer_states,
@@ -87,6 +89,7 @@ __all__ = [
     # The whole training state: saved once, resumed at any world size, stage or framework
     "save_training_state",
     "load_training_state",
+    "convert_deepspeed_checkpoint",
     # What those calls return
     "FullState",
     "FullGrads",
@@ -99,6 +102,7 @@ __all__ = [
     "LoadedModel",
     "SavedTrainingState",
     "LoadedTrainingState",
+    "Converted",
     # Coalesced collectives
     "all_reduce_coalesced",
     "all_gather_coalesced",

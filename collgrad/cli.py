@@ -2,6 +2,7 @@
 
     python -m collgrad bench                       # DeepSpeed ZeRO-2 on 2 local ranks: collgrad vs the rest
     python -m collgrad probe --local 2             # 2 ranks over Gloo on this host
+    python -m collgrad convert CKPT_DIR OUT_DIR    # a DeepSpeed checkpoint into a training state, offline
     torchrun --nproc-per-node 8 -m collgrad probe  # under torchrun / the deepspeed launcher
     mpiexec -n 4 python -m collgrad probe          # under an MPI launcher (mpi4py optional)
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+import time
 import zlib
 from typing import Sequence
 
@@ -115,6 +117,52 @@ def _parse_group(text: str) -> list[int]:
     return [int(r) for r in text.split(",") if r.strip()]
 
 
+class _Bar:
+    """A progress bar on the terminal (standard error), redrawn at most every tenth of a second."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.shown, self.start = what, -1.0, time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self.shown < 0.1:
+            return
+        self.shown = now
+        share = done / total if total else 1.0
+        filled = int(30 * share)
+        rate = done / max(now - self.start, 1e-9) / 2**20
+        sys.stderr.write(
+            f"\r{self.what} [{'#' * filled}{'.' * (30 - filled)}] {share:6.1%} "
+            f"{done / 2**20:,.1f}/{total / 2**20:,.1f} MiB {rate:,.0f} MiB/s"
+        )
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from collgrad.errors import CollgradError
+    from collgrad.state.convert import convert_deepspeed_checkpoint
+    from collgrad.state.save import DEFAULT_MAX_SHARD_BYTES
+
+    try:
+        done = convert_deepspeed_checkpoint(
+            args.checkpoint_dir,
+            args.out_dir,
+            tag=args.tag,
+            max_shard_bytes=args.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
+            progress=_Bar("convert") if sys.stderr.isatty() else None,
+        )
+    except CollgradError as error:
+        print(f"collgrad convert: {error}", file=sys.stderr)
+        return 2
+    print(
+        f"{done.directory}: {done.tensors} tensors, {done.bytes / 2**20:,.1f} MiB, from the {done.layout} checkpoint "
+        f"{done.tag!r} of {done.world_size} ranks, in {done.seconds:.2f} s"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m collgrad", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -137,10 +185,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     from collgrad import bench as bench_mod
 
     bench_mod.add_arguments(bench)
+    convert = sub.add_parser(
+        "convert",
+        help="turn a DeepSpeed checkpoint (engine.save_checkpoint, ZeRO-1/2/3, any world size) into a training "
+        "state that load_training_state resumes anywhere and from_pretrained loads the weights of; offline",
+    )
+    convert.add_argument("checkpoint_dir", help="the directory save_checkpoint wrote into (holding 'latest')")
+    convert.add_argument("out_dir", help="where the training state goes (made if missing)")
+    convert.add_argument("--tag", help="the checkpoint's tag (default: the one 'latest' names)")
+    convert.add_argument(
+        "--max-shard-bytes", type=int, default=None, metavar="N", help="cut each kind's files at N bytes (default 5 GB)"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "bench":
         return bench_mod.main(args)
+    if args.command == "convert":
+        return _convert(args)
     if args.local:
         report = run_local(probe_rank, args.local, args.group)[0]
         print(report)

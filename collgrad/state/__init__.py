@@ -29,6 +29,7 @@ hook.py          register_pre_step_hook: a function run inside DeepSpeed's fused
 record.py        what a call did
 """
 
+from collgrad.state.convert import Converted, convert_deepspeed_checkpoint
 from collgrad.state.hook import PreStepHook, register_pre_step_hook
 from collgrad.state.kinds import FP32, GRAD, WEIGHTS, OptimizerState, StateKind
 from collgrad.state.load import LoadedModel, load_full_model
@@ -68,6 +69,7 @@ __all__ = [
     "save_full_model",
     "load_full_model",
     "save_training_state",
+    "convert_deepspeed_checkpoint",
     "load_training_state",
     "FullState",
     "FullGrads",
@@ -81,6 +83,7 @@ __all__ = [
     "LoadedModel",
     "SavedTrainingState",
     "LoadedTrainingState",
+    "Converted",
     "StateKind",
     "OptimizerState",
     "GRAD",

@@ -38,6 +38,8 @@ ENGINES = {
     "bf16_optimizer": (1, "bf16_acc32", False, None),  # its masters and states through DeepSpeed's accessors
     "zero2_fp16": (2, "fp16", False, None),  # its dynamic loss scaler saved and put back
 }
+#: the engines whose DeepSpeed checkpoint (``save_checkpoint``, beside collgrad's) is converted
+CONVERTED = ("zero1", "zero2_offload", "zero3_bf16", "bf16_optimizer")
 
 
 def _engine(stage, dtype, offload, threshold=None):
@@ -157,6 +159,8 @@ def _first(rank, world, root):
         eng = _engine(*spec)
         _train(eng, rank, 0)
         saved = save_training_state(eng, os.path.join(root, name))
+        if name in CONVERTED:  # DeepSpeed's own checkpoint of the same state, for convert (the fixture)
+            eng.save_checkpoint(os.path.join(root, "ds", name))
         before = _recorded(eng)
         _dump(root, name, rank, before)
         _train(eng, rank, 2)
@@ -408,6 +412,7 @@ def _second(rank, world, root):
         lambda: _train(fresh, rank, 2, steps=1), lambda: _recorded(fresh), start, world
     )
     save_training_state(fresh, os.path.join(root, "world3"))
+    fresh.save_checkpoint(os.path.join(root, "ds", "world3"))  # ZeRO-3 at 3 ranks: uneven partitions
     _dump(root, "world3", rank, _recorded(fresh))
     other = _engine(2, "bf16", False)
     load_training_state(other, os.path.join(root, "zero3_bf16"))
@@ -416,9 +421,21 @@ def _second(rank, world, root):
         **_equal(got, _kept(root, "zero3_bf16")),
         "weights": _weights_are_masters(got),
     }
+    other.save_checkpoint(os.path.join(root, "ds", "world3_zero2_bf16"))
+    _dump(root, "world3_zero2_bf16", rank, got)
     net, opt = _fsdp2(world)
     load_training_state(net, os.path.join(root, "fsdp2"), optimizer=opt)
     out["fsdp2 world 2 -> fsdp2 world 3"] = _equal(_fsdp2_recorded(net, opt), _kept(root, "fsdp2"))
+    # DeepSpeed's own world-2 checkpoints, converted offline (the fixture), resumed at world 3
+    load_training_state(net, os.path.join(root, "converted", "zero1"), optimizer=opt)
+    out["converted zero1 -> fsdp2 world 3"] = _equal(_fsdp2_recorded(net, opt), _kept(root, "zero1"))
+    load_training_state(fresh, os.path.join(root, "converted", "zero2_offload"))
+    got = _recorded(fresh)
+    out["converted zero2_offload -> zero3 world 3"] = {
+        **_equal(got, _kept(root, "zero2_offload")),
+        "weights": _weights_are_masters(got),
+        "counters": got["steps"],
+    }
     return out
 
 
@@ -436,10 +453,17 @@ def _third(rank, world, root):
     alone = _own_mount(private) if rank == 1 else True
     flags = [None] * world
     torch.distributed.all_gather_object(flags, alone)
-    if not all(flags):
-        return {**out, "streamed": None}
-    saved = save_training_state(fresh, private)
-    out["streamed"] = {"streamed": saved.streamed, "here": sorted(os.listdir(private))}
+    out["streamed"] = None
+    if all(flags):
+        saved = save_training_state(fresh, private)
+        out["streamed"] = {"streamed": saved.streamed, "here": sorted(os.listdir(private))}
+    # DeepSpeed's own world-3 ZeRO-2 bf16 checkpoint, converted offline, resumed by ZeRO-3 fp32 at world 2
+    load_training_state(fresh, os.path.join(root, "converted", "world3_zero2_bf16"))
+    got = _recorded(fresh)
+    out["converted world3 zero2 bf16 -> zero3 world 2"] = {
+        **_equal(got, _kept(root, "world3_zero2_bf16")),
+        "weights": _weights_are_masters(got),
+    }
     return out
 
 
@@ -457,11 +481,23 @@ def _own_mount(path) -> bool:
     return libc.mount(b"none", path.encode(), b"tmpfs", 0, None) == 0
 
 
+def _convert_all(root) -> None:
+    """Every DeepSpeed checkpoint written so far converted offline, here in one process."""
+    from collgrad import convert_deepspeed_checkpoint
+
+    for name in sorted(os.listdir(os.path.join(root, "ds"))):
+        out = os.path.join(root, "converted", name)
+        if not os.path.exists(out):
+            convert_deepspeed_checkpoint(os.path.join(root, "ds", name), out)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("training-state"))
     first = run_ranks(_first, 2, root, timeout=600)
+    _convert_all(root)
     second = run_ranks(_second, 3, root, timeout=600)
+    _convert_all(root)
     third = run_ranks(_third, 2, root, timeout=600)
     return first, second, third, root
 
@@ -585,3 +621,153 @@ def test_ranks_that_do_not_share_the_directory_stream_to_rank_0_which_writes_it_
     named = {n: p for n, p in net.named_parameters() if p.requires_grad}
     assert loaded.created_states and all(torch.equal(p, kept["fp32"][n]) for n, p in named.items())
     assert all(torch.equal(opt.state[p][k], kept[k][n]) for n, p in named.items() for k in KEYS)
+
+
+# ------------------------------------------------------------------------------------------------ convert
+
+#: DeepSpeed's own checkpoints (``save_checkpoint``) the launches wrote: name -> (layout, world size)
+DS_CHECKPOINTS = {
+    "zero1": ("zero1", 2),
+    "zero2_offload": ("zero2", 2),
+    "zero3_bf16": ("zero3", 2),
+    "bf16_optimizer": ("bf16-optimizer", 2),
+    "world3": ("zero3", 3),
+    "world3_zero2_bf16": ("zero2", 3),
+}
+
+
+def _converted(path) -> tuple[dict, object]:
+    """A converted checkpoint's tensors by kind ("weights", "fp32", each optimizer state key), read with
+    safetensors' own reader, and its manifest."""
+    from safetensors.torch import load_file
+
+    from collgrad.state.manifest import read_manifest
+
+    manifest = read_manifest(path)
+    out: dict = {}
+    for kind, mapped in (("weights", manifest.weights), ("fp32", manifest.fp32), *manifest.optimizer.items()):
+        out[kind] = {}
+        for file in sorted(set(mapped.values())):
+            out[kind].update(load_file(os.path.join(path, file)))
+    return out, manifest
+
+
+@pytest.mark.parametrize("name", list(DS_CHECKPOINTS))
+def test_convert_gives_zero_to_fp32s_masters_and_deepspeeds_own_states_bitwise(results, name):
+    """The masters bitwise what DeepSpeed's zero_to_fp32 reconstructs (it refuses BF16_Optimizer's
+    checkpoints), masters, Adam's states and module weights bitwise what DeepSpeed's accessors and
+    GatheredParameters gave at the save; the counters and the layout it came from."""
+    root = results[3]
+    ours, manifest = _converted(os.path.join(root, "converted", name))
+    kept = _kept(root, name)
+    assert all(_equal(ours, kept, ("fp32", *KEYS, "weights")).values()), _equal(ours, kept, ("fp32", *KEYS, "weights"))
+    layout, world = DS_CHECKPOINTS[name]
+    assert manifest.saved_by["layout"] == f"deepspeed-checkpoint:{layout}" and manifest.saved_by["world_size"] == world
+    assert manifest.counters["global_steps"] == kept["steps"]
+    assert {float(s["step"]) for s in manifest.param_states.values()} == set(kept["optimizer steps"])
+    if layout != "bf16-optimizer":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        theirs = get_fp32_state_dict_from_zero_checkpoint(os.path.join(root, "ds", name))
+        assert all(torch.equal(theirs[n], t) for n, t in ours["fp32"].items())
+
+
+def test_a_converted_deepspeed_checkpoint_resumes_at_another_world_size_stage_and_under_fsdp2(results):
+    for res in results[1]:
+        assert all(res["converted zero1 -> fsdp2 world 3"].values()), res["converted zero1 -> fsdp2 world 3"]
+        entry = dict(res["converted zero2_offload -> zero3 world 3"])
+        assert entry.pop("counters") == 2 and all(entry.values()), entry
+    for res in results[2]:
+        entry = res["converted world3 zero2 bf16 -> zero3 world 2"]
+        assert all(entry.values()), entry
+
+
+def _spoiled(root, tmp_path, case) -> str:
+    """A copy of the world-2 ZeRO-3 bf16 checkpoint DeepSpeed wrote, spoiled as ``case`` says."""
+    good = os.path.join(root, "ds", "zero3_bf16")
+    path = str(tmp_path / "ds")
+    shutil.copytree(good, path, symlinks=True)
+    step = os.path.join(path, "global_step2")
+    optim = os.path.join(step, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    if case == "latest leaves the directory":
+        with open(os.path.join(path, "latest"), "w") as f:
+            f.write("../zero1/global_step2")
+    elif case == "a rank's file missing":
+        os.remove(optim)
+    elif case == "truncated":
+        os.truncate(optim, os.path.getsize(optim) // 2)
+    elif case == "a link out of the directory":
+        outside = str(tmp_path / "elsewhere.pt")
+        shutil.move(optim, outside)
+        os.symlink(outside, optim)
+    elif case == "another world size":  # rank 1's file of the world-3 ZeRO-3 checkpoint
+        with open(os.path.join(root, "ds", "world3", "latest")) as f:
+            tag = f.read().strip()
+        shutil.copy(os.path.join(root, "ds", "world3", tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"), optim)
+    elif case == "an object that runs code":
+        torch.save({"optimizer_state_dict": _Runs(str(tmp_path / "sentinel"))}, optim)
+    elif case == "no optimizer files":
+        for r in range(2):
+            os.remove(os.path.join(step, f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+    return path
+
+
+class _Runs:
+    """Unpickled by anything but a weights-only loader, it removes the file it names."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "w") as f:
+            f.write("still here")
+
+    def __reduce__(self):
+        return (os.remove, (self.path,))
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("latest leaves the directory", "is not a plain directory name"),
+        ("a rank's file missing", "is not there"),
+        ("truncated", "cannot be loaded"),
+        ("a link out of the directory", "resolves outside"),
+        ("another world size", "partition"),
+        ("an object that runs code", "cannot be loaded"),
+        ("no optimizer files", "stage-0"),
+    ],
+)
+def test_convert_refuses_a_bad_deepspeed_checkpoint_before_writing_anything(results, tmp_path, case, words):
+    from collgrad import CheckpointError, convert_deepspeed_checkpoint
+
+    path = _spoiled(results[3], tmp_path, case)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=words):
+        convert_deepspeed_checkpoint(path, out)
+    assert not out.exists()
+    if case == "an object that runs code":
+        assert (tmp_path / "sentinel").read_text() == "still here"
+
+
+def test_a_convert_that_fails_while_writing_leaves_the_previous_checkpoint(results, tmp_path, monkeypatch):
+    from collgrad import CollgradError, convert_deepspeed_checkpoint
+    from collgrad.cli import main
+
+    root, out = results[3], str(tmp_path / "out")
+    assert main(["convert", os.path.join(root, "ds", "world3"), out, "--max-shard-bytes", "4096"]) == 0
+    before, tensors = sorted(os.listdir(out)), _converted(out)[0]
+    written = []
+
+    def full(fd, data, offset):
+        if written:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written.append(len(data))
+        return len(data)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(CollgradError, match="No space left"):
+        convert_deepspeed_checkpoint(os.path.join(root, "ds", "zero1"), out)
+    monkeypatch.undo()
+    assert sorted(os.listdir(out)) == before
+    again = _converted(out)[0]
+    assert all(torch.equal(again[k][n], t) for k in tensors for n, t in tensors[k].items())
+    assert main(["convert", os.path.join(root, "ds"), out]) == 2  # no 'latest' there: said, not raised
