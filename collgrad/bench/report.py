@@ -34,6 +34,7 @@ RESUME_ANCHORS = (
     "dcp_save",
     "deepspeed_checkpoint_load",
     "dcp_load",
+    "deepspeed_zero_to_fp32",
 )
 #: Rows of the frameworks' own whose collectives and bytes are not counted ("-" in the table)
 NOT_COUNTED = (*SAVE_ANCHORS, *LOAD_ANCHORS, *RESUME_ANCHORS, "deepspeed_fp32_weights_set_loop")

@@ -5,6 +5,7 @@ drop-in) and of what they are held against: the frameworks' per-parameter loops 
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any, Callable, Mapping
 
 import torch
@@ -283,6 +284,33 @@ def _framework_load(s: Setting) -> Call:
     return lambda: sub.engine.load_checkpoint(path)
 
 
+def _offline(s: Setting, convert: Callable[[str, str], Any]) -> Call:
+    """``convert(checkpoint, out)`` of DeepSpeed's own checkpoint of the model as it is, offline: on
+    rank 0 (the others wait at the clock's barriers), in a directory of its own each call."""
+    source = s.resumable("deepspeed", _framework_saver(s))
+    out = os.path.join(s.save_dir, f"offline-{dist.get_rank()}")
+    if dist.get_rank() != 0:
+        return lambda: None
+
+    def call() -> Any:
+        shutil.rmtree(out, ignore_errors=True)
+        return convert(source, out)
+
+    return call
+
+
+def _convert(s: Setting) -> Call:
+    """collgrad's converter: the whole training state, each tensor piece by piece from the mapped files."""
+    return _offline(s, lambda src, out: collgrad.convert_deepspeed_checkpoint(src, out, max_shard_bytes=s.shard))
+
+
+def _zero_to_fp32(s: Setting) -> Call:
+    """DeepSpeed's ``zero_to_fp32``: the fp32 weights only (no optimizer state), as safetensors."""
+    from collgrad.state.adapters import deepspeed
+
+    return _offline(s, deepspeed.zero_to_fp32)
+
+
 def _of_training_loaded(s: Setting, call: Call) -> Reading:
     """One more resume: no collective carries state; the bytes each rank read, gathered from every rank."""
     loaded: Any = call()
@@ -405,4 +433,7 @@ STATE_METHODS: tuple[Method, ...] = (
     ),
     Method("dcp_load", _framework_load, _consolidated_reading, versus="collgrad_training_load", sources=FSDP2),
     Method("collgrad_training_load", _training_load, _of_training_loaded),
+    # DeepSpeed's own checkpoint made world-size-free offline, in one process (rank 0)
+    Method("deepspeed_zero_to_fp32", _zero_to_fp32, _consolidated_reading, versus="collgrad_convert", sources=DS),
+    Method("collgrad_convert", _convert, lambda s, call: Reading(0, 0)),
 )

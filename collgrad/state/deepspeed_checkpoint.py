@@ -35,7 +35,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -155,7 +155,7 @@ def _zero_stage(value: object) -> int:
 
 
 #: The only classes a DeepSpeed 0.19 checkpoint pickles (notes B7), each rebuilt as an inert record.
-_ALLOWED = [
+_ALLOWED: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
     (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (_DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),

@@ -886,3 +886,12 @@ class _Zero3Weights(_EngineSource):
             pieces.append(Pieces(parts))
         self.scratch["read"] = (held, pieces)
         return LocalGrads(Problem.OK, pieces)
+
+
+def zero_to_fp32(checkpoint_dir: str, out_dir: str) -> None:
+    """DeepSpeed's own offline export of a ``save_checkpoint`` directory (the benchmark's anchor for
+    ``convert``): ``zero_to_fp32.py``'s ``convert_zero_checkpoint_to_state_dict``, its fp32 weights as
+    safetensors. Local: one process."""
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+
+    convert_zero_checkpoint_to_state_dict(checkpoint_dir, out_dir, safe_serialization=True)
