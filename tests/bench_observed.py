@@ -57,6 +57,8 @@ DEEPSPEED_ROWS = [
     "collgrad_training_save",
     "deepspeed_checkpoint_load",
     "collgrad_training_load",
+    "deepspeed_zero_to_fp32",  # ZeRO-2/3 only
+    "collgrad_convert",  # ZeRO-2/3 only
     "raw_all_reduce",
     "raw_all_gather",
 ]
@@ -95,8 +97,11 @@ FSDP2_ROWS = [
 
 
 def deepspeed_rows(stage: int) -> list[str]:
-    """The rows a DeepSpeed run of ZeRO ``stage`` prints (Transformers' loader is a ZeRO-3 anchor)."""
-    return [r for r in DEEPSPEED_ROWS if stage == 3 or r != "transformers_zero3_load"]
+    """The rows a DeepSpeed run of ZeRO ``stage`` prints (Transformers' loader is a ZeRO-3 anchor; the
+    converter and zero_to_fp32 run at ZeRO-2/3)."""
+    stage3 = ("transformers_zero3_load",)
+    stages23 = ("deepspeed_zero_to_fp32", "collgrad_convert")
+    return [r for r in DEEPSPEED_ROWS if (stage == 3 or r not in stage3) and (stage in (2, 3) or r not in stages23)]
 
 
 #: Ops that move no data of their own.

@@ -133,6 +133,7 @@ def test_floors_and_goals():
         ("dcp_save", "collgrad_training_save"),
         ("deepspeed_checkpoint_load", "collgrad_training_load"),
         ("dcp_load", "collgrad_training_load"),
+        ("deepspeed_zero_to_fp32", "collgrad_convert"),
     ]
 
 
