@@ -1,7 +1,9 @@
 """A training run saved once and resumed elsewhere, on local CPU ranks: a tiny GPT-2 trained under
 DeepSpeed ZeRO-2 on 2 ranks and saved with ``collgrad.save_training_state``; resumed under ZeRO-3 on 3
 ranks (its fp32 masters and Adam states bitwise the saved ones) and under FSDP2 on 2 (training goes on
-as the uninterrupted run did); and the same directory loaded by ``from_pretrained``.
+as the uninterrupted run did); and the same directory loaded by ``from_pretrained``. DeepSpeed's own
+checkpoint of the same moment, converted offline by ``collgrad.convert_deepspeed_checkpoint``, loads and
+resumes the same.
 
     pip install 'collgrad[deepspeed,hf]'
     DS_ACCELERATOR=cpu python examples/resume_anywhere.py --out run
@@ -83,6 +85,7 @@ def first_run(rank: int, world: int, out: str) -> dict[str, Any]:
     engine = zero(2)
     train(engine, rank, 0, STEPS)
     collgrad.save_training_state(engine, out)  # each rank its own ranges, straight to their offsets
+    engine.save_checkpoint(out + "-deepspeed")  # DeepSpeed's own checkpoint of the same state, for convert
     if rank == 0:
         engine.module.config.save_pretrained(out)  # beside the weights: from_pretrained loads the directory
         with torch.no_grad():
@@ -150,6 +153,24 @@ def main() -> None:
         logits = AutoModelForCausalLM.from_pretrained(out)(input_ids=batch(0, 0)).logits
     saved = torch.load(os.path.join(out, "logits-at-save.pt"), weights_only=True)
     print(f"from_pretrained({args.out!r}): logits equal to the model's at the save: {torch.equal(logits, saved)}")
+    converted = convert(out)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(converted)(input_ids=batch(0, 0)).logits
+    print(f"DeepSpeed's own checkpoint, converted: from_pretrained's logits equal: {torch.equal(logits, saved)}")
+    resumed = run_local(under_zero3, 3, converted)[0]
+    print(f"converted, ZeRO-3 on 3 ranks: fp32 masters and Adam states equal to the saved: {resumed == first['saved']}")
+
+
+def convert(out: str) -> str:
+    """DeepSpeed's own checkpoint of the run (``engine.save_checkpoint``, per-rank files) made a training
+    state offline, in this one process, with the config beside it."""
+    import shutil
+
+    import collgrad
+
+    collgrad.convert_deepspeed_checkpoint(out + "-deepspeed", out + "-converted")
+    shutil.copy(os.path.join(out, "config.json"), out + "-converted")
+    return out + "-converted"
 
 
 if __name__ == "__main__":
