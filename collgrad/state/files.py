@@ -116,7 +116,7 @@ def read_header(path: str) -> tuple[dict[str, Stored], int]:
     out: dict[str, Stored] = {}
     spans = []
     for name, entry in header.items():
-        dtype, shape, begin, end = _entry(path, name, entry)
+        dtype, shape, begin, end = _well_formed(entry) or _entry(path, name, entry)
         if end > data_size:
             raise _refuse(path, f"{name!r} lies at bytes [{begin}, {end}) of a data section of {data_size}")
         if end - begin != math.prod(shape) * dtype.itemsize:
@@ -134,11 +134,30 @@ def read_header(path: str) -> tuple[dict[str, Stored], int]:
     return out, data_start
 
 
+def _well_formed(entry: object) -> tuple[torch.dtype, tuple[int, ...], int, int] | None:
+    """One header entry's dtype, shape and offsets where it is well formed, checked in one pass (a
+    checkpoint's headers hold thousands); None otherwise, for ``_entry`` to say what is wrong."""
+    if type(entry) is not dict:
+        return None
+    name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    dtype = DTYPES.get(name) if type(name) is str else None
+    if dtype is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+        return None
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+        return None
+    for d in shape:
+        if type(d) is not int or d < 0:
+            return None
+    return dtype, tuple(shape), begin, end
+
+
 def _entry(path: str, name: str, entry: object) -> tuple[torch.dtype, tuple[int, ...], int, int]:
     """One header entry's dtype, shape and offsets, each checked for its type."""
     if not isinstance(entry, dict):
         raise _refuse(path, f"the entry of {name!r} is not an object")
-    dtype = DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]  # an unknown or absent one gives None
+    found = entry.get("dtype")
+    dtype = DTYPES.get(found) if isinstance(found, str) else None  # an unknown, absent or unhashable one: None
     if dtype is None:
         raise _refuse(path, f"{name!r} has dtype {entry.get('dtype')!r}, which collgrad does not read")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")

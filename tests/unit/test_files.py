@@ -72,6 +72,9 @@ def _raw(path, header, data=b""):
         ({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(8), "trailing bytes"),
         ({"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8), "leaves bytes [0, 4) unused"),
         ({"x": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, bytes(4), "not a list of non-negative ints"),
+        ({"x": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, bytes(4), "which collgrad does not read"),
+        ({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4.0]}}, bytes(4), "not [begin, end]"),
+        ({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}, bytes(4), "not [begin, end]"),
     ],
 )
 def test_a_malformed_header_is_refused_naming_the_file(tmp_path, header, data, reason):
