@@ -611,10 +611,26 @@ def commit(path: str, temporaries: Sequence[tuple[str, str]], files: set[str]) -
     for temporary, final in temporaries:
         os.replace(temporary, final)
     _sync_directory(path)
-    stale = _stale(path, files)  # named now: files a later save writes are never among them
-    threading.Thread(target=_remove_all, args=(stale,), name="collgrad-remove-stale").start()
+    # each earlier file renamed out of the way now (a later save_full_model may write a file of its name
+    # before the removal gets to it), removed later
+    doomed = []
+    for stale in _stale(path, files):
+        hidden = stale
+        if not os.path.basename(stale).startswith(_STALE):
+            hidden = os.path.join(path, f"{_STALE}{secrets.token_hex(4)}-{os.path.basename(stale)}")
+            try:
+                os.rename(stale, hidden)
+            except OSError:
+                continue
+        doomed.append(hidden)
+    threading.Thread(target=_remove_all, args=(doomed,), name="collgrad-remove-stale").start()
     # (freeing an earlier checkpoint's blocks costs ~10 ms a file: not the caller's wait; a non-daemon
     # thread, so the interpreter finishes it before it exits)
+
+
+#: What an earlier checkpoint's file is renamed to before it is removed (a later commit removes any left
+#: by a process that ended first).
+_STALE = ".collgrad-stale-"
 
 
 def _probe(path: str, rank: int) -> None:
@@ -645,11 +661,11 @@ def _sync_directory(path: str) -> None:
 def _stale(path: str, files: set[str]) -> list[str]:
     """The tensor files of earlier saves in ``path`` that this checkpoint does not name (an earlier
     training state's, an earlier ``save_full_model``'s ``model.safetensors`` or shards, which
-    ``from_pretrained`` would load before the index); nothing else."""
+    ``from_pretrained`` would load before the index), and any left renamed for removal; nothing else."""
     out = []
     for name in os.listdir(path):
         ours = name.endswith(".safetensors") and "-of-" in name and name.startswith(("model-", "fp32-", "optimizer-"))
-        if (ours or name == SINGLE_NAME) and name not in files:
+        if (ours or name == SINGLE_NAME or name.startswith(_STALE)) and name not in files:
             out.append(os.path.join(path, name))
     return out
 
