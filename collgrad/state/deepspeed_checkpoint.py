@@ -354,9 +354,21 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         layout = "bf16-optimizer" if stage is None else f"zero{stage}"
         if layout not in ("zero1", "zero2", "bf16-optimizer"):
             raise _refuse(optim_files[0], f"its zero_stage is {stage!r}, in a checkpoint of ZeRO-1/2's files")
-        ranks, keys, scalars, groups, partition = _zero12_ranks(states, optim_files, shapes, world, stage is None)
+        ranks, keys, scalars, groups, partition = _zero12_ranks(states, optim_files, shapes, stage is None)
         paddings = _paddings(states[0], optim_files[0], shapes)
+        for g, named in enumerate(shapes):  # before any placement is built: a piece per rank at most
+            if sum(math.prod(s) + pad for (_, s), pad in zip(named, paddings[g])) > partition[g] * world:
+                raise _refuse(
+                    optim_files[0], f"its group {g}'s partitions ({world} x {partition[g]}) cannot hold its parameters"
+                )
         trainable = placements_zero12(shapes, paddings, partition)
+        for placement in trainable:  # every element inside what its rank saved (ZeRO-1/2 cut the tail padding)
+            for piece in placement.pieces:
+                if piece.start + piece.numel > ranks[piece.rank].fp32[placement.group].numel():
+                    raise _refuse(
+                        optim_files[piece.rank],
+                        f"its fp32 partition {placement.group} ends before {placement.name} (the layout puts it there)",
+                    )
         frozen = []
     names = [p.name for p in trainable]
     aliases = _field(model0, "shared_params", dict, first) if model0.get("shared_params") else {}
@@ -451,7 +463,6 @@ def _zero12_ranks(
     states: Sequence[Mapping[str, Any]],
     files: Sequence[str],
     shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]],
-    world: int,
     bf16_optimizer: bool,
 ) -> tuple[
     list[RankState],
@@ -479,9 +490,6 @@ def _zero12_ranks(
         per_group, keys, scalars, groups = _optimizer(inner, where, partition)
         found.append((keys, scalars, groups))
         ranks.append(RankState(tuple(flats), tuple(per_group), {}))
-    for g, named in enumerate(shapes):
-        if sum(math.prod(s) for _, s in named) > partition[g] * world:
-            raise _refuse(files[0], f"its group {g}'s partitions ({world} x {partition[g]}) cannot hold its parameters")
     _same_everywhere([f[0] for f in found], files, "optimizer state keys")
     _same_everywhere([(f[1], f[2]) for f in found], files, "optimizer step counts and hyperparameters")
     keys, scalars, groups = found[0]

@@ -683,12 +683,22 @@ def test_a_converted_deepspeed_checkpoint_resumes_at_another_world_size_stage_an
 
 
 def _spoiled(root, tmp_path, case) -> str:
-    """A copy of the world-2 ZeRO-3 bf16 checkpoint DeepSpeed wrote, spoiled as ``case`` says."""
-    good = os.path.join(root, "ds", "zero3_bf16")
+    """A copy of the world-2 ZeRO-3 bf16 checkpoint DeepSpeed wrote (ZeRO-1's for a case that says so),
+    spoiled as ``case`` says."""
+    good = os.path.join(root, "ds", "zero1" if case.startswith("zero1") else "zero3_bf16")
     path = str(tmp_path / "ds")
     shutil.copytree(good, path, symlinks=True)
     step = os.path.join(path, "global_step2")
     optim = os.path.join(step, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    if "layout larger" in case:  # the model-state file says its largest parameter is twice its size
+        model = os.path.join(
+            step,
+            "mp_rank_00_model_states.pt" if case.startswith("zero1") else "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        )
+        found = torch.load(model, weights_only=True)
+        name, shape = max(found["param_shapes"][0].items(), key=lambda item: item[1].numel())
+        found["param_shapes"][0][name] = torch.Size([2 * shape[0], *shape[1:]])
+        torch.save(found, model)
     if case == "latest leaves the directory":
         with open(os.path.join(path, "latest"), "w") as f:
             f.write("../zero1/global_step2")
@@ -734,6 +744,8 @@ class _Runs:
         ("another world size", "partition"),
         ("an object that runs code", "cannot be loaded"),
         ("no optimizer files", "stage-0"),
+        ("a layout larger than the partitions", "where its layout has"),
+        ("zero1: a layout larger than the partitions", "cannot hold its parameters"),
     ],
 )
 def test_convert_refuses_a_bad_deepspeed_checkpoint_before_writing_anything(results, tmp_path, case, words):
