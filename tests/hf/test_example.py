@@ -66,4 +66,3 @@ def test_resume_anywhere_example_resumes_at_another_world_size_stage_and_framewo
     assert "as the uninterrupted run's: True" in stdout, stdout
     assert "logits equal to the model's at the save: True" in stdout, stdout
     assert "DeepSpeed's own checkpoint, converted: from_pretrained's logits equal: True" in stdout, stdout
-    assert "converted, ZeRO-3 on 3 ranks: fp32 masters and Adam states equal to the saved: True" in stdout, stdout
