@@ -23,7 +23,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -49,10 +49,10 @@ DTYPES = {name: dtype for dtype, name in SAFE_DTYPES.items()}
 _MOST = 0x7FFFF000
 
 
-@dataclass(frozen=True)
-class Stored:
+class Stored(NamedTuple):
     """One tensor of a checkpoint: the file it is in, its dtype and shape as stored, and where its bytes
-    start in the file (absolute)."""
+    start in the file (absolute). A tuple: a checkpoint's headers hold thousands, made, hashed and
+    compared (a kept load plan's key) at C speed."""
 
     file: str
     dtype: torch.dtype
