@@ -716,6 +716,11 @@ def _spoiled(root, tmp_path, case) -> str:
         shutil.copy(os.path.join(root, "ds", "world3", tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"), optim)
     elif case == "an object that runs code":
         torch.save({"optimizer_state_dict": _Runs(str(tmp_path / "sentinel"))}, optim)
+    elif case == "latest names no directory":
+        with open(os.path.join(path, "latest"), "w") as f:
+            f.write("global_step9")
+    elif case == "a model file that is not DeepSpeed's":
+        torch.save([1, 2, 3], os.path.join(step, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
     elif case == "no optimizer files":
         for r in range(2):
             os.remove(os.path.join(step, f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
@@ -743,6 +748,8 @@ class _Runs:
         ("a link out of the directory", "resolves outside"),
         ("another world size", "partition"),
         ("an object that runs code", "cannot be loaded"),
+        ("latest names no directory", "is not a directory inside it"),
+        ("a model file that is not DeepSpeed's", "holds a list, not DeepSpeed's dict"),
         ("no optimizer files", "stage-0"),
         ("a layout larger than the partitions", "where its layout has"),
         ("zero1: a layout larger than the partitions", "cannot hold its parameters"),
