@@ -49,6 +49,7 @@ __all__ = [
     "read_deepspeed_checkpoint",
     "placements_zero12",
     "placements_zero3",
+    "parts_zero3",
 ]
 
 #: What a tag may look like: a plain directory name (``global_step1200``), never a path.
@@ -109,12 +110,16 @@ def placements_zero3(shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]], wo
     for k, named in enumerate(shapes):
         at = 0
         for name, shape in named:
-            numel = math.prod(shape)
-            part = -(-numel // world)
-            pieces = tuple(Piece(r, at, min(part, numel - r * part)) for r in range(world) if r * part < numel)
-            out.append(Placement(name, shape, k, pieces))
-            at += part
+            out.append(Placement(name, shape, k, parts_zero3(math.prod(shape), world, at)))
+            at += -(-math.prod(shape) // world)
     return out
+
+
+def parts_zero3(numel: int, world: int, at: int) -> tuple[Piece, ...]:
+    """A ZeRO-3 parameter of ``numel`` elements as its ``world`` parts of ``ceil(numel / world)`` (the last
+    ones short or empty: none for an empty one), part r at element ``at`` of rank r's flat tensor. Pure."""
+    part = -(-numel // world)
+    return tuple(Piece(r, at, min(part, numel - r * part)) for r in range(world) if r * part < numel)
 
 
 def flat_sizes_zero3(shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world: int) -> list[int]:
@@ -339,15 +344,12 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         trainable = placements_zero3(shapes, world)
         frozen_shapes = _shapes(model0.get("frozen_param_shapes") or {}, first, "frozen_param_shapes")
         frozen = []
-        for name, shape in frozen_shapes:
-            part = -(-math.prod(shape) // world)
-            pieces = tuple(
-                Piece(r, 0, min(part, math.prod(shape) - r * part)) for r in range(world) if r * part < math.prod(shape)
-            )
-            frozen.append(Placement(name, shape, -1, pieces))
+        for name, shape in frozen_shapes:  # each its own fragment on every rank (its ds_tensor)
+            placement = Placement(name, shape, -1, parts_zero3(math.prod(shape), world, 0))
+            frozen.append(placement)
             for r, rank in enumerate(ranks):
                 got = rank.frozen.get(name)
-                if got is None or got.numel() < sum(p.numel for p in pieces if p.rank == r):
+                if got is None or got.numel() < sum(p.numel for p in placement.pieces if p.rank == r):
                     raise _refuse(model_files[r], f"holds no fragment of the frozen parameter {name} of its size")
     else:
         stage = states[0].get("zero_stage")
