@@ -21,6 +21,7 @@ import functools
 import json
 import math
 import os
+import re
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -98,6 +99,11 @@ class Shard:
 #: The names ``save_pretrained`` gives a checkpoint of one file, and the index of a sharded one.
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+
+
+#: The shards ``save_pretrained`` and ``shard_name`` name; not a training state's, whose names carry its
+#: generation (``model-<generation>-00001-of-00002.safetensors``, which its manifest names).
+_SHARD = re.compile(r"^model-\d{5,}-of-\d{5,}\.safetensors$")
 
 
 def shard_name(index: int, count: int) -> str:
@@ -266,8 +272,8 @@ class ShardFiles:
         """Weights files an earlier save left that are not part of this one (``from_pretrained`` would
         load ``model.safetensors`` before an index), as ``save_pretrained`` removes them."""
         for name in os.listdir(self.directory):
-            stale = name == SINGLE_NAME or name == INDEX_NAME or (name.startswith("model-") and "-of-" in name)
-            if stale and name.endswith((".safetensors", ".json")) and name not in files:
+            stale = name == SINGLE_NAME or name == INDEX_NAME or _SHARD.match(name) is not None
+            if stale and name not in files:
                 os.remove(os.path.join(self.directory, name))
 
     def discard(self) -> None:

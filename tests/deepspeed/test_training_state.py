@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -242,7 +243,7 @@ def _trains_as_plain(step, record, start: dict, world) -> dict[str, float]:
 
 def _plain(rank, root) -> dict:
     """A plain module (replicated on every rank, as under DDP) with SGD's momentum and a scheduler."""
-    from collgrad import load_full_model, load_training_state, save_training_state
+    from collgrad import load_full_model, load_training_state, save_full_model, save_training_state
     from tests.deepspeed import models
 
     def build():
@@ -273,7 +274,7 @@ def _plain(rank, root) -> dict:
     load_full_model(weights_only, path, strict=False)  # the weights, as from_pretrained reads the index
     with open(os.path.join(path, "model.safetensors.index.json")) as f:
         index = json.load(f)
-    return {
+    out = {
         "resumed": all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), fresh.state_dict().values())),
         "lr": (fresh_opt.param_groups[0]["lr"], opt.param_groups[0]["lr"]),
         "states": loaded.states,
@@ -282,6 +283,19 @@ def _plain(rank, root) -> dict:
         "weights load": all(torch.equal(weights_only.state_dict()[n], t) for n, t in _saved_weights(path).items())
         and all(torch.equal(weights_only.state_dict()[n], t) for n, t in net_at_save.items()),
     }
+    # a save_full_model into the same directory replaces what from_pretrained loads, not the training state
+    save_full_model(net, path, max_shard_bytes=256)
+    again, again_opt, again_sched = build()
+    load_training_state(again, path, optimizer=again_opt, lr_scheduler=again_sched)
+    out["resumes after save_full_model"] = all(torch.equal(again.state_dict()[n], t) for n, t in net_at_save.items())
+    shard = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")  # save_full_model's (the training state's carry
+    sharded = sorted(n for n in os.listdir(path) if shard.match(n))  # its generation)
+    save_full_model(net, path)  # one file now: its earlier shards go, the training state's stay
+    torch.distributed.barrier()
+    left = os.listdir(path)
+    out["save_full_model's own shards replaced"] = (len(sharded) > 1, sorted(set(sharded) & set(left)))
+    load_training_state(again, path, optimizer=again_opt, lr_scheduler=again_sched)
+    return out
 
 
 def _saved_weights(path) -> dict:
@@ -541,7 +555,8 @@ def test_fsdp2_trains_on_from_a_zero_checkpoint_as_plain_pytorch(results):
 def test_a_plain_module_resumes_bitwise_and_its_weights_load_as_from_pretrained_reads_them(results):
     for res in results[0]:
         plain = res["plain"]
-        assert plain["resumed"] and plain["weights load"]
+        assert plain["resumed"] and plain["weights load"] and plain["resumes after save_full_model"]
+        assert plain["save_full_model's own shards replaced"] == (True, [])
         assert plain["lr"][0] == plain["lr"][1] == 0.1 * 0.5**4
         assert plain["states"] == ("momentum_buffer",) and plain["created"]
         assert "tied_out.weight" not in plain["index names"] and "seen" in plain["index names"]
