@@ -288,8 +288,9 @@ def _plain(rank, root) -> dict:
     again, again_opt, again_sched = build()
     load_training_state(again, path, optimizer=again_opt, lr_scheduler=again_sched)
     out["resumes after save_full_model"] = all(torch.equal(again.state_dict()[n], t) for n, t in net_at_save.items())
-    shard = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")  # save_full_model's (the training state's carry
-    sharded = sorted(n for n in os.listdir(path) if shard.match(n))  # its generation)
+    # save_full_model's shards (a training state's carry its generation in their names)
+    shard = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+    sharded = sorted(n for n in os.listdir(path) if shard.match(n))
     save_full_model(net, path)  # one file now: its earlier shards go, the training state's stay
     torch.distributed.barrier()
     left = os.listdir(path)
