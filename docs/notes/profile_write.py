@@ -1,0 +1,79 @@
+"""Inside two local ranks, where ``safe_set_full_model_grads`` of the bench model spends its time, checked
+and unchecked: per rank, the median call and the mean time per call in its stages (the names checked,
+the checksums, the agreement, the store), each wrapped with ``perf_counter``.
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python docs/notes/profile_write.py --stage 2
+
+Figures from it are in the closing notes of the issue on writes (the bench's write rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+from collgrad.launch import run_local
+
+#: (module, function) of each stage timed
+STAGES = (
+    ("collgrad.state.write", "_checked"),
+    ("collgrad.state.write", "checksums"),
+    ("collgrad.state.call", "_agree"),
+    ("collgrad.state.write", "_store"),
+)
+
+
+def _timed(real: Callable[..., Any], name: str, spent: dict[str, float]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+
+    return timed
+
+
+def _rank(rank: int, world: int, stage: int, calls: int) -> list[str]:
+    import importlib
+
+    import torch.distributed as dist
+
+    import collgrad
+    from collgrad.bench.config import BenchConfig
+    from collgrad.bench.methods import make_setting
+    from collgrad.bench.models import build_subject
+
+    cfg = BenchConfig(stage=stage)
+    setting = make_setting(build_subject(cfg), cfg)
+    spent: dict[str, float] = {}
+    for module_name, name in STAGES:
+        module = importlib.import_module(module_name)
+        setattr(module, name, _timed(getattr(module, name), name, spent))
+    lines = []
+    for check in (True, False, True, False):
+        spent.clear()
+        took = []
+        for _ in range(calls):
+            dist.barrier()
+            start = time.perf_counter()
+            collgrad.safe_set_full_model_grads(setting.subject.engine, setting.full, check=check)
+            took.append(time.perf_counter() - start)
+        stages = ", ".join(f"{k} {v / calls * 1e3:.2f}" for k, v in spent.items())
+        lines.append(f"rank {rank} check={check}: {statistics.median(took) * 1e3:.2f} ms ({stages})")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=2)
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+    for lines in run_local(_rank, 2, args.stage, args.calls, env={"DS_ACCELERATOR": "cpu"}):
+        print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
