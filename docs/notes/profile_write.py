@@ -12,34 +12,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
 
 from collgrad.launch import run_local
 
-#: (module, function) of each stage timed
+#: each stage timed, as profile_call.py's ``--stages`` names them
 STAGES = (
-    ("collgrad.state.write", "_checked"),
-    ("collgrad.state.write", "checksums"),
-    ("collgrad.state.call", "_agree"),
-    ("collgrad.state.write", "_store"),
+    "collgrad.state.write:_checked",
+    "collgrad.state.write:checksums",
+    "collgrad.state.call:_agree",
+    "collgrad.state.write:_store",
 )
 
 
-def _timed(real: Callable[..., Any], name: str, spent: dict[str, float]) -> Callable[..., Any]:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
-
-    return timed
-
-
 def _rank(rank: int, world: int, stage: int, calls: int) -> list[str]:
-    import importlib
-
     import torch.distributed as dist
+    from profile_call import _wrap  # beside this script: a stage wrapped with perf_counter
 
     import collgrad
     from collgrad.bench.config import BenchConfig
@@ -49,9 +36,8 @@ def _rank(rank: int, world: int, stage: int, calls: int) -> list[str]:
     cfg = BenchConfig(stage=stage)
     setting = make_setting(build_subject(cfg), cfg)
     spent: dict[str, float] = {}
-    for module_name, name in STAGES:
-        module = importlib.import_module(module_name)
-        setattr(module, name, _timed(getattr(module, name), name, spent))
+    for target in STAGES:
+        _wrap(target, spent)
     lines = []
     for check in (True, False, True, False):
         spent.clear()
@@ -61,7 +47,7 @@ def _rank(rank: int, world: int, stage: int, calls: int) -> list[str]:
             start = time.perf_counter()
             collgrad.safe_set_full_model_grads(setting.subject.engine, setting.full, check=check)
             took.append(time.perf_counter() - start)
-        stages = ", ".join(f"{k} {v / calls * 1e3:.2f}" for k, v in spent.items())
+        stages = ", ".join(f"{k.rsplit(':', 1)[1]} {v / calls * 1e3:.2f}" for k, v in spent.items())
         lines.append(f"rank {rank} check={check}: {statistics.median(took) * 1e3:.2f} ms ({stages})")
     return lines
 
