@@ -12,7 +12,7 @@ under FSDP2, and whose weights ``from_pretrained`` loads.
     commit   the index, then the manifest renamed into place: never half a checkpoint
 
 Nothing is held but one piece at a time and the page cache: the process's own memory does not grow
-with the checkpoint (``python -m collgrad bench --convert`` measures it against ``zero_to_fp32``).
+with the checkpoint (the bench's ``collgrad_convert`` row measures it against ``deepspeed_zero_to_fp32``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,16 @@ from collgrad.state.deepspeed_checkpoint import DeepSpeedCheckpoint, Placement, 
 from collgrad.state.manifest import Manifest, ParamGroup
 from collgrad.state.save import DEFAULT_MAX_SHARD_BYTES
 from collgrad.state.shards import Entry, RangeWriter, bytes_of
-from collgrad.state.training import Files, Placed, commit, joined_writes, lay_out, write_headers, write_small
+from collgrad.state.training import (
+    Files,
+    Placed,
+    commit,
+    discard,
+    joined_writes,
+    lay_out,
+    write_headers,
+    write_small,
+)
 
 __all__ = ["convert_deepspeed_checkpoint", "Converted"]
 
@@ -99,9 +108,7 @@ def convert_deepspeed_checkpoint(
         temporaries = write_small(path, manifest, files, generation)
         commit(path, temporaries, set(manifest.files()))
     except OSError as error:
-        writer.remove()
-        for temporary, _ in temporaries:
-            _remove(temporary)
+        discard(writer, temporaries)
         raise CollgradError(
             f"{path}: writing the converted checkpoint failed ({error.strerror or error}); what was written is "
             "removed, and a checkpoint already there is as it was"
@@ -116,13 +123,6 @@ def convert_deepspeed_checkpoint(
         total,
         time.perf_counter() - start,
     )
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
 
 
 def _entries(source: DeepSpeedCheckpoint) -> dict[str, list[Entry]]:

@@ -209,9 +209,6 @@ class DeepSpeedCheckpoint:
     lr_scheduler: Mapping[str, Any] | None
     counters: Mapping[str, int | float]
 
-    def module_dtype(self, name: str) -> torch.dtype:
-        return self.module[name].dtype
-
 
 def _refuse(where: str, reason: str) -> CheckpointError:
     return CheckpointError(f"{where}: {reason}; nothing was written")

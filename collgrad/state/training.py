@@ -74,6 +74,7 @@ __all__ = [
     "joined_writes",
     "write_small",
     "commit",
+    "discard",
 ]
 
 
@@ -536,9 +537,7 @@ def save_training_state(
             group, me, writer.error, call=call, what="write its part of the files", timeout_s=dispatcher.timeout
         )
     except CollgradError:
-        writer.remove()
-        for temporary, _ in temporaries:
-            _remove(temporary)
+        discard(writer, temporaries)
         raise
     error = None
     if index == 0:
@@ -602,6 +601,14 @@ def write_small(path: str, manifest: Manifest, files: Files, generation: str) ->
             os.fdatasync(f.fileno())
         out.append((temporary, os.path.join(path, final)))
     return out
+
+
+def discard(writer: RangeWriter, temporaries: Sequence[tuple[str, str]]) -> None:
+    """What a failed save wrote removed: the tensor files this rank opened, the index and manifest
+    written under temporary names (the previous checkpoint is left as it was)."""
+    writer.remove()
+    for temporary, _ in temporaries:
+        _remove(temporary)
 
 
 def commit(path: str, temporaries: Sequence[tuple[str, str]], files: set[str]) -> None:
