@@ -102,14 +102,16 @@ class Placements:
 
 
 class WriteRow(NamedTuple):
-    """One owned fragment to write: the parameter, where in it, how many elements, where in the local
-    buffer, and where in the buffer's storage span (None: it straddles pieces)."""
+    """One owned part of a parameter to write, within one piece of the local buffer: the parameter,
+    where in it (flat), how many elements, whether that is the whole parameter, and where it goes:
+    ``piece`` -1 with ``at`` its offset in the pieces' storage span, else ``at`` in piece ``piece``."""
 
     name: str
     param_offset: int
     numel: int
-    local_offset: int
-    at: int | None
+    whole: bool
+    piece: int
+    at: int
 
 
 class WritePlan(NamedTuple):

@@ -9,6 +9,7 @@ picks the one that holds what was passed.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 import weakref
@@ -39,6 +40,7 @@ __all__ = [
     "whole_values",
     "always_ok",
     "copy_to_weights",
+    "copy_all",
     "optimizer_states",
     "select",
     "rank_in",
@@ -228,11 +230,20 @@ def copy_to_weights(params: Mapping[str, nn.Parameter], values: Mapping[str, tor
             value = value.reshape(weight.shape)
         sources.append(value if value.dtype == torch.float32 else value.to(torch.float32))
     with torch.no_grad():
-        if all(w.device == v.device for w, v in zip(weights, sources)):
-            torch._foreach_copy_(weights, sources)  # one call, not one per parameter
-        else:  # values on another device than the weights (foreach needs one)
-            for weight, source in zip(weights, sources):
-                weight.copy_(source)
+        copy_all(weights, sources)
+
+
+def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for every i (each converted to its target's dtype), in one call
+    where every tensor lies on one device (``torch._foreach_copy_`` needs one), else one by one. Local."""
+    if not targets:
+        return
+    device = targets[0].device
+    if all(t.device == device for t in targets) and all(s.device == device for s in sources):
+        torch._foreach_copy_(targets, sources)  # one call, not one per tensor
+    else:
+        for target, source in zip(targets, sources):
+            target.copy_(source)
 
 
 def per_element_state(held: Mapping[str, Any] | None, key: str, numel: int, what: str) -> torch.Tensor:
@@ -341,48 +352,66 @@ class Source:
     def write(self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float) -> None:
         """Store the full gradients ``values`` (by name; true values, multiplied here by ``scale``, the
         loss scale) where the optimizer will step from: this rank writes the elements it owns, in
-        place, and nothing else. No communication. ``local`` is this call's ``read()``."""
+        place, and nothing else. No communication. ``local`` is this call's ``read()``.
+
+        Every owned part of every group is copied in one ``torch._foreach_copy_`` (the parts were
+        worked out once per layout, ``_write_plan``): per part, only a view of the value and one of the
+        buffer are made here."""
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         for position, group in enumerate(self.layout.groups):
             buffer = local.buffers[position]
             if group.kind is Partitioning.REPLICATED:
                 assert isinstance(buffer, list)
-                targets = self._full_targets(buffer)
+                held = self._full_targets(buffer)
                 for k, slot in enumerate(group.params):
                     if slot.name in values:
-                        self._write_full(k, slot, targets, _scaled(values[slot.name], scale))
+                        self._write_full(k, slot, held, _scaled(values[slot.name], scale))
                 continue
             assert isinstance(buffer, Pieces)
             placed = buffer.placement()
             span = placed[0] if placed is not None else None
-            for name, lo, numel, local_offset, at in self._write_plan(group, buffer):
+            flat: dict[str, torch.Tensor] = {}
+            for name, lo, numel, whole, piece, at in self._write_plan(group, buffer):
                 new = values.get(name)
-                if new is not None:
-                    part = _scaled(new.reshape(-1)[lo : lo + numel], scale)
-                    if at is None or span is None:
-                        buffer.write(local_offset, part)
-                    else:  # straight into the storage span where it lies (the usual case)
-                        span[at : at + numel].copy_(part)
+                if new is None:
+                    continue
+                value = flat.get(name)
+                if value is None:
+                    value = flat[name] = new.detach().reshape(-1)
+                sources.append(value if whole else value[lo : lo + numel])
+                into = span if piece < 0 else buffer.piece(piece)
+                assert into is not None  # a plan with span offsets is made only where there is a span
+                targets.append(into[at : at + numel])
+        if scale != 1.0 and sources:  # in fp32 at least (the stored dtype may be fp16: scale first, round once)
+            sources = list(torch._foreach_mul([_promoted(s) for s in sources], scale))
+        copy_all(targets, sources)
         self.after_write(values)
 
     def _write_plan(self, group: LayoutGroup, buffer: Pieces) -> tuple[WriteRow, ...]:
-        """This rank's owned fragments of ``group`` to write: worked out once while the pieces lie where
-        they did (DeepSpeed keeps its buffers), not per fragment per call."""
+        """This rank's owned fragments of ``group`` to write, each cut where it crosses from one piece
+        into the next, and placed in the pieces' storage span where they share one (else in its piece):
+        worked out once while the pieces lie where they did (DeepSpeed keeps its buffers), not per
+        fragment per call."""
         placed = buffer.placement()
         where = placed[1] if placed is not None else None
         found = self.plans.write_plans.get(group.index)
         if found is None or found.placement != where or found.starts != tuple(buffer.starts):
-            rows = tuple(
-                WriteRow(
-                    group.params[f.param].name,
-                    f.param_offset,
-                    f.numel,
-                    f.local_offset,
-                    buffer.span_offset(f.local_offset, f.numel),
-                )
-                for f in owned_fragments(group, rank_in(group))
-                if f.numel
-            )
-            found = self.plans.write_plans[group.index] = WritePlan(where, tuple(buffer.starts), rows)
+            rows = []
+            for f in owned_fragments(group, rank_in(group)):
+                slot = group.params[f.param]
+                whole = f.numel == slot.numel
+                for part, at in buffer.spans(f.local_offset, f.numel):
+                    k = bisect.bisect_right(buffer.starts, f.local_offset + at) - 1
+                    inside = f.local_offset + at - buffer.starts[k]
+                    n = part.numel()
+                    lo = f.param_offset + at
+                    rows.append(
+                        WriteRow(slot.name, lo, n, whole and n == slot.numel, -1, where[k] + inside)
+                        if where is not None
+                        else WriteRow(slot.name, lo, n, whole and n == slot.numel, k, inside)
+                    )
+            found = self.plans.write_plans[group.index] = WritePlan(where, tuple(buffer.starts), tuple(rows))
         return found.rows
 
     def _full_targets(self, buffer: list[Any]) -> Sequence[Any]:
@@ -411,7 +440,13 @@ def _scaled(value: torch.Tensor, scale: float) -> torch.Tensor:
     """``value * scale`` computed in fp32 at least (the stored dtype may be fp16: scale first, round once)."""
     if scale == 1.0:
         return value.detach()
-    return value.detach().to(torch.promote_types(value.dtype, torch.float32)) * scale
+    return _promoted(value.detach()) * scale
+
+
+def _promoted(value: torch.Tensor) -> torch.Tensor:
+    """``value`` in fp32 at least: what a loss scale multiplies."""
+    wanted = torch.promote_types(value.dtype, torch.float32)
+    return value if value.dtype == wanted else value.to(wanted)
 
 
 def select(module: nn.Module, params: Iterable[Any] | None, trainable: bool = True) -> list[tuple[str, nn.Parameter]]:

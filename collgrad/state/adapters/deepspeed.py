@@ -63,6 +63,7 @@ from collgrad.state.adapters.base import (
     ReplicatedSource,
     Source,
     always_ok,
+    copy_all,
     copy_to_weights,
     per_element_state,
     select,
@@ -689,27 +690,41 @@ class _Zero3(_EngineSource):
         return LocalGrads(Problem.OK, pieces)
 
     def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
-        """New fp32 weights: each parameter's own partition (``ds_tensor``) made from this rank's new
-        fp32 slice, and a parameter held whole (persistent, or gathered) made the new value, as the
-        step leaves them."""
+        """New gradients, with CPU offload: the per-parameter norms the step clips with recomputed from
+        the written partitions, as DeepSpeed's ``set_local_grad_for_param`` does. New fp32 weights: each
+        parameter's own partition (``ds_tensor``) made from this rank's new fp32 slice, and a parameter
+        held whole (persistent, or gathered) made the new value, as the step leaves them."""
+        opt = self.opt
+        if self.kind == GRAD:
+            if getattr(opt, "offload_optimizer", False):
+                for name in values:
+                    param = self.params[name]
+                    part = opt._get_fp32_grad_state_partition(param, release_swap_buffers=False)[0]
+                    opt.norm_for_param_grads[opt.get_param_id(param)] = opt._constant_buffered_norm2(part)
+            return
         if self.kind != FP32:
             return
-        opt = self.opt
+        partitions, slices, whole = [], [], {}
+        for name in values:
+            p: Any = self.params[name]  # a ZeRO-3 parameter: ds_tensor, ds_numel
+            i, offset, numel = opt.grad_position[opt.get_param_id(p)]
+            partitions.append(p.ds_tensor.data)
+            slices.append(opt.fp32_partitioned_groups_flat[i].narrow(0, offset, numel))
+            if p.data.numel() == p.ds_numel:
+                whole[name] = p
         with torch.no_grad():
-            for name, value in values.items():
-                p: Any = self.params[name]
-                i, offset, numel = opt.grad_position[opt.get_param_id(p)]
-                p.ds_tensor.data.copy_(opt.fp32_partitioned_groups_flat[i].narrow(0, offset, numel))
-                if p.data.numel() == p.ds_numel:
-                    copy_to_weights({name: p}, {name: value})
+            copy_all(partitions, slices)
+        if whole:
+            copy_to_weights(whole, {name: values[name] for name in whole})
 
     def write(self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float) -> None:
-        """Gradients: through DeepSpeed's own local setter, parameter by parameter (no communication): it
-        writes this rank's slice where the step reads it (flat buffer, CPU offload, NVMe swap write-back)
-        and refreshes the per-parameter norms offload clips with. NVMe: that setter swaps the
-        parameter's whole sub-group in and its gradients out again, per parameter; here once per
-        sub-group. The masters' kinds: into the slices ``read()`` views, where the step reads them."""
-        if self.kind != GRAD:
+        """Into the partitions ``read()`` views, where the step reads them (gradients: DeepSpeed's grad
+        partitions, or with CPU offload the fp32 partition's ``.grad``; the masters' kinds: their slices).
+        Gradients with the optimizer on NVMe: through DeepSpeed's own local setter, parameter by
+        parameter (no communication): it writes this rank's slice into the swap buffers and back to the
+        file. That setter swaps the parameter's whole sub-group in and its gradients out again, per
+        parameter; here once per sub-group."""
+        if self.kind != GRAD or not self.swaps:
             Source.write(self, local, values, scale)
             return
         opt = self.opt
@@ -724,7 +739,7 @@ class _Zero3(_EngineSource):
                 part[: hi - lo] = flat[lo:hi]
                 if scale != 1.0:
                     part.mul_(scale)
-                grad = swapped.grad(p) if self.swaps else None
+                grad = swapped.grad(p)
                 if grad is None:
                     opt.set_local_grad_for_param(part, p)
                 else:  # what set_local_grad_for_param does, less its swap-in and write-back per parameter
