@@ -104,22 +104,25 @@ class Placements:
 class WriteRow(NamedTuple):
     """One owned part of a parameter to write, within one piece of the local buffer: the parameter,
     where in it (flat), how many elements, whether that is the whole parameter, and where it goes:
-    ``piece`` -1 with ``at`` its offset in the pieces' storage span, else ``at`` in piece ``piece``."""
+    the ``view``-th view of the plan's cut of ``into`` (-1: the pieces' storage span, else that piece)."""
 
     name: str
     param_offset: int
     numel: int
     whole: bool
-    piece: int
-    at: int
+    into: int
+    view: int
 
 
 class WritePlan(NamedTuple):
-    """A group's write rows for the pieces where they lay (``placement`` None: no one storage span)."""
+    """A group's write rows for the pieces where they lay (``placement`` None: no one storage span), and
+    per target cut (the span, -1, or a piece) the sizes whose ``split_with_sizes`` gives the rows' views
+    (gaps between this rank's parts included, so that they cover it)."""
 
     placement: tuple[int, ...] | None
     starts: tuple[int, ...]
     rows: tuple[WriteRow, ...]
+    cuts: tuple[tuple[int, tuple[int, ...]], ...]
 
 
 class PlanCache:

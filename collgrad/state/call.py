@@ -66,7 +66,7 @@ class OpenCall:
     ``safe_get_full_model_grad_stats`` does with a flag), or they wait for this rank until the bounded wait runs out.
     """
 
-    EXTRA = 2
+    EXTRA = 3
 
     def __init__(
         self,
@@ -127,6 +127,9 @@ class OpenCall:
         #: cached, and sizes a placements exchange by the counts (no extra collective for either).
         self.placements: dict[int, int] = {}
         self.piece_counts: dict[int, int] = {}
+        #: Every rank's ``extra`` fields as it told them (in the control group's order; none without a
+        #: group): what an entry point compares itself where a field may differ (``compare=False``).
+        self.extras: list[list[int]] = [row[1 + len(FIELDS) :] for row in rows] if rows is not None else []
         if rows is not None and self.source.control_group is not None:
             ranks = _compat.group_ranks(self.source.control_group)
             at = 1 + FIELDS.index("where each rank's gradient pieces lie")

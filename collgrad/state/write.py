@@ -27,13 +27,22 @@ from collgrad.backends.policy import Policy
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import ArgumentMismatchError, InvalidArgumentError, NotReadyError, UnknownParameterError
 from collgrad.state import adapters
-from collgrad.state.adapters.base import Problem, Source
+from collgrad.state.adapters.base import Copies, Problem, Source
 from collgrad.state.call import OpenCall, source_of
 from collgrad.state.execute import Executor
 from collgrad.state.kinds import GRAD, StateKind
+from collgrad.state.layout import Partitioning
 from collgrad.state.record import StateRecord
 
-__all__ = ["safe_set_full_model_grads", "safe_update_full_model_grads", "checksums", "set_full", "write_here"]
+__all__ = [
+    "safe_set_full_model_grads",
+    "safe_update_full_model_grads",
+    "checksums",
+    "sampled_checksum",
+    "SAMPLE_BYTES",
+    "set_full",
+    "write_here",
+]
 
 
 def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -75,6 +84,42 @@ def _word_sum(t: torch.Tensor) -> torch.Tensor:
         bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
         total = total + flat[cut:].contiguous().view(bits).sum(dtype=torch.int64) * 1_000_003
     return total
+
+
+#: The check's sample: one element in every this many bytes of every part a rank reads (one cache line
+#: in eight), so that it costs a fraction of reading the values once (docs/benchmarks.md, the writes).
+SAMPLE_BYTES = 512
+
+#: An odd 63-bit multiplier (PCG's): the position weights of the sample's words.
+_WEIGHT = 0x5851F42D4C957F2D
+
+
+def sampled_checksum(values: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]]) -> int:
+    """A number that differs, with high probability, when the values differ bit for bit in any sampled
+    element of ``parts`` ((name, first element, count) of ``values[name]`` flattened): every
+    ``SAMPLE_BYTES // element size``-th element of each part from its first, their bits as integers
+    weighted by position (so that moved values count too) and summed, wrapping in int64. Integer
+    arithmetic: the same on every rank and device for equal values. One strided view per part, then
+    one concatenation, reduction and read back per dtype. Local."""
+    samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for name, lo, numel in parts:
+            value = values[name]
+            step = max(1, SAMPLE_BYTES // value.element_size())
+            count = -(-numel // step)
+            if value.is_contiguous():  # one call: the strided elements where they lie
+                sample = torch.as_strided(value, (count,), (step,), value.storage_offset() + lo)
+            else:
+                sample = value.reshape(-1)[lo : lo + numel : step]
+            samples.setdefault((value.dtype, value.device), []).append(sample)
+        total = 0
+        for (dtype, _), found in sorted(samples.items(), key=lambda item: str(item[0])):
+            flat = torch.cat(found) if len(found) > 1 else found[0].contiguous()
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+            words = flat.view(bits).to(torch.int64)
+            weights = torch.arange(words.numel(), dtype=torch.int64, device=words.device).mul_(_WEIGHT).bitwise_or_(1)
+            total = total * 1_000_003 + stable_hash(str(dtype)) + int(words.mul_(weights).sum())
+    return total & ((1 << 62) - 1)  # fits in the int64 the exchange carries
 
 
 def _checked(source: Source, grads: object, argument: str = "grads") -> dict[str, torch.Tensor]:
@@ -143,60 +188,87 @@ def set_full(
     it, checked and agreed as ``safe_set_full_model_grads`` says; ``name``: the public function called."""
     argument = "grads" if state == GRAD else "values"
     values: dict[str, torch.Tensor] = {}
-    sums: list[tuple[str, int]] = []
     opened: list[Source] = []
 
     def extra(source: Source) -> list[Field]:
         opened.append(source)
         values.update(_checked(source, given, argument))
-        # Tensor/expert-parallel shards legitimately differ between the ranks of the data-parallel group
-        # (each holds its own shard or experts): only the replicated parameters are compared.
-        if check:
-            compared = [name for name in values if name not in source.model_parallel]
-            sums.extend(zip(compared, checksums([values[name] for name in compared])))
+        mine = after = -1
+        group = source.control_group
+        if check and group is not None and group.size() > 1:
+            # Each rank vouches for what it reads of the values (a sample of it) and checks the same of
+            # the next rank's: every part any rank reads is compared by two ranks, for a fraction of
+            # what reading it costs (README: what the check catches). Tensor/expert-parallel shards
+            # legitimately differ between the ranks of the data-parallel group: left out.
+            ranks = tuple(_compat.group_ranks(group))
+            me = ranks.index(torch.distributed.get_rank())
+            here, there = (
+                _compared(source, values, ranks, ranks[me]),
+                _compared(source, values, ranks, ranks[(me + 1) % len(ranks)]),
+            )
+            mine = sampled_checksum(values, here)
+            after = mine if there == here else sampled_checksum(values, there)
         return [
             Field(f"names in {argument}=", stable_hash([state.key, *values]), shown=False),
-            Field(_CHECKSUM, stable_hash(sums) if check else -1, shown=False),
+            Field(_CHECKSUM, mine, compare=False),
+            Field("the next rank's values (checksum)", after, compare=False),
         ]
 
     dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
-    try:
-        call = OpenCall(
-            adapters.enter(model),
-            name=name,
-            kind=state,
-            params=params,
-            unscale=state.scaled,  # only gradients are stored scaled (fp16)
-            policy=policy,
-            dispatcher=dispatcher,
-            optimizer=optimizer,
-            extra=extra,
-        )
-    except ArgumentMismatchError as error:
-        if error.fields != (_CHECKSUM,):
-            raise
-        # Only the values differ, so every rank holds the same names: one more small exchange (on this
-        # error path only) finds which tensors differ, so the error can name them.
-        raise _which_differ(opened[0], sums, dispatcher.timeout, error, name) from None
-    return _store(call, values)
+    call = OpenCall(
+        adapters.enter(model),
+        name=name,
+        kind=state,
+        params=params,
+        unscale=state.scaled,  # only gradients are stored scaled (fp16)
+        policy=policy,
+        dispatcher=dispatcher,
+        optimizer=optimizer,
+        extra=extra,
+        meanwhile=lambda opened_call: _prepared(opened_call, values),
+    )
+    told = call.extras
+    if check and any(told[(i + 1) % len(told)][1] != row[2] for i, row in enumerate(told)):
+        # Every rank sees the same rows, so all are here: one more small exchange (on this error path
+        # only) of whole checksums per tensor finds which differ, so the error can name them.
+        compared = [n for n in values if n not in opened[0].model_parallel]
+        raise _which_differ(opened[0], compared, values, dispatcher.timeout, name)
+    return _store(call, values, call.early)
 
 
 _CHECKSUM = "values in grads= (checksum)"
 
 
+def _compared(
+    source: Source, values: Mapping[str, torch.Tensor], ranks: tuple[int, ...], rank: int
+) -> tuple[tuple[str, int, int], ...]:
+    """The parts of ``values`` that global rank ``rank`` of the control group ``ranks`` reads
+    (``Source.reads``), less the model-parallel ones (each rank holds its own shard). Where some group
+    is partitioned over other ranks than the control group's (HSDP: a shard group per replica), this
+    rank cannot tell what another reads: then every value whole, on every rank."""
+    partitioned = (g for g in source.layout.groups if g.kind is not Partitioning.REPLICATED and g.world > 1)
+    if all(g.group_ranks == ranks for g in partitioned):
+        parts = source.reads(rank)
+    else:
+        parts = tuple((slot.name, 0, slot.numel) for g in source.layout.groups for slot in g.params)
+    if len(values) == len(source.params) and not source.model_parallel:
+        return parts  # everything given: nothing to leave out
+    return tuple(p for p in parts if p[0] in values and p[0] not in source.model_parallel)
+
+
 def _which_differ(
-    source: Source, sums: list[tuple[str, int]], timeout_s: float, error: ArgumentMismatchError, name: str
+    source: Source, names: list[str], values: Mapping[str, torch.Tensor], timeout_s: float, name: str
 ) -> ArgumentMismatchError:
-    """The mismatch ``error`` with the names of the differing tensors, from every rank's per-tensor
-    checksums (one all-gather over the control group; every rank reaches the same message)."""
+    """The mismatch seen in the sampled checksums, with the names of the differing tensors, from every
+    rank's whole checksum of each of ``names`` (one all-gather over the control group; every rank
+    reaches the same message)."""
     group = source.control_group
     assert group is not None  # a mismatch was seen, so there is more than one rank
-    rows = agreement.exchange(
-        group, [c for _, c in sums], timeout_s=timeout_s, what="the per-tensor checksum comparison"
-    )
+    sums = checksums([values[n] for n in names])
+    rows = agreement.exchange(group, sums, timeout_s=timeout_s, what="the per-tensor checksum comparison")
     ranks = _compat.group_ranks(group)
     differ = []
-    for k, (param, _) in enumerate(sums):
+    for k, param in enumerate(names):
         by_value = ranks_by_value(rows, k, ranks)
         if len(by_value) > 1:
             differ.append(f"{param!r} (ranks grouped by value: {sorted(by_value.values())})")
@@ -205,11 +277,20 @@ def _which_differ(
         f"ranks passed different values to {name} for {len(differ)} tensor(s): {shown} "
         f"[seen by rank {_compat.rank()}]: pass the same values on every rank (compute them from values "
         "every rank holds, e.g. read by collgrad's safe_get_ functions, with the same operations)",
-        error.fields,
+        (_CHECKSUM,),
     )
 
 
-def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> StateRecord:
+def _prepared(call: OpenCall, values: Mapping[str, torch.Tensor]) -> Copies | None:
+    """The copies of ``values`` into this rank's buffers, made ready (views only, nothing written) while
+    the ranks agree; None where the source writes otherwise (DeepSpeed's own setters)."""
+    if call.source.accessor_set is not None:
+        return None
+    with torch.no_grad():
+        return call.source.prepare_write(call.local, values, call.local.loss_scale)
+
+
+def _store(call: OpenCall, values: Mapping[str, torch.Tensor], copies: Copies | None = None) -> StateRecord:
     call.models.wrote(call.model.target)  # what the drop-in read before is stale from now on
     source = call.source
     if source.accessor_set is not None:  # an optimizer collgrad does not know: DeepSpeed's setter
@@ -218,7 +299,7 @@ def _store(call: OpenCall, values: Mapping[str, torch.Tensor]) -> StateRecord:
         source.after_write(values)
     else:
         with torch.no_grad():
-            source.write(call.local, values, call.local.loss_scale)
+            source.write(call.local, values, call.local.loss_scale, copies)
     return StateRecord(source.layout.variant, (), 0, call.local.loss_scale, False, call.cached, call.layout_cached)
 
 

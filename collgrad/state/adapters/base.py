@@ -14,7 +14,7 @@ import enum
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Hashable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ __all__ = [
     "Problem",
     "LocalGrads",
     "GroupBuffer",
+    "Copies",
     "Source",
     "ReplicatedSource",
     "per_element_state",
@@ -298,6 +299,13 @@ class Problem(enum.IntEnum):
         }[self]
 
 
+class Copies(NamedTuple):
+    """A write's copies, made ready: ``targets[i].copy_(sources[i])`` for every i."""
+
+    targets: list[torch.Tensor]
+    sources: list[torch.Tensor]
+
+
 #: One layout group's local tensors: a ``Pieces`` (PARTITIONED_FLAT, SLICED), or the full tensor of each
 #: parameter (REPLICATED).
 GroupBuffer = Pieces | list[torch.Tensor]
@@ -349,70 +357,91 @@ class Source:
     def read(self) -> LocalGrads:
         raise NotImplementedError
 
-    def write(self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float) -> None:
+    def write(
+        self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float, copies: Copies | None = None
+    ) -> None:
         """Store the full gradients ``values`` (by name; true values, multiplied here by ``scale``, the
         loss scale) where the optimizer will step from: this rank writes the elements it owns, in
-        place, and nothing else. No communication. ``local`` is this call's ``read()``.
+        place, and nothing else. No communication. ``local`` is this call's ``read()``; ``copies``:
+        ``prepare_write``'s for these arguments, where it was made ahead (while the ranks agreed).
 
-        Every owned part of every group is copied in one ``torch._foreach_copy_`` (the parts were
-        worked out once per layout, ``_write_plan``): per part, only a view of the value and one of the
-        buffer are made here."""
-        targets: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
+        Every owned part of every partitioned group is copied in one ``torch._foreach_copy_``."""
+        targets, sources = copies if copies is not None else self.prepare_write(local, values, scale)
         for position, group in enumerate(self.layout.groups):
-            buffer = local.buffers[position]
             if group.kind is Partitioning.REPLICATED:
+                buffer = local.buffers[position]
                 assert isinstance(buffer, list)
                 held = self._full_targets(buffer)
                 for k, slot in enumerate(group.params):
                     if slot.name in values:
                         self._write_full(k, slot, held, _scaled(values[slot.name], scale))
-                continue
-            assert isinstance(buffer, Pieces)
-            placed = buffer.placement()
-            span = placed[0] if placed is not None else None
-            flat: dict[str, torch.Tensor] = {}
-            for name, lo, numel, whole, piece, at in self._write_plan(group, buffer):
-                new = values.get(name)
-                if new is None:
-                    continue
-                value = flat.get(name)
-                if value is None:
-                    value = flat[name] = new.detach().reshape(-1)
-                sources.append(value if whole else value[lo : lo + numel])
-                into = span if piece < 0 else buffer.piece(piece)
-                assert into is not None  # a plan with span offsets is made only where there is a span
-                targets.append(into[at : at + numel])
-        if scale != 1.0 and sources:  # in fp32 at least (the stored dtype may be fp16: scale first, round once)
-            sources = list(torch._foreach_mul([_promoted(s) for s in sources], scale))
         copy_all(targets, sources)
         self.after_write(values)
 
-    def _write_plan(self, group: LayoutGroup, buffer: Pieces) -> tuple[WriteRow, ...]:
+    def prepare_write(self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float) -> Copies:
+        """``write``'s copies into the partitioned groups, made ready and nothing written: per owned part,
+        a view of the value (times ``scale``, in fp32 at least, where it is not 1) and one of the buffer
+        where it goes (the parts were worked out once per layout, ``_write_plan``). Local; under
+        ``torch.no_grad()``."""
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for position, group in enumerate(self.layout.groups):
+            if group.kind is Partitioning.REPLICATED:
+                continue
+            buffer = local.buffers[position]
+            assert isinstance(buffer, Pieces)
+            plan = self._write_plan(group, buffer)
+            span = plan.placement is not None and buffer.placement()
+            # every part's view of the buffer in one call per piece (or span): a slice each costs ~4x
+            views = {}
+            for into, sizes in plan.cuts:
+                whole_of = span[0] if span and into < 0 else buffer.piece(into)
+                views[into] = whole_of.split_with_sizes(sizes) if len(sizes) > 1 else (whole_of,)
+            for name, lo, numel, whole, into, view in plan.rows:
+                new = values.get(name)
+                if new is not None:
+                    sources.append(new.ravel() if whole else new.ravel()[lo : lo + numel])
+                    targets.append(views[into][view])
+        if scale != 1.0 and sources:  # in fp32 at least (the stored dtype may be fp16: scale first, round once)
+            sources = list(torch._foreach_mul([_promoted(s) for s in sources], scale))
+        return Copies(targets, sources)
+
+    def _write_plan(self, group: LayoutGroup, buffer: Pieces) -> WritePlan:
         """This rank's owned fragments of ``group`` to write, each cut where it crosses from one piece
-        into the next, and placed in the pieces' storage span where they share one (else in its piece):
-        worked out once while the pieces lie where they did (DeepSpeed keeps its buffers), not per
-        fragment per call."""
+        into the next, and placed in the pieces' storage span where they share one (else in its piece),
+        with the cuts that give every part's view in one ``split_with_sizes``: worked out once while the
+        pieces lie where they did (DeepSpeed keeps its buffers), not per fragment per call."""
         placed = buffer.placement()
         where = placed[1] if placed is not None else None
         found = self.plans.write_plans.get(group.index)
-        if found is None or found.placement != where or found.starts != tuple(buffer.starts):
-            rows = []
-            for f in owned_fragments(group, rank_in(group)):
-                slot = group.params[f.param]
-                whole = f.numel == slot.numel
-                for part, at in buffer.spans(f.local_offset, f.numel):
-                    k = bisect.bisect_right(buffer.starts, f.local_offset + at) - 1
-                    inside = f.local_offset + at - buffer.starts[k]
-                    n = part.numel()
-                    lo = f.param_offset + at
-                    rows.append(
-                        WriteRow(slot.name, lo, n, whole and n == slot.numel, -1, where[k] + inside)
-                        if where is not None
-                        else WriteRow(slot.name, lo, n, whole and n == slot.numel, k, inside)
-                    )
-            found = self.plans.write_plans[group.index] = WritePlan(where, tuple(buffer.starts), tuple(rows))
-        return found.rows
+        if found is not None and found.placement == where and found.starts == tuple(buffer.starts):
+            return found
+        parts: dict[int, list[tuple[int, int, str, int, bool]]] = {}  # into -> (offset, numel, name, lo, whole)
+        for f in owned_fragments(group, rank_in(group)):
+            slot = group.params[f.param]
+            for part, at in buffer.spans(f.local_offset, f.numel):
+                k = bisect.bisect_right(buffer.starts, f.local_offset + at) - 1
+                inside = f.local_offset + at - buffer.starts[k]
+                n = part.numel()
+                into, offset = (-1, where[k] + inside) if where is not None else (k, inside)
+                parts.setdefault(into, []).append((offset, n, slot.name, f.param_offset + at, n == slot.numel))
+        rows, cuts = [], []
+        for into, found_parts in parts.items():
+            total = placed[0].numel() if into < 0 and placed is not None else buffer.piece(into).numel()
+            sizes: list[int] = []
+            end = 0
+            for offset, n, name, lo, whole in sorted(found_parts):
+                if offset > end:
+                    sizes.append(offset - end)  # a gap no part of this rank's covers
+                rows.append(WriteRow(name, lo, n, whole, into, len(sizes)))
+                sizes.append(n)
+                end = offset + n
+            if end < total:
+                sizes.append(total - end)
+            cuts.append((into, tuple(sizes)))
+        found = WritePlan(where, tuple(buffer.starts), tuple(rows), tuple(cuts))
+        self.plans.write_plans[group.index] = found
+        return found
 
     def _full_targets(self, buffer: list[Any]) -> Sequence[Any]:
         """Where a replicated group's full gradients are written: ``read()``'s tensors, asked for once
@@ -421,6 +450,38 @@ class Source:
 
     def _write_full(self, k: int, slot: ParamSlot, targets: Sequence[Any], value: torch.Tensor) -> None:
         targets[k].copy_(value.reshape(targets[k].shape))
+
+    def reads(self, rank: int) -> tuple[tuple[str, int, int], ...]:
+        """What global rank ``rank`` reads of the full values it is given when it writes them: per part
+        (parameter name, first element, count), in layout order: its owned fragments of each
+        partitioned group, every value of a replicated group whole, and whole the values it refreshes
+        other state from (``refreshed_whole``). The same answer on every rank (from the layout); worked
+        out once per rank asked about."""
+        key = ("reads", rank)
+        found: tuple[tuple[str, int, int], ...] | None = self.scratch.get(key)
+        if found is not None:
+            return found
+        whole = self.refreshed_whole()
+        parts: list[tuple[str, int, int]] = []
+        for group in self.layout.groups:
+            if group.kind is Partitioning.REPLICATED:
+                parts += [(slot.name, 0, slot.numel) for slot in group.params]
+                continue
+            if group.world > 1 and rank not in group.group_ranks:
+                continue
+            parts += [(slot.name, 0, slot.numel) for slot in group.params if slot.name in whole]
+            position = group.group_ranks.index(rank) if group.world > 1 else 0
+            for f in owned_fragments(group, position):
+                slot = group.params[f.param]
+                if slot.name not in whole:
+                    parts.append((slot.name, f.param_offset, f.numel))
+        found = self.scratch[key] = tuple(parts)
+        return found
+
+    def refreshed_whole(self) -> frozenset[str]:
+        """The parameters whose full values a write reads whole on every rank, besides the fragments it
+        owns (where it refreshes the module's weights from them: ``after_write``)."""
+        return frozenset()
 
     def held_whole(self) -> dict[str, torch.Tensor]:
         """Tensors this rank holds whole besides its part in the layout (ZeRO-3's persistent parameters),

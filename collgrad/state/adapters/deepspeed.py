@@ -56,6 +56,7 @@ from collgrad import _compat
 from collgrad.core.buffers import Pieces, PiecesCache
 from collgrad.errors import InvalidArgumentError
 from collgrad.state.adapters.base import (
+    Copies,
     LocalGrads,
     Model,
     OptimizerView,
@@ -528,6 +529,9 @@ class _Zero12(_EngineSource):
             buffers.append(self._pieces_of(group.index, [local]))
         return LocalGrads(Problem.OK, buffers)
 
+    def refreshed_whole(self) -> frozenset[str]:
+        return frozenset(self.params) if self.kind == FP32 else frozenset()  # after_write's weights
+
     def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
         """New fp32 weights: the low-precision copy every rank holds whole made from them now, as the
         step's all-gather would (DeepSpeed's own setter leaves it, so the next forward used old weights).
@@ -689,6 +693,13 @@ class _Zero3(_EngineSource):
         self._pieces, self.scratch["read"] = pieces, held
         return LocalGrads(Problem.OK, pieces)
 
+    def refreshed_whole(self) -> frozenset[str]:
+        """New fp32 weights of the parameters held whole now (persistent ones): ``after_write`` copies
+        them into the module's weights."""
+        if self.kind != FP32:
+            return frozenset()
+        return frozenset(n for n, p in self.params.items() if p.data.numel() == getattr(p, "ds_numel", -1))
+
     def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
         """New gradients, with CPU offload: the per-parameter norms the step clips with recomputed from
         the written partitions, as DeepSpeed's ``set_local_grad_for_param`` does. New fp32 weights: each
@@ -717,7 +728,9 @@ class _Zero3(_EngineSource):
         if whole:
             copy_to_weights(whole, {name: values[name] for name in whole})
 
-    def write(self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float) -> None:
+    def write(
+        self, local: LocalGrads, values: Mapping[str, torch.Tensor], scale: float, copies: Copies | None = None
+    ) -> None:
         """Into the partitions ``read()`` views, where the step reads them (gradients: DeepSpeed's grad
         partitions, or with CPU offload the fp32 partition's ``.grad``; the masters' kinds: their slices).
         Gradients with the optimizer on NVMe: through DeepSpeed's own local setter, parameter by
@@ -725,7 +738,7 @@ class _Zero3(_EngineSource):
         file. That setter swaps the parameter's whole sub-group in and its gradients out again, per
         parameter; here once per sub-group."""
         if self.kind != GRAD or not self.swaps:
-            Source.write(self, local, values, scale)
+            Source.write(self, local, values, scale, copies)
             return
         opt = self.opt
         with SwappedIn(opt, write_back=True) as swapped:
