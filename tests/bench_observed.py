@@ -41,9 +41,11 @@ DEEPSPEED_ROWS = [
     "collgrad_exp_avg_sq",
     "deepspeed_fp32_set_loop",
     "collgrad_fp32_set",
+    "collgrad_fp32_set_unchecked",
     "deepspeed_fp32_weights_set_loop",
     "deepspeed_exp_avg_set_loop",
     "collgrad_exp_avg_set",
+    "collgrad_exp_avg_set_unchecked",
     "deepspeed_consolidated_save",
     "collgrad_save",
     "transformers_zero3_load",  # ZeRO-3 only

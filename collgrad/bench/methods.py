@@ -159,7 +159,9 @@ METHODS: tuple[Method, ...] = (
     Method("collgrad_no_copy", _no_copy, of_result),
     Method("collgrad_iter", _iter, _of_stream, floor=_STREAM),
     # DeepSpeed's setter writes this rank's fragment (ZeRO-1/2) or partition (ZeRO-3) locally.
-    Method("deepspeed_set_loop", _set_loop, local_reading, versus="collgrad_set", sources=DS),
+    Method(
+        "deepspeed_set_loop", _set_loop, local_reading, versus=("collgrad_set", "collgrad_set_unchecked"), sources=DS
+    ),
     Method("collgrad_set", _set(check=True), of_result),
     Method("collgrad_set_unchecked", _set(check=False), of_result),
     Method("collgrad_update", _update, of_result),
@@ -192,4 +194,9 @@ def floors() -> dict[str, Floor]:
 
 def versus() -> list[tuple[str, str]]:
     """(loop, collgrad method) pairs, in report order. Pure."""
-    return [(m.name, m.versus) for m in METHODS if m.versus is not None]
+    return [
+        (m.name, ours)
+        for m in METHODS
+        if m.versus is not None
+        for ours in ((m.versus,) if isinstance(m.versus, str) else m.versus)
+    ]

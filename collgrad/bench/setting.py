@@ -190,13 +190,14 @@ def local_reading(s: Setting, call: Call) -> Reading:
 class Method:
     """One method of the table. ``make(setting)`` builds the call on a rank; ``read(setting, call)`` says
     what it sent (it may call once more); ``floor``: the raw collective it is paired with;
-    ``versus``: for a per-parameter loop, the collgrad method it is paired with (ratio loop / that)."""
+    ``versus``: for a per-parameter loop, the collgrad method (or methods) it is paired with (ratio loop /
+    that)."""
 
     name: str
     make: Callable[[Setting], Call]
     read: Callable[[Setting, Call], Reading]
     floor: Floor | None = None
-    versus: str | None = None
+    versus: str | tuple[str, ...] | None = None
     sources: tuple[str, ...] = SOURCES
     #: the ZeRO stages a DeepSpeed run has it for (FSDP2 runs: every method of their source)
     stages: tuple[int, ...] = (0, 1, 2, 3)

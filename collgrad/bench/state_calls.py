@@ -87,8 +87,11 @@ def _state_loop(key: str | None) -> Callable[[Setting], Call]:
     return make
 
 
-def _fp32_set(s: Setting) -> Call:
-    return lambda: collgrad.safe_set_full_model_fp32_params(s.subject.engine, s.fp32)
+def _fp32_set(check: bool) -> Callable[[Setting], Call]:
+    def make(s: Setting) -> Call:
+        return lambda: collgrad.safe_set_full_model_fp32_params(s.subject.engine, s.fp32, check=check)
+
+    return make
 
 
 def _fp32_set_loop(s: Setting) -> Call:
@@ -103,9 +106,14 @@ def _fp32_and_weights_loop(s: Setting) -> Call:
     return setter_loop(s, s.fp32, both)
 
 
-def _state_set(s: Setting) -> Call:
-    engine, opt = s.subject.engine, s.subject.optimizer_obj
-    return lambda: collgrad.safe_set_full_model_optimizer_states(engine, "exp_avg", s.exp_avg, optimizer=opt)
+def _state_set(check: bool) -> Callable[[Setting], Call]:
+    def make(s: Setting) -> Call:
+        engine, opt = s.subject.engine, s.subject.optimizer_obj
+        return lambda: collgrad.safe_set_full_model_optimizer_states(
+            engine, "exp_avg", s.exp_avg, optimizer=opt, check=check
+        )
+
+    return make
 
 
 def _state_set_loop(s: Setting) -> Call:
@@ -382,16 +390,24 @@ STATE_METHODS: tuple[Method, ...] = (
     # DeepSpeed's setters write this rank's part locally; the fp32 one leaves the module's weights as they
     # were, so it is also held against the loop that changes them the documented way
     Method("deepspeed_fp32_set_loop", _fp32_set_loop, local_reading, versus="collgrad_fp32_set", sources=DS),
-    Method("collgrad_fp32_set", _fp32_set, of_result),
+    Method("collgrad_fp32_set", _fp32_set(check=True), of_result),
+    Method("collgrad_fp32_set_unchecked", _fp32_set(check=False), of_result, sources=DS),
     Method(
         "deepspeed_fp32_weights_set_loop",
         _fp32_and_weights_loop,
         _weights_loop_reading,
-        versus="collgrad_fp32_set",
+        versus=("collgrad_fp32_set", "collgrad_fp32_set_unchecked"),
         sources=DS,
     ),
-    Method("deepspeed_exp_avg_set_loop", _state_set_loop, local_reading, versus="collgrad_exp_avg_set", sources=DS),
-    Method("collgrad_exp_avg_set", _state_set, of_result),
+    Method(
+        "deepspeed_exp_avg_set_loop",
+        _state_set_loop,
+        local_reading,
+        versus=("collgrad_exp_avg_set", "collgrad_exp_avg_set_unchecked"),
+        sources=DS,
+    ),
+    Method("collgrad_exp_avg_set", _state_set(check=True), of_result),
+    Method("collgrad_exp_avg_set_unchecked", _state_set(check=False), of_result, sources=DS),
     # a consolidated checkpoint, against the frameworks' consolidation
     Method(
         "deepspeed_consolidated_save", _consolidated_save, _consolidated_reading, versus="collgrad_save", sources=DS

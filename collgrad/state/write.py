@@ -15,6 +15,8 @@ results back, next bucket; about two buckets of extra memory.
 
 from __future__ import annotations
 
+import array
+import itertools
 from collections.abc import Mapping
 from typing import Callable, Iterable, Sequence
 
@@ -88,7 +90,7 @@ def _word_sum(t: torch.Tensor) -> torch.Tensor:
 
 #: The check's sample: one element in every this many bytes of every part a rank reads (one cache line
 #: in eight), so that it costs a fraction of reading the values once (docs/benchmarks.md, the writes).
-SAMPLE_BYTES = 512
+SAMPLE_BYTES = 4096
 
 #: An odd 63-bit multiplier (PCG's): the position weights of the sample's words.
 _WEIGHT = 0x5851F42D4C957F2D
@@ -96,30 +98,95 @@ _WEIGHT = 0x5851F42D4C957F2D
 
 def sampled_checksum(values: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]]) -> int:
     """A number that differs, with high probability, when the values differ bit for bit in any sampled
-    element of ``parts`` ((name, first element, count) of ``values[name]`` flattened): every
-    ``SAMPLE_BYTES // element size``-th element of each part from its first, their bits as integers
-    weighted by position (so that moved values count too) and summed, wrapping in int64. Integer
-    arithmetic: the same on every rank and device for equal values. One strided view per part, then
-    one concatenation, reduction and read back per dtype. Local."""
-    samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    element of ``parts`` ((name, first element, count) of ``values[name]`` flattened). The sample: of
+    each part, its first element and every ``SAMPLE_BYTES // element size``-th one after it; their bits
+    as integers, each weighted by its position in the parts' samples one after another (so that moved
+    values count too), summed wrapping in int64, per dtype. Integer arithmetic on the same elements
+    however the values lie in memory: the same on every rank and device for equal values.
+
+    Parts that are views of one buffer (what collgrad's own reads return) are gathered in one indexed
+    read for them all; other parts take a strided view each, concatenated once. Local."""
+    if not parts:
+        return 0
+    held = [values[name] for name, _, _ in parts]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, value in enumerate(held):
+        by_dtype.setdefault(value.dtype, []).append(i)
+    total = 0
     with torch.no_grad():
-        for name, lo, numel in parts:
-            value = values[name]
-            step = max(1, SAMPLE_BYTES // value.element_size())
-            count = -(-numel // step)
-            if value.is_contiguous():  # one call: the strided elements where they lie
-                sample = torch.as_strided(value, (count,), (step,), value.storage_offset() + lo)
-            else:
-                sample = value.reshape(-1)[lo : lo + numel : step]
-            samples.setdefault((value.dtype, value.device), []).append(sample)
-        total = 0
-        for (dtype, _), found in sorted(samples.items(), key=lambda item: str(item[0])):
-            flat = torch.cat(found) if len(found) > 1 else found[0].contiguous()
-            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-            words = flat.view(bits).to(torch.int64)
-            weights = torch.arange(words.numel(), dtype=torch.int64, device=words.device).mul_(_WEIGHT).bitwise_or_(1)
-            total = total * 1_000_003 + stable_hash(str(dtype)) + int(words.mul_(weights).sum())
+        for dtype, chosen in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+            found = _dtype_sum([held[i] for i in chosen], [parts[i] for i in chosen])
+            total = total * 1_000_003 + stable_hash(str(dtype)) + found
     return total & ((1 << 62) - 1)  # fits in the int64 the exchange carries
+
+
+def _dtype_sum(held: list[torch.Tensor], parts: Sequence[tuple[str, int, int]]) -> int:
+    """``sampled_checksum``'s sum for ``held`` of one dtype."""
+    dtype = held[0].dtype
+    step = max(1, SAMPLE_BYTES // held[0].element_size())
+    counts = [-(-numel // step) for _, _, numel in parts]
+    first = list(itertools.accumulate(counts, initial=0))  # where each part's sample starts, one after another
+    # per part, the buffer its value views where it is a contiguous view of one (C loops, not one by one)
+    bases = [v._base for v in held]
+    viewing = list(map(torch.Tensor.is_contiguous, held))
+    shared: dict[int, list[int]] = {}  # a buffer the parts view -> the parts
+    alone: list[int] = []
+    for i, (base, contiguous) in enumerate(zip(bases, viewing)):
+        if base is not None and contiguous and base.dtype is dtype:
+            shared.setdefault(id(base), []).append(i)
+        else:
+            alone.append(i)
+    sums: list[int] = []
+    for chosen in shared.values():
+        if len(chosen) == 1:
+            alone += chosen
+            continue
+        value = held[chosen[0]]
+        storage = torch.as_strided(value, (value.untyped_storage().nbytes() // value.element_size(),), (1,), 0)
+        part, within = _spread([counts[i] for i in chosen], value.device)
+        starts = _int64([int(held[i].storage_offset()) + parts[i][1] for i in chosen], value.device)
+        sample = storage[starts[part].add_(within * step)]
+        sums.append(_weighed(sample, _int64([first[i] for i in chosen], value.device)[part].add_(within)))
+    if alone:
+        alone.sort()
+        samples = []
+        for i in alone:
+            value, (_, lo, numel) = held[i], parts[i]
+            if value.is_contiguous():  # one call: the strided elements where they lie
+                samples.append(torch.as_strided(value, (counts[i],), (step,), value.storage_offset() + lo))
+            else:
+                samples.append(value.reshape(-1)[lo : lo + numel : step])
+        device = samples[0].device
+        sample = torch.cat([s.to(device) for s in samples])
+        part, within = _spread([counts[i] for i in alone], device)
+        sums.append(_weighed(sample, _int64([first[i] for i in alone], device)[part].add_(within)))
+    return sum(sums)
+
+
+def _spread(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``counts[k]`` elements of part k, part after part: each element's part, and its place in its
+    part (int64 tensors; a few calls however many parts)."""
+    many = _int64(counts, device)
+    part = torch.repeat_interleave(torch.arange(len(counts), device=device), many)
+    begins = many.cumsum(0).sub_(many)
+    return part, torch.arange(part.numel(), dtype=torch.int64, device=device).sub_(begins[part])
+
+
+def _int64(numbers: list[int], device: torch.device) -> torch.Tensor:
+    """``numbers`` as an int64 tensor on ``device``: through an ``array`` (torch.tensor of a list takes
+    ~0.2 us a number)."""
+    found = (
+        torch.frombuffer(array.array("q", numbers), dtype=torch.int64) if numbers else torch.zeros(0, dtype=torch.int64)
+    )
+    return found.to(device)
+
+
+def _weighed(sample: torch.Tensor, where: torch.Tensor) -> int:
+    """The sum (int64, wrapping) of ``sample``'s elements as integers of their own size, each times an
+    odd weight of its position ``where``."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[sample.element_size()]
+    words = sample.contiguous().view(bits).to(torch.int64)
+    return int(words.mul_(where.mul_(_WEIGHT).bitwise_or_(1)).sum())
 
 
 def _checked(source: Source, grads: object, argument: str = "grads") -> dict[str, torch.Tensor]:
@@ -130,24 +197,31 @@ def _checked(source: Source, grads: object, argument: str = "grads") -> dict[str
         raise InvalidArgumentError(
             f"rank {_compat.rank()}: {argument} must be a mapping name -> tensor, got {type(grads).__name__}"
         )
-    slots = {s.name: s for g in source.layout.groups for s in g.params}
-    out = {}
+    shapes: dict[str, tuple[torch.Size, int]] | None = source.scratch.get("shapes")
+    if shapes is None:  # once per source: a torch.Size compares with a tensor's shape at C speed
+        slots = (s for g in source.layout.groups for s in g.params)
+        shapes = source.scratch["shapes"] = {s.name: (torch.Size(s.shape), s.numel) for s in slots}
+    order = source.layout.order
+    if tuple(grads) == order:  # every parameter, in layout order: checked in C loops, not one by one
+        given = list(grads.values())
+        if all(map(isinstance, given, itertools.repeat(torch.Tensor))):
+            if [v.shape for v in given] == [shapes[name][0] for name in order]:
+                return dict(grads)
     for name, value in grads.items():
-        slot = slots.get(name)
-        if slot is None:
+        found = shapes.get(name)
+        if found is None:
             raise UnknownParameterError(
                 f"rank {_compat.rank()}: {name!r} is not a trainable parameter of this call (see params=); "
                 "pass names from model.named_parameters()"
             )
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentError(f"rank {_compat.rank()}: {argument}[{name!r}] is a {type(value).__name__}")
-        if tuple(value.shape) != slot.shape and value.numel() != slot.numel:
+        if value.shape != found[0] and value.numel() != found[1]:
             raise InvalidArgumentError(
                 f"rank {_compat.rank()}: {argument}[{name!r}] has shape {tuple(value.shape)}; the parameter "
-                f"has shape {slot.shape}"
+                f"has shape {tuple(found[0])}"
             )
-        out[name] = value
-    return {name: out[name] for name in source.layout.order if name in out}
+    return {name: grads[name] for name in order if name in grads}
 
 
 def safe_set_full_model_grads(

@@ -1,4 +1,7 @@
-"""``checksums``: what ``safe_set_full_model_grads(check=True)`` compares across ranks."""
+"""``checksums`` and ``sampled_checksum``: what ``safe_set_full_model_grads(check=True)`` compares across
+ranks (the sample), and what names the tensors that differ (the whole checksums)."""
+
+import math
 
 import torch
 
@@ -29,3 +32,74 @@ def test_neighbours_swapped_within_a_word_and_unaligned_views():
     storage = torch.arange(0.0, 12.0)
     unaligned = storage[1:11]  # starts 4 bytes into a word: read element by element
     assert checksums([unaligned]) == checksums([unaligned.clone()])  # the clone is aligned
+
+
+def test_sampled_checksum_sees_every_sampled_element_and_where_it_lies():
+    from collgrad.state.write import SAMPLE_BYTES, sampled_checksum
+
+    g = torch.Generator().manual_seed(1)
+    values = {
+        "a": torch.randn(64, 256, generator=g),
+        "b": torch.randn(3000, generator=g),
+        "c": torch.randn(3, generator=g),
+    }
+    parts = [("a", 0, 64 * 256), ("b", 100, 2900), ("c", 0, 3)]
+    base = sampled_checksum(values, parts)
+    assert 0 <= base < 1 << 62
+    assert sampled_checksum({k: v.clone() for k, v in values.items()}, parts) == base  # other memory
+    # the same values, not contiguous (the general path), give the same number
+    assert sampled_checksum({**values, "a": values["a"].t().contiguous().t()}, parts) == base
+    step = SAMPLE_BYTES // 4
+    for name, at in [("a", 0), ("a", step * 5), ("b", 100), ("b", 100 + step * 2), ("c", 0)]:
+        changed = {k: v.clone() for k, v in values.items()}
+        changed[name].view(-1).view(torch.int32)[at] ^= 1  # the last bit of one sampled element
+        assert sampled_checksum(changed, parts) != base, (name, at)
+    outside = {k: v.clone() for k, v in values.items()}
+    outside["b"][50] += 1  # before the part: not read, not compared
+    assert sampled_checksum(outside, parts) == base
+    swapped = {k: v.clone() for k, v in values.items()}
+    flat = swapped["a"].view(-1)
+    flat[[0, step]] = flat[[step, 0]]  # two sampled elements trade places
+    assert sampled_checksum(swapped, parts) != base
+    assert sampled_checksum({**values, "b": values["b"].to(torch.bfloat16)}, parts) != base
+    assert sampled_checksum(values, []) == 0
+
+
+def test_sampled_checksum_is_the_same_however_the_values_lie():
+    """Views of one flat buffer (what collgrad's reads return: sampled as one run), separate tensors and
+    non-contiguous ones (sampled part by part) give the same number for the same values."""
+    from collgrad.state.write import SAMPLE_BYTES, sampled_checksum
+
+    g = torch.Generator().manual_seed(2)
+    sizes = {"w": (7, 33), "b": (33,), "u": (301,), "v": (2, 150)}
+    flat = torch.randn(sum(math.prod(s) for s in sizes.values()), generator=g)
+    views, at = {}, 0
+    for name, shape in sizes.items():
+        views[name] = flat[at : at + math.prod(shape)].view(shape)
+        at += math.prod(shape)
+    parts = [("w", 5, 7 * 33 - 5), ("b", 0, 33), ("u", 0, 301), ("v", 0, 150)]
+    base = sampled_checksum(views, parts)
+    separate = {n: v.clone() for n, v in views.items()}
+    assert sampled_checksum(separate, parts) == base
+    strided = {**separate, "w": separate["w"].t().contiguous().t()}
+    assert not strided["w"].is_contiguous()
+    assert sampled_checksum(strided, parts) == base
+    step = SAMPLE_BYTES // 4
+    for name, lo, numel in parts:  # of each part: its first element and every step-th after it
+        for at, seen in [
+            (lo, True),
+            (lo + step, numel > step),
+            (lo + 1, False),
+            (lo + numel - 1, (numel - 1) % step == 0),
+        ]:
+            if at >= lo + numel:
+                continue
+            changed = {n: v.clone() for n, v in views.items()}
+            changed[name].view(-1).view(torch.int32)[at] ^= 1
+            assert (sampled_checksum(changed, parts) != base) == seen, (name, at)
+    for name in views:  # every part's first element is sampled, however small the part
+        lo = {n: first for n, first, _ in parts}[name]
+        changed = {n: v.clone() for n, v in views.items()}
+        changed[name].view(-1).view(torch.int32)[lo] ^= 1
+        assert sampled_checksum(changed, parts) != base, name
+        assert sampled_checksum({**views, name: changed[name]}, parts) != base, name  # the run, one changed

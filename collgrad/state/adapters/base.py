@@ -239,10 +239,9 @@ def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     where every tensor lies on one device (``torch._foreach_copy_`` needs one), else one by one. Local."""
     if not targets:
         return
-    device = targets[0].device
-    if all(t.device == device for t in targets) and all(s.device == device for s in sources):
+    try:
         torch._foreach_copy_(targets, sources)  # one call, not one per tensor
-    else:
+    except RuntimeError:  # tensors on more than one device (foreach needs one): copies are idempotent
         for target, source in zip(targets, sources):
             target.copy_(source)
 
