@@ -111,6 +111,7 @@ def test_floors_and_goals():
     assert [f["collgrad_iter"].goal_at(s) for s in (1, 2, 3)] == [1.25] * 3
     assert versus() == [
         ("deepspeed_set_loop", "collgrad_set"),
+        ("deepspeed_set_loop", "collgrad_set_unchecked"),
         ("deepspeed_norm_loop", "collgrad_stats"),
         ("full_tensor_norm_loop", "collgrad_stats"),
         ("deepspeed_fp32_loop", "collgrad_fp32"),
