@@ -1,12 +1,14 @@
 """``save_full_model``: a consolidated checkpoint in the layout Hugging Face ``from_pretrained`` loads,
 streamed bucket by bucket into safetensors shards (shards.py), never the whole model in one memory.
 
-    agree: arguments, and the directory ready on the writing ranks       (one small all-gather)
+    agree: arguments, the directory ready on the writing ranks, and which directory each rank sees
+      (one small all-gather)
     stream the module's weights (or the fp32 master weights) one bucket at a time (one collective
       per bucket; ZeRO-1/2 and stage 0 hold them whole: none), then the persistent buffers
-      each rank cuts the same shards; shard k's rank keeps its tensors and writes it under a
-      temporary name as soon as it is full
-    agree: every rank wrote its shards                                    (one small all-gather)
+      the shards are cut the same on every rank; where the ranks see one directory, each writes its
+      share of the tensors (a contiguous run of the bytes) into the shards at their offsets, the first
+      rank the headers; else shard k's rank writes it
+    agree: every rank wrote its part                                      (one small all-gather)
     rename the shards to their final names; the first writing rank adds the index
     agree: done everywhere                                                (one small all-gather)
 """
@@ -14,6 +16,8 @@ streamed bucket by bucket into safetensors shards (shards.py), never the whole m
 from __future__ import annotations
 
 import os
+import secrets
+import socket
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -45,8 +49,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 @dataclass(frozen=True)
 class SavedModel:
     """What ``save_full_model`` wrote: every file of the checkpoint (shards in order, then the index if
-    there is one), the ones this rank wrote, how many tensors and bytes of tensor data, the seconds
-    the call took on this rank, and the records of the streams that gathered the tensors."""
+    there is one), the ones this rank wrote (where the ranks share the writing: put in place, by the
+    first rank), how many tensors and bytes of tensor data, the seconds the call took on this rank,
+    and the records of the streams that gathered the tensors."""
 
     directory: str
     files: tuple[str, ...]
@@ -56,6 +61,10 @@ class SavedModel:
     seconds: float
     #: what each stream of whole tensors did (collectives, bytes sent by this rank)
     records: tuple[StateRecord, ...] = ()
+    #: the ranks shared the writing (each its run of the bytes, into every shard), and the bytes of the
+    #: shards (headers and tensors) this rank wrote
+    shared: bool = False
+    bytes_written: int = 0
 
     @property
     def first_writer(self) -> bool:
@@ -69,7 +78,7 @@ def save_full_model(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    ranks: Sequence[int] = (0,),
+    ranks: Sequence[int] | None = None,
     params: Iterable[str | torch.Tensor] | None = None,
     bucket_bytes: int | None = None,
     dispatcher: Dispatcher | None = None,
@@ -83,11 +92,12 @@ def save_full_model(
     ``_zero3_consolidated_16bit_state_dict`` gives it); ``dtype=torch.float32`` (or another floating
     dtype) writes the fp32 master weights of the trainable parameters converted to it, and the other
     tensors converted. ``ranks``: the global ranks that write, shard k by ``ranks[k % len(ranks)]``
-    (a shared file system when there are several). ``params``: only these parameters (names or
-    parameters), and then no buffers.
+    (a shared file system when there are several); by default (None) every rank that sees the same
+    directory on the same machine as the others writes its share of every shard at its offsets, else
+    rank 0 alone. ``params``: only these parameters (names or parameters), and then no buffers.
 
-    Memory: a writing rank holds at most the shard it is filling plus what the stream holds (about
-    two buckets of ``bucket_bytes``), the others only the stream. No shard appears under its final name
+    Memory: a rank holds at most one tensor converted to the file's dtype plus what the stream holds
+    (about two buckets of ``bucket_bytes``). No shard appears under its final name
     before every rank has written all of its own; a failure on any rank (a bad directory, a full disk)
     raises on every rank (that rank: CollgradError with the cause; the others: RankFailedError) and
     removes the temporary files.
@@ -110,12 +120,16 @@ def save_full_model(
                 _ready(path, me)
     except (OSError, ValueError, TypeError, KeyError) as caught:
         error, writers, names = caught, (0,), None
-    arguments = stable_hash((path, str(dtype), max_shard_bytes, writers, names))
-    _agree(group, me, error, "check the arguments and make the directory", dispatcher.timeout, arguments)
+    arguments = stable_hash((path, str(dtype), max_shard_bytes, writers, names, ranks is None))
+    seen = _directory_seen(path) if ranks is None else 0
+    rows = _agree(group, me, error, "check the arguments and make the directory", dispatcher.timeout, arguments, seen)
     assert resolved is not None  # else _agree raised
+    everyone = list(_compat.group_ranks(group)) if group is not None else [me]
+    # every rank sees rank 0's directory on rank 0's machine: they share the writing
+    share = (everyone.index(me), len(everyone)) if ranks is None and all(r[2] == seen != 0 for r in rows) else None
     plan = _plan(entrance, dtype, names, bucket_bytes, dispatcher)
-    shards = ShardFiles(plan_shards(plan.entries, max_shard_bytes, {"format": "pt"}), path, writers, me)
-    if me in writers:
+    shards = ShardFiles(plan_shards(plan.entries, max_shard_bytes, {"format": "pt"}), path, writers, me, share)
+    if me in writers or share is not None:
         shards.create()
     streams: list[FullStateStream] = []
     try:  # every tensor, whole, as held (ShardFiles converts each as planned), in the plan's order
@@ -139,12 +153,14 @@ def save_full_model(
     seconds = time.perf_counter() - start
     records = tuple(stream.record() for stream in streams)
     data_bytes = sum(s.data_bytes for s in shards.plan)
-    return SavedModel(path, files, here, len(plan.entries), data_bytes, seconds, records)
+    return SavedModel(
+        path, files, here, len(plan.entries), data_bytes, seconds, records, share is not None, shards.bytes_written
+    )
 
 
-def _checked(ranks: Sequence[int], dtype: torch.dtype | None, max_shard_bytes: int) -> tuple[int, ...]:
+def _checked(ranks: Sequence[int] | None, dtype: torch.dtype | None, max_shard_bytes: int) -> tuple[int, ...]:
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    writers = tuple(ranks) if not isinstance(ranks, int) else (ranks,)
+    writers = (0,) if ranks is None else tuple(ranks) if not isinstance(ranks, int) else (ranks,)
     if not writers or any(not isinstance(r, int) or not 0 <= r < world for r in writers):
         raise InvalidArgumentError(
             f"rank {_compat.rank()}: ranks must name the global ranks that write (0 to {world - 1}), got {ranks!r}"
@@ -156,6 +172,18 @@ def _checked(ranks: Sequence[int], dtype: torch.dtype | None, max_shard_bytes: i
             f"rank {_compat.rank()}: max_shard_bytes must be a positive int, got {max_shard_bytes!r}"
         )
     return writers
+
+
+def _directory_seen(path: str) -> int:
+    """Which directory ``path`` is, as this rank sees it: its machine, device and inode (equal on two
+    ranks only where they write into one directory), made where it is not there yet; a number no other
+    rank tells where this rank cannot make or see it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        found = os.stat(path)
+    except OSError:
+        return secrets.randbits(62) | 1
+    return stable_hash((socket.gethostname(), found.st_dev, found.st_ino)) | 1
 
 
 def _ready(path: str, rank: int) -> None:
@@ -239,11 +267,26 @@ def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _agree(
-    group: ProcessGroup | None, me: int, error: BaseException | None, what: str, timeout_s: float, arguments: int = 0
-) -> None:
+    group: ProcessGroup | None,
+    me: int,
+    error: BaseException | None,
+    what: str,
+    timeout_s: float,
+    arguments: int = 0,
+    seen: int = 0,
+) -> list[list[int]]:
     """Every rank learns whether any rank failed to ``what`` (and, with ``arguments``, whether every rank
-    passed the same): this rank raises its own failure, the others RankFailedError naming it."""
+    passed the same): this rank raises its own failure, the others RankFailedError naming it. ``seen``:
+    told to the others (the directory this rank sees); returns every rank's row."""
     compared = "arguments (directory, dtype, max_shard_bytes, ranks or params)"
-    agree_outcome(
-        group, me, error, call="save_full_model", what=what, timeout_s=timeout_s, arguments=arguments, compared=compared
+    return agree_outcome(
+        group,
+        me,
+        error,
+        call="save_full_model",
+        what=what,
+        timeout_s=timeout_s,
+        arguments=arguments,
+        compared=compared,
+        extra=(seen,),
     )

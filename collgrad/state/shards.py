@@ -25,7 +25,7 @@ import re
 import struct
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -45,6 +45,7 @@ __all__ = [
     "INDEX_NAME",
     "RangeWriter",
     "write_all",
+    "shared",
 ]
 
 #: torch dtypes and their safetensors names
@@ -164,40 +165,61 @@ def bytes_of(data: torch.Tensor) -> memoryview:
 
 @dataclass
 class ShardFiles:
-    """This rank's shards of ``plan`` under temporary names in ``directory``: ``create`` them, ``put``
-    each tensor as it arrives (every rank is given every tensor, only the shard's rank writes it),
-    ``finish``. A failing write is kept in ``error`` (the rest of this rank's writes skipped), never
-    raised: the caller must go on taking part in the stream's collectives and tell the others."""
+    """This rank's part of the shards of ``plan`` under temporary names in ``directory``: ``create`` them,
+    ``put`` each tensor as it arrives (every rank is given every tensor), ``finish``. Shard k is written
+    by ``ranks[k % len(ranks)]``; with ``share`` (this rank's index among the ``world`` ranks that all
+    write into the one directory), by every rank together instead: each its share of the tensors (a
+    contiguous run of the checkpoint's bytes, ``shared``), the first also the headers. A failing write
+    is kept in ``error`` (the rest of this rank's writes skipped), never raised: the caller must go on
+    taking part in the stream's collectives and tell the others."""
 
     plan: tuple[Shard, ...]
     directory: str
     ranks: tuple[int, ...]
     rank: int
-    #: (shard index, temporary path) of each shard this rank writes
+    share: tuple[int, int] | None = None
+    #: (shard index, temporary path) of each shard this rank writes (with ``share``: every shard)
     written: list[tuple[int, str]] = field(default_factory=list)
     error: BaseException | None = None
     _where: dict[str, tuple[int, int, Entry]] = field(default_factory=dict)
     _files: dict[int, int] = field(default_factory=dict)
+    _mine: frozenset[str] | None = None
+    #: bytes this rank wrote into the shards (headers and tensors)
+    bytes_written: int = 0
 
     def __post_init__(self) -> None:
         for k, shard in enumerate(self.plan):
             for entry, offset in zip(shard.entries, shard.offsets):
                 self._where[entry.name] = (k, offset, entry)
+        if self.share is not None:
+            entries = [e for shard in self.plan for e in shard.entries]
+            self._mine = frozenset(entries[i].name for i in shared([e.nbytes for e in entries], *self.share))
 
     def create(self) -> None:
-        """Each of this rank's shard files, with its header, at its final size."""
+        """Each of this rank's shard files, with its header, at its final size (with ``share``: the
+        shards it has tensors of, opened as they are, not truncated; the first rank every shard, and
+        writes their headers)."""
         for k, shard in enumerate(self.plan):
-            if self.ranks[k % len(self.ranks)] != self.rank:
+            if self.share is None and self.ranks[k % len(self.ranks)] != self.rank:
                 continue
+            if (
+                self._mine is not None
+                and self.share
+                and self.share[0]
+                and not any(e.name in self._mine for e in shard.entries)
+            ):
+                continue  # shared: nothing of this rank's in it (the first rank opens every shard: headers)
             path = os.path.join(self.directory, f".collgrad-shard-{k}.tmp")
+            # shared: no rank truncates what another may have written already; each sets the final size
+            flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if self.share is None else 0)
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = os.open(path, flags, 0o644)
             except OSError as error:
                 self.error = error
                 return
             self._files[k] = fd
             self.written.append((k, path))
-            if not self._write(fd, memoryview(shard.header), 0):
+            if (self.share is None or self.share[0] == 0) and not self._write(fd, memoryview(shard.header), 0):
                 return
             try:
                 os.ftruncate(fd, shard.size)
@@ -206,10 +228,10 @@ class ShardFiles:
                 return
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
-        """``tensor`` (the whole value of ``name``) written at its place, on the rank writing its shard."""
+        """``tensor`` (the whole value of ``name``) written at its place, on the rank writing it."""
         k, offset, entry = self._where[name]
         fd = self._files.get(k)
-        if fd is None or self.error is not None:
+        if fd is None or self.error is not None or (self._mine is not None and name not in self._mine):
             return
         try:  # any failure is kept, never raised: the other ranks are in the stream's collectives
             data = tensor.detach().to("cpu", entry.dtype).contiguous()
@@ -227,7 +249,7 @@ class ShardFiles:
         for fd in self._files.values():
             try:
                 if self.error is None:
-                    os.fsync(fd)
+                    os.fdatasync(fd)
             except OSError as error:
                 self.error = error
             finally:
@@ -235,18 +257,21 @@ class ShardFiles:
         self._files.clear()
 
     def commit(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """This rank's shards renamed to their final names, and by the first writing rank the index
-        added and an earlier save's weights files removed, once every rank has written all of its
-        own: every file of the checkpoint, and those this rank wrote. A failure is kept in ``error``
-        (the temporaries not renamed yet removed) for the caller to tell the others."""
+        """This rank's shards renamed to their final names (with ``share``: every shard, by the first
+        rank), and by the first writing rank the index added and an earlier save's weights files
+        removed, once every rank has written all of its own: every file of the checkpoint, and those
+        this rank put in place. A failure is kept in ``error`` (the temporaries not renamed yet
+        removed) for the caller to tell the others."""
         count = len(self.plan)
         files = tuple(shard_name(k, count) for k in range(count)) + ((INDEX_NAME,) if count > 1 else ())
         here: list[str] = []
+        first = self.share[0] == 0 if self.share is not None else self.rank == self.ranks[0]
         try:
-            for k, temporary in self.written:
-                os.replace(temporary, os.path.join(self.directory, files[k]))
-                here.append(files[k])
-            if self.rank == self.ranks[0]:
+            if self.share is None or first:
+                for k, temporary in self.written:
+                    os.replace(temporary, os.path.join(self.directory, files[k]))
+                    here.append(files[k])
+            if first:
                 if count > 1:
                     self._write_index()
                     here.append(INDEX_NAME)
@@ -294,7 +319,21 @@ class ShardFiles:
         except OSError as error:
             self.error = error
             return False
+        self.bytes_written += len(data)
         return True
+
+
+def shared(sizes: Sequence[int], index: int, world: int) -> list[int]:
+    """Of items of ``sizes`` bytes one after another, those rank ``index`` of ``world`` writes when the
+    ranks share the writing: item k by the rank whose turn its first byte falls in, counting through
+    the bytes in order (a contiguous run per rank, about 1/world of the bytes each). Pure."""
+    total = sum(sizes) or 1
+    out, at = [], 0
+    for k, size in enumerate(sizes):
+        if min(world - 1, at * world // total) == index:
+            out.append(k)
+        at += size
+    return out
 
 
 def write_all(fd: int, data: memoryview, offset: int) -> None:

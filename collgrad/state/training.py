@@ -60,7 +60,16 @@ from collgrad.state.outcome import agree_outcome
 from collgrad.state.read import FullStateStream
 from collgrad.state.record import StateRecord
 from collgrad.state.save import DEFAULT_MAX_SHARD_BYTES, persistent_buffers
-from collgrad.state.shards import INDEX_NAME, SINGLE_NAME, Entry, RangeWriter, Shard, bytes_of, plan_shards
+from collgrad.state.shards import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    Entry,
+    RangeWriter,
+    Shard,
+    bytes_of,
+    plan_shards,
+    shared,
+)
 
 __all__ = [
     "save_training_state",
@@ -321,14 +330,10 @@ def _writes(held: _Held, files: Files, index: int, world: int) -> Iterator[tuple
 def _share(
     whole: Sequence[tuple[str, torch.Tensor]], places: Sequence[Placed], index: int, world: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's share of tensors every rank holds whole: tensor k by the rank whose turn its first
-    byte falls in, counting through their bytes in order (contiguous runs per rank). Pure."""
-    total = sum(p.entry.nbytes for p in places) or 1
-    at = 0
-    for (name, tensor), place in zip(whole, places):
-        if min(world - 1, at * world // total) == index:
-            yield name, tensor
-        at += place.entry.nbytes
+    """This rank's share of tensors every rank holds whole (``shards.shared``: contiguous runs of their
+    bytes per rank). Pure."""
+    for k in shared([p.entry.nbytes for p in places], index, world):
+        yield whole[k]
 
 
 def _write(held: _Held, files: Files, index: int, world: int, writer: RangeWriter) -> None:

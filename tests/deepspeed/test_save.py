@@ -104,6 +104,7 @@ def _worker(rank, world, root):
                 )
             torch.distributed.barrier()
             result = {"calls": (seen.data, seen.agreements), "saved": (saved.files, saved.tensors, saved.bytes)}
+            result["shared"] = (saved.shared, saved.bytes_written, saved.written_here)
             if rank == 0:
                 loaded, files = _load(directory)
                 result["files"] = files == sorted(saved.files)
@@ -111,6 +112,7 @@ def _worker(rank, world, root):
                 result["equal"] = {k: torch.equal(loaded[k], expected[k]) for k in expected if k in loaded}
                 result["dtypes"] = sorted({str(t.dtype) for t in loaded.values()})
                 result["bytes"] = saved.bytes == sum(t.numel() * t.element_size() for t in loaded.values())
+                result["file_bytes"] = sum(os.path.getsize(os.path.join(directory, f)) for f in saved.files[:-1])
             entry["fp32" if fp32 else "own"] = result
         out[name] = entry
         if name == "zero3_bf16":
@@ -125,7 +127,7 @@ def _failures(eng, rank, world, root):
     out = {}
     # two writing ranks: the shards alternate between them
     both = collgrad.save_full_model(eng, os.path.join(root, f"both-{world}"), max_shard_bytes=SHARD, ranks=(0, 1))
-    out["both"] = {"files": both.files, "here": both.written_here}
+    out["both"] = {"files": both.files, "here": both.written_here, "shared": both.shared}
     # a subset of the parameters (and then no buffers), converted to bf16
     subset = os.path.join(root, f"subset-{world}")
     some = collgrad.save_full_model(eng, subset, params=["inp.weight", "scale"], dtype=torch.bfloat16)
@@ -199,8 +201,26 @@ def test_one_collective_per_bucket(results, config):
             assert agreements >= 3
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_by_default_the_ranks_share_the_writing(results, config):
+    """Every rank sees the one directory here: each writes its run of the checkpoint's bytes into the
+    shards, rank 0 the headers too and puts every file in place; together, every byte once."""
+    world, per_rank = results
+    for which in ("own", "fp32"):
+        files, _, data_bytes = per_rank[0][config][which]["saved"]
+        written = [res[config][which]["shared"] for res in per_rank]
+        assert all(shared for shared, _, _ in written), written
+        assert all(count > 0 for _, count, _ in written), written
+        # every byte of the shards (headers and tensors) written once, by one rank
+        assert sum(count for _, count, _ in written) == per_rank[0][config][which]["file_bytes"], written
+        # about 1/world of the tensors' bytes each (a rank's run ends at a tensor's edge)
+        assert max(count for _, count, _ in written[1:]) < data_bytes / world + SHARD, written
+        assert written[0][2] == files and all(here == () for _, _, here in written[1:])
+
+
 def test_shards_alternate_between_writing_ranks(results):
     _, per_rank = results
+    assert not any(res["both"]["shared"] for res in per_rank)  # ranks= given: those ranks write whole shards
     files = per_rank[0]["both"]["files"]
     assert per_rank[0]["both"]["here"] == tuple(files[0:-1:2]) + (files[-1],)  # and the index
     assert per_rank[1]["both"]["here"] == tuple(files[1:-1:2])
