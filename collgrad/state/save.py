@@ -31,14 +31,15 @@ from collgrad.backends.agreement import stable_hash
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import InvalidArgumentError
 from collgrad.state import adapters
-from collgrad.state.adapters.base import select
+from collgrad.state.adapters.base import Source, select
 from collgrad.state.call import OpenCall
 from collgrad.state.kinds import FP32, WEIGHTS, StateKind
 from collgrad.state.layout import Partitioning
+from collgrad.state.model_cache import MODELS
 from collgrad.state.outcome import agree_outcome
 from collgrad.state.read import FullStateStream
 from collgrad.state.record import StateRecord
-from collgrad.state.shards import INDEX_NAME, SAFE_DTYPES, Entry, ShardFiles, plan_shards
+from collgrad.state.shards import INDEX_NAME, SAFE_DTYPES, Entry, ShardFiles, cut_shards
 
 __all__ = ["save_full_model", "SavedModel", "DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME"]
 
@@ -112,10 +113,12 @@ def save_full_model(
     resolved, error, group, me = entrance
     writers: tuple[int, ...] = (0,)
     names: list[str] | None = None
+    plan: _Plan | None = None
     try:
         if resolved is not None:
             writers = _checked(ranks, dtype, max_shard_bytes)
             names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
+            plan = _plan(resolved, dtype, names, dispatcher)
             if me in writers:
                 _ready(path, me)
     except (OSError, ValueError, TypeError, KeyError) as caught:
@@ -123,21 +126,20 @@ def save_full_model(
     arguments = stable_hash((path, str(dtype), max_shard_bytes, writers, names, ranks is None))
     seen = _directory_seen(path) if ranks is None else 0
     rows = _agree(group, me, error, "check the arguments and make the directory", dispatcher.timeout, arguments, seen)
-    assert resolved is not None  # else _agree raised
+    assert resolved is not None and plan is not None  # else _agree raised
     everyone = list(_compat.group_ranks(group)) if group is not None else [me]
     # every rank sees rank 0's directory on rank 0's machine: they share the writing
     share = (everyone.index(me), len(everyone)) if ranks is None and all(r[2] == seen != 0 for r in rows) else None
-    plan = _plan(entrance, dtype, names, bucket_bytes, dispatcher)
-    shards = ShardFiles(plan_shards(plan.entries, max_shard_bytes, {"format": "pt"}), path, writers, me, share)
+    shards = ShardFiles(cut_shards(tuple(plan.entries), max_shard_bytes), path, writers, me, share)
     if me in writers or share is not None:
         shards.create()
     streams: list[FullStateStream] = []
     try:  # every tensor, whole, as held (ShardFiles converts each as planned), in the plan's order
-        for call, whole in plan.calls:
+        for state, chosen, source, whole in plan.parts:
             if whole:
-                tensors: Iterable[tuple[str, torch.Tensor]] = ((n, p.detach()) for n, p in call.source.params.items())
+                tensors: Iterable[tuple[str, torch.Tensor]] = ((n, p.detach()) for n, p in source.params.items())
             else:  # one bucket at a time
-                streams.append(FullStateStream(call, copy=False))
+                streams.append(_stream(entrance, state, chosen, bucket_bytes, dispatcher))
                 tensors = streams[-1]
             for name, tensor in tensors:
                 shards.put(name, tensor)
@@ -197,28 +199,21 @@ def _ready(path: str, rank: int) -> None:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a save writes, decided before any data moves: the calls whose streams bring the parameters
-    whole (each with whether every rank holds them whole already: then they are read as they are, each
-    in its own dtype, with no stream), every tensor as written in layout order (the parameters, then the
-    persistent buffers), and the buffers."""
+    """What a save writes, decided before any data moves: per kind of state, the parameters it brings
+    whole, their source, and whether every rank holds them whole already (then they are read as they
+    are, each in its own dtype, with no stream; else a stream brings them, one bucket at a time); every
+    tensor as written in layout order (the parameters, then the persistent buffers); and the buffers."""
 
-    calls: tuple[tuple[OpenCall, bool], ...]
+    parts: tuple[tuple[StateKind, list[str], Source, bool], ...]
     entries: list[Entry]
     buffers: tuple[tuple[str, torch.Tensor], ...]
 
 
-def _plan(
-    entrance: adapters.Entrance,
-    dtype: torch.dtype | None,
-    names: list[str] | None,
-    bucket_bytes: int | None,
-    dispatcher: Dispatcher,
-) -> _Plan:
-    """The save's plan, its calls opened on every rank together: the module's weights, or with ``dtype``
-    the fp32 master weights of the trainable parameters and the module's weights of the frozen ones.
-    ``entrance``: the model, resolved (``adapters.enter``)."""
-    assert entrance.model is not None
-    module = entrance.model.module
+def _plan(model: adapters.Model, dtype: torch.dtype | None, names: list[str] | None, dispatcher: Dispatcher) -> _Plan:
+    """The save's plan: the module's weights, or with ``dtype`` the fp32 master weights of the trainable
+    parameters and the module's weights of the frozen ones. Local: the streams are opened later, on
+    every rank together (``_stream``)."""
+    module = model.module
     named = select(module, names, trainable=False)
     buffers = tuple(persistent_buffers(module)) if names is None else ()
     wanted: list[tuple[StateKind, list[str]]]
@@ -227,24 +222,15 @@ def _plan(
     else:
         trainable = [n for n, p in named if p.requires_grad]
         wanted = [(FP32, trainable), (WEIGHTS, [n for n, p in named if not p.requires_grad])]
-    calls: list[tuple[OpenCall, bool]] = []
+    parts: list[tuple[StateKind, list[str], Source, bool]] = []
     entries: list[Entry] = []
     for state, chosen in wanted:
         if not chosen:
             continue
-        call = OpenCall(
-            entrance,
-            name=f"save_full_model:{state.label}",
-            streaming=True,
-            kind=state,
-            params=chosen,
-            bucket_bytes=bucket_bytes,
-            dispatcher=dispatcher,
-        )
-        source = call.source
+        source, _ = MODELS.source(dispatcher, model, chosen, state, None)
         # ZeRO-1/2, stage 0, a plain module: every rank holds these weights whole
         whole = source.accessor is None and all(g.kind is Partitioning.REPLICATED for g in source.layout.groups)
-        calls.append((call, whole))
+        parts.append((state, chosen, source, whole))
         for group in source.layout.groups:
             for slot in group.params:
                 kept = source.params[slot.name].dtype if state == WEIGHTS and whole else group.out_dtype
@@ -252,7 +238,28 @@ def _plan(
     for name, buffer in buffers:
         written = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
         entries.append(Entry(name, tuple(buffer.shape), written))
-    return _Plan(tuple(calls), entries, buffers)
+    return _Plan(tuple(parts), entries, buffers)
+
+
+def _stream(
+    entrance: adapters.Entrance,
+    state: StateKind,
+    chosen: list[str],
+    bucket_bytes: int | None,
+    dispatcher: Dispatcher,
+) -> FullStateStream:
+    """The whole tensors of ``state`` of the parameters ``chosen``, one bucket at a time: the call opened
+    on every rank together (one small all-gather), then one collective per bucket."""
+    call = OpenCall(
+        entrance,
+        name=f"save_full_model:{state.label}",
+        streaming=True,
+        kind=state,
+        params=chosen,
+        bucket_bytes=bucket_bytes,
+        dispatcher=dispatcher,
+    )
+    return FullStateStream(call, copy=False)
 
 
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

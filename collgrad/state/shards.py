@@ -22,8 +22,10 @@ import json
 import math
 import os
 import re
+import secrets
 import struct
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -36,6 +38,7 @@ __all__ = [
     "Entry",
     "Shard",
     "plan_shards",
+    "cut_shards",
     "ShardFiles",
     "shard_name",
     "write_safetensors",
@@ -46,6 +49,9 @@ __all__ = [
     "RangeWriter",
     "write_all",
     "shared",
+    "STALE",
+    "stale_name",
+    "remove_later",
 ]
 
 #: torch dtypes and their safetensors names
@@ -129,6 +135,13 @@ def plan_shards(entries: list[Entry], max_shard_bytes: int, metadata: dict[str, 
     return tuple(_laid_out(group, metadata) for group in groups)
 
 
+@functools.lru_cache(maxsize=16)
+def cut_shards(entries: tuple[Entry, ...], max_shard_bytes: int) -> tuple[Shard, ...]:
+    """``plan_shards`` of ``entries`` with ``{"format": "pt"}`` (what ``save_pretrained`` writes), kept
+    for the next save of the same tensors (the headers' JSON is most of the planning)."""
+    return plan_shards(list(entries), max_shard_bytes, {"format": "pt"})
+
+
 def _laid_out(entries: list[Entry], metadata: dict[str, str]) -> Shard:
     header: dict[str, object] = {"__metadata__": metadata}
     at, starts = 0, []
@@ -178,7 +191,7 @@ class ShardFiles:
     ranks: tuple[int, ...]
     rank: int
     share: tuple[int, int] | None = None
-    #: (shard index, temporary path) of each shard this rank writes (with ``share``: every shard)
+    #: (shard index, temporary path) of each shard this rank writes (with ``share``: writes a part of)
     written: list[tuple[int, str]] = field(default_factory=list)
     error: BaseException | None = None
     _where: dict[str, tuple[int, int, Entry]] = field(default_factory=dict)
@@ -197,19 +210,14 @@ class ShardFiles:
 
     def create(self) -> None:
         """Each of this rank's shard files, with its header, at its final size (with ``share``: the
-        shards it has tensors of, opened as they are, not truncated; the first rank every shard, and
-        writes their headers)."""
+        shards it has tensors of, opened as they are, not truncated; a shard's header by the rank of its
+        first tensor)."""
         for k, shard in enumerate(self.plan):
             if self.share is None and self.ranks[k % len(self.ranks)] != self.rank:
                 continue
-            if (
-                self._mine is not None
-                and self.share
-                and self.share[0]
-                and not any(e.name in self._mine for e in shard.entries)
-            ):
-                continue  # shared: nothing of this rank's in it (the first rank opens every shard: headers)
-            path = os.path.join(self.directory, f".collgrad-shard-{k}.tmp")
+            if self._mine is not None and not any(e.name in self._mine for e in shard.entries):
+                continue  # shared: nothing of this rank's in it
+            path = self._temporary(k)
             # shared: no rank truncates what another may have written already; each sets the final size
             flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if self.share is None else 0)
             try:
@@ -219,7 +227,8 @@ class ShardFiles:
                 return
             self._files[k] = fd
             self.written.append((k, path))
-            if (self.share is None or self.share[0] == 0) and not self._write(fd, memoryview(shard.header), 0):
+            header = self._mine is None or shard.entries[0].name in self._mine  # shared: its first tensor's rank
+            if header and not self._write(fd, memoryview(shard.header), 0):
                 return
             try:
                 os.ftruncate(fd, shard.size)
@@ -266,20 +275,29 @@ class ShardFiles:
         files = tuple(shard_name(k, count) for k in range(count)) + ((INDEX_NAME,) if count > 1 else ())
         here: list[str] = []
         first = self.share[0] == 0 if self.share is not None else self.rank == self.ranks[0]
+        doomed: list[str] = []
         try:
             if self.share is None or first:
-                for k, temporary in self.written:
-                    os.replace(temporary, os.path.join(self.directory, files[k]))
+                mine = self.written if self.share is None else [(k, self._temporary(k)) for k in range(count)]
+                for k, temporary in mine:
+                    final = os.path.join(self.directory, files[k])
+                    doomed += _kept_aside(final)
+                    os.replace(temporary, final)
                     here.append(files[k])
             if first:
                 if count > 1:
                     self._write_index()
                     here.append(INDEX_NAME)
-                self._remove_stale(files)
+                doomed += self._set_aside_stale(files)
         except OSError as caught:
             self.error = caught
             self.discard()
+        remove_later(doomed)
         return files, tuple(here)
+
+    def _temporary(self, k: int) -> str:
+        """Where shard ``k`` is written until every rank has written its part."""
+        return os.path.join(self.directory, f".collgrad-shard-{k}.tmp")
 
     def _write_index(self) -> None:
         count = len(self.plan)
@@ -293,13 +311,18 @@ class ShardFiles:
             f.write("\n")
         os.replace(temporary, os.path.join(self.directory, INDEX_NAME))
 
-    def _remove_stale(self, files: tuple[str, ...]) -> None:
+    def _set_aside_stale(self, files: tuple[str, ...]) -> list[str]:
         """Weights files an earlier save left that are not part of this one (``from_pretrained`` would
-        load ``model.safetensors`` before an index), as ``save_pretrained`` removes them."""
+        load ``model.safetensors`` before an index), as ``save_pretrained`` removes them: renamed out of
+        the way now, returned for removal later."""
+        out = []
         for name in os.listdir(self.directory):
             stale = name == SINGLE_NAME or name == INDEX_NAME or _SHARD.match(name) is not None
             if stale and name not in files:
-                os.remove(os.path.join(self.directory, name))
+                aside = stale_name(os.path.join(self.directory, name))
+                os.rename(os.path.join(self.directory, name), aside)
+                out.append(aside)
+        return out
 
     def discard(self) -> None:
         """Every temporary file of this rank removed (after a failure anywhere)."""
@@ -320,7 +343,46 @@ class ShardFiles:
             self.error = error
             return False
         self.bytes_written += len(data)
+        if _WRITEBACK is not None and len(data) >= 1 << 20:
+            _WRITEBACK(fd, offset, len(data))  # on its way to the disk now: less for finish() to wait for
         return True
+
+
+#: What an earlier checkpoint's file is renamed (or linked) to before it is removed in the background (a
+#: later training-state commit removes any left by a process that ended first).
+STALE = ".collgrad-stale-"
+
+
+def stale_name(path: str) -> str:
+    """A name beside ``path`` for it while it waits to be removed."""
+    return os.path.join(os.path.dirname(path), f"{STALE}{secrets.token_hex(4)}-{os.path.basename(path)}")
+
+
+def _kept_aside(final: str) -> list[str]:
+    """A second name for the file at ``final`` (a hard link) where there is one, so that replacing it
+    does not free its blocks in the caller's time; what to remove later. Nothing where there is no
+    file, or the file system links none (the replace then frees them)."""
+    aside = stale_name(final)
+    try:
+        os.link(final, aside)
+    except OSError:
+        return []
+    return [aside]
+
+
+def remove_later(paths: list[str]) -> None:
+    """``paths`` removed in a background thread: freeing a file's blocks costs ~10 ms a file, which is
+    not the caller's wait; a non-daemon thread, so the interpreter finishes it before it exits."""
+    if paths:
+        threading.Thread(target=_remove_all, args=(paths,), name="collgrad-remove-stale").start()
+
+
+def _remove_all(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
 
 def shared(sizes: Sequence[int], index: int, world: int) -> list[int]:

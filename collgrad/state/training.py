@@ -31,12 +31,10 @@ load   check: manifest, headers and index (untrusted), names, shapes, param grou
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
 import json
 import os
 import secrets
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -63,12 +61,15 @@ from collgrad.state.save import DEFAULT_MAX_SHARD_BYTES, persistent_buffers
 from collgrad.state.shards import (
     INDEX_NAME,
     SINGLE_NAME,
+    STALE,
     Entry,
     RangeWriter,
     Shard,
     bytes_of,
-    plan_shards,
+    cut_shards,
+    remove_later,
     shared,
+    stale_name,
 )
 
 __all__ = [
@@ -277,7 +278,7 @@ def lay_out(directory: str, entries: Mapping[str, Sequence[Entry]], generation: 
     for stem, listed in entries.items():
         if not listed:
             continue
-        cut = _cut(tuple(listed), max_shard_bytes)
+        cut = cut_shards(tuple(listed), max_shard_bytes)
         named = tuple((f"{stem}-{generation}-{k + 1:05d}-of-{len(cut):05d}.safetensors", s) for k, s in enumerate(cut))
         shards[stem] = named
         for file, shard in named:
@@ -285,12 +286,6 @@ def lay_out(directory: str, entries: Mapping[str, Sequence[Entry]], generation: 
             for entry, offset in zip(shard.entries, shard.offsets):
                 placed[(stem, entry.name)] = Placed(path, shard.size, offset, entry)
     return Files(directory, shards, placed)
-
-
-@functools.lru_cache(maxsize=16)
-def _cut(entries: tuple[Entry, ...], max_shard_bytes: int) -> tuple[Shard, ...]:
-    """``entries`` cut into shards with their headers, kept for the next save of the same tensors."""
-    return plan_shards(list(entries), max_shard_bytes, {"format": "pt"})
 
 
 def _entries_of(held: _Held) -> dict[str, list[Entry]]:
@@ -628,21 +623,14 @@ def commit(path: str, temporaries: Sequence[tuple[str, str]], files: set[str]) -
     doomed = []
     for stale in _stale(path, files):
         hidden = stale
-        if not os.path.basename(stale).startswith(_STALE):
-            hidden = os.path.join(path, f"{_STALE}{secrets.token_hex(4)}-{os.path.basename(stale)}")
+        if not os.path.basename(stale).startswith(STALE):
+            hidden = stale_name(stale)
             try:
                 os.rename(stale, hidden)
             except OSError:
                 continue
         doomed.append(hidden)
-    threading.Thread(target=_remove_all, args=(doomed,), name="collgrad-remove-stale").start()
-    # (freeing an earlier checkpoint's blocks costs ~10 ms a file: not the caller's wait; a non-daemon
-    # thread, so the interpreter finishes it before it exits)
-
-
-#: What an earlier checkpoint's file is renamed to before it is removed (a later commit removes any left
-#: by a process that ended first).
-_STALE = ".collgrad-stale-"
+    remove_later(doomed)
 
 
 def _probe(path: str, rank: int) -> None:
@@ -677,14 +665,9 @@ def _stale(path: str, files: set[str]) -> list[str]:
     out = []
     for name in os.listdir(path):
         ours = name.endswith(".safetensors") and "-of-" in name and name.startswith(("model-", "fp32-", "optimizer-"))
-        if (ours or name == SINGLE_NAME or name.startswith(_STALE)) and name not in files:
+        if (ours or name == SINGLE_NAME or name.startswith(STALE)) and name not in files:
             out.append(os.path.join(path, name))
     return out
-
-
-def _remove_all(paths: list[str]) -> None:
-    for path in paths:
-        _remove(path)
 
 
 # -------------------------------------------------------------------------------------------------- load
