@@ -142,7 +142,7 @@ def save_full_model(
                 streams.append(_stream(entrance, state, chosen, bucket_bytes, dispatcher))
                 tensors = streams[-1]
             for name, tensor in tensors:
-                shards.put(name, tensor)
+                shards.put(name, tensor, kept=whole)
         for name, buffer in plan.buffers:
             shards.put(name, buffer)
         shards.finish()

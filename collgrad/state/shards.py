@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 from collgrad import _compat
+from collgrad.core.buffers import adjacent_view
 from collgrad.errors import InvalidArgumentError
 
 __all__ = [
@@ -199,6 +200,8 @@ class ShardFiles:
     _mine: frozenset[str] | None = None
     #: bytes this rank wrote into the shards (headers and tensors)
     bytes_written: int = 0
+    #: a write waiting to be joined with the next (file, offset, values)
+    _held: tuple[int, int, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         for k, shard in enumerate(self.plan):
@@ -236,8 +239,12 @@ class ShardFiles:
                 self.error = error
                 return
 
-    def put(self, name: str, tensor: torch.Tensor) -> None:
-        """``tensor`` (the whole value of ``name``) written at its place, on the rank writing it."""
+    def put(self, name: str, tensor: torch.Tensor, kept: bool = False) -> None:
+        """``tensor`` (the whole value of ``name``) written at its place, on the rank writing it. ``kept``:
+        the caller keeps ``tensor`` as it is until ``finish`` (a module's own weight, not a stream's
+        bucket that the next bucket overwrites): then its write may wait to be joined with the next
+        tensor's where their bytes follow each other in the file and in memory (one write for a run
+        of the weights in their flat buffer)."""
         k, offset, entry = self._where[name]
         fd = self._files.get(k)
         if fd is None or self.error is not None or (self._mine is not None and name not in self._mine):
@@ -248,13 +255,37 @@ class ShardFiles:
                 raise InvalidArgumentError(
                     f"rank {_compat.rank()}: {name} has {data.numel()} elements, not {entry.shape}"
                 )
-            if data.numel():
+            if not data.numel():
+                return
+            held = self._held
+            if held is not None and held[0] == fd and held[1] + held[2].nbytes == offset and kept:
+                joined = adjacent_view([held[2], data])
+                if joined is not None:
+                    self._held = (fd, held[1], joined)
+                    return
+            self._let_go()
+            if kept and data.data_ptr() == tensor.data_ptr():  # the caller's own memory: it may wait
+                self._held = (fd, offset, data)
+            else:
                 self._write(fd, bytes_of(data), offset)
         except Exception as error:  # noqa: BLE001 - told to every rank by the caller
             self.error = error
 
+    def _let_go(self) -> None:
+        """The write held for joining, written."""
+        if self._held is not None:
+            fd, offset, data = self._held
+            self._held = None
+            self._write(fd, bytes_of(data), offset)
+
     def finish(self) -> None:
         """Every file of this rank flushed to the disk and closed."""
+        if self.error is None:
+            try:
+                self._let_go()
+            except Exception as error:  # noqa: BLE001 - told to every rank by the caller
+                self.error = error
+        self._held = None
         for fd in self._files.values():
             try:
                 if self.error is None:
@@ -326,6 +357,7 @@ class ShardFiles:
 
     def discard(self) -> None:
         """Every temporary file of this rank removed (after a failure anywhere)."""
+        self._held = None
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()
