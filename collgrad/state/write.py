@@ -16,6 +16,7 @@ results back, next bucket; about two buckets of extra memory.
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 from collections.abc import Mapping
 from typing import Callable, Iterable, Sequence
@@ -143,10 +144,11 @@ def _dtype_sum(held: list[torch.Tensor], parts: Sequence[tuple[str, int, int]]) 
             continue
         value = held[chosen[0]]
         storage = torch.as_strided(value, (value.untyped_storage().nbytes() // value.element_size(),), (1,), 0)
-        part, within = _spread([counts[i] for i in chosen], value.device)
-        starts = _int64([int(held[i].storage_offset()) + parts[i][1] for i in chosen], value.device)
-        sample = storage[starts[part].add_(within * step)]
-        sums.append(_weighed(sample, _int64([first[i] for i in chosen], value.device)[part].add_(within)))
+        starts = tuple(int(held[i].storage_offset()) + parts[i][1] for i in chosen)
+        where, weights = _gather_plan(
+            starts, tuple(counts[i] for i in chosen), tuple(first[i] for i in chosen), step, value.device
+        )
+        sums.append(_weighed(storage[where], weights))
     if alone:
         alone.sort()
         samples = []
@@ -159,8 +161,21 @@ def _dtype_sum(held: list[torch.Tensor], parts: Sequence[tuple[str, int, int]]) 
         device = samples[0].device
         sample = torch.cat([s.to(device) for s in samples])
         part, within = _spread([counts[i] for i in alone], device)
-        sums.append(_weighed(sample, _int64([first[i] for i in alone], device)[part].add_(within)))
+        weights = _int64([first[i] for i in alone], device)[part].add_(within).mul_(_WEIGHT).bitwise_or_(1)
+        sums.append(_weighed(sample, weights))
     return sum(sums)
+
+
+@functools.lru_cache(maxsize=8)
+def _gather_plan(
+    starts: tuple[int, ...], counts: tuple[int, ...], first: tuple[int, ...], step: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where in one buffer the sampled elements of parts starting at ``starts`` (``counts`` of them, every
+    ``step``-th) lie, and the weights of their places in the sample (from ``first``): worked out once
+    while the values lie where they did (collgrad's reads lay them out the same way every call)."""
+    part, within = _spread(list(counts), device)
+    where = _int64(list(starts), device)[part].add_(within * step)
+    return where, _int64(list(first), device)[part].add_(within).mul_(_WEIGHT).bitwise_or_(1)
 
 
 def _spread(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,12 +196,12 @@ def _int64(numbers: list[int], device: torch.device) -> torch.Tensor:
     return found.to(device)
 
 
-def _weighed(sample: torch.Tensor, where: torch.Tensor) -> int:
-    """The sum (int64, wrapping) of ``sample``'s elements as integers of their own size, each times an
-    odd weight of its position ``where``."""
+def _weighed(sample: torch.Tensor, weights: torch.Tensor) -> int:
+    """The sum (int64, wrapping) of ``sample``'s elements as integers of their own size, each times its
+    weight (an odd number of its place in the sample)."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[sample.element_size()]
     words = sample.contiguous().view(bits).to(torch.int64)
-    return int(words.mul_(where.mul_(_WEIGHT).bitwise_or_(1)).sum())
+    return int(words.mul_(weights).sum())
 
 
 def _checked(source: Source, grads: object, argument: str = "grads") -> dict[str, torch.Tensor]:
