@@ -123,6 +123,10 @@ class WritePlan(NamedTuple):
     starts: tuple[int, ...]
     rows: tuple[WriteRow, ...]
     cuts: tuple[tuple[int, tuple[int, ...]], ...]
+    #: the rows of whole parameters: their names, and their (cut, view) each, taken in C loops
+    whole: tuple[tuple[str, ...], tuple[tuple[int, int], ...]]
+    #: the other rows (parts of a parameter)
+    partial: tuple[WriteRow, ...]
 
 
 class PlanCache:

@@ -3,9 +3,13 @@
 Every rank passes the same full values; each writes only the elements it owns, where the optimizer
 will step from (the source knows where: sources/), so writing needs no bulk collective::
 
-    grads = {name: full gradient}     (the same on every rank; checked by checksum with check=True)
-        |  readiness, arguments and checksums agreed in one small all-gather
-    rank r: owned fragments of each parameter  ->  copied in place, times the loss scale (fp16)
+    grads = {name: full gradient}     (the same on every rank; checked with check=True)
+        |  check=True: a checksum of a sample of what rank r reads (its owned parts) and of what
+        |  rank r+1 reads, from rank r's values (sampled_checksum)
+        |  readiness, arguments and those checksums in one small all-gather; rank r's second must
+        |  be rank r+1's first (every part compared by two ranks), else all raise together;
+        |  meanwhile the copies are made ready (views)
+    rank r: owned parts of each parameter  ->  one torch._foreach_copy_, times the loss scale (fp16)
         |  derived state refreshed (ZeRO-1/2 CPU offload: the per-parameter norms it clips with)
     next engine.step() clips, checks overflow and updates from the new values
 
@@ -89,8 +93,9 @@ def _word_sum(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-#: The check's sample: one element in every this many bytes of every part a rank reads (one cache line
-#: in eight), so that it costs a fraction of reading the values once (docs/benchmarks.md, the writes).
+#: The check's sample: each part's first element and one in every this many bytes after it (a page), so
+#: that the check costs a fraction of reading the values once: at 512 bytes the scattered reads (a cache
+#: and TLB miss each) cost more than the rest of the check (docs/benchmarks.md, the writes).
 SAMPLE_BYTES = 4096
 
 #: An odd 63-bit multiplier (PCG's): the position weights of the sample's words.

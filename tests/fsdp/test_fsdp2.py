@@ -289,6 +289,14 @@ def _state_read(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
         "weights": all(torch.equal(p.full_tensor(), weights[n]) for n, p in trainable),
         "moments": all(torch.equal(opt.state[p]["exp_avg"].full_tensor(), moments[n]) for n, p in trainable),
     }
+    # the last rank passes other values: every rank raises before anything is written (HSDP: each rank
+    # compares every value, as it cannot tell what a rank of another replica reads)
+    last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    other = {n: t + 1.0 if last else t for n, t in moments.items()}
+    out["different"] = attempt(
+        lambda: collgrad.safe_set_full_model_optimizer_states(model, "exp_avg", other, optimizer=opt)
+    )
+    out["kept"] = all(torch.equal(opt.state[p]["exp_avg"].full_tensor(), moments[n]) for n, p in trainable)
     return out
 
 
@@ -420,6 +428,9 @@ def test_parameters_and_optimizer_states_read_whole_equal_full_tensor_and_writte
         assert state["no_optimizer"]["error"] == "InvalidArgumentError", state["no_optimizer"]
         assert "optimizer=" in state["no_optimizer"]["message"]
         assert state["set"] == {"calls": (0, 2), "weights": True, "moments": True}, state["set"]
+        assert state["different"]["error"] == "ArgumentMismatchError", (variant, state["different"])
+        assert "safe_set_full_model_optimizer_states" in state["different"]["message"]
+        assert state["kept"], variant
 
 
 def test_save_full_model_equals_fsdp2_full_state_dict(results):

@@ -395,11 +395,19 @@ class Source:
             for into, sizes in plan.cuts:
                 whole_of = span[0] if span and into < 0 else buffer.piece(into)
                 views[into] = whole_of.split_with_sizes(sizes) if len(sizes) > 1 else (whole_of,)
-            for name, lo, numel, whole, into, view in plan.rows:
+            rows = plan.partial
+            try:  # the whole parameters in C loops, where every one is given (the usual case)
+                here = list(map(torch.Tensor.ravel, map(values.__getitem__, plan.whole[0])))
+                there = [views[into][view] for into, view in plan.whole[1]]
+            except KeyError:  # a subset given: row by row
+                here, there, rows = [], [], plan.rows
+            for name, lo, numel, whole, into, view in rows:
                 new = values.get(name)
                 if new is not None:
-                    sources.append(new.ravel() if whole else new.ravel()[lo : lo + numel])
-                    targets.append(views[into][view])
+                    here.append(new.ravel() if whole else new.ravel()[lo : lo + numel])
+                    there.append(views[into][view])
+            sources += here
+            targets += there
         if scale != 1.0 and sources:  # in fp32 at least (the stored dtype may be fp16: scale first, round once)
             sources = list(torch._foreach_mul([_promoted(s) for s in sources], scale))
         return Copies(targets, sources)
@@ -437,7 +445,15 @@ class Source:
             if end < total:
                 sizes.append(total - end)
             cuts.append((into, tuple(sizes)))
-        found = WritePlan(where, tuple(buffer.starts), tuple(rows), tuple(cuts))
+        entire = [row for row in rows if row.whole]
+        found = WritePlan(
+            where,
+            tuple(buffer.starts),
+            tuple(rows),
+            tuple(cuts),
+            (tuple(row.name for row in entire), tuple((row.into, row.view) for row in entire)),
+            tuple(row for row in rows if not row.whole),
+        )
         self.plans.write_plans[group.index] = found
         return found
 
