@@ -1,6 +1,7 @@
 """Inside two local ranks, where ``safe_set_full_model_grads`` of the bench model spends its time, checked
 and unchecked: per rank, the median call and the mean time per call in its stages (the names checked,
-the checksums, the agreement, the store), each wrapped with ``perf_counter``.
+the sampled checksums, the copies made ready while the ranks agree (inside the agreement), the
+agreement, the copy, the store), each wrapped with ``perf_counter``.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python docs/notes/profile_write.py --stage 2
 
@@ -18,8 +19,10 @@ from collgrad.launch import run_local
 #: each stage timed, as profile_call.py's ``--stages`` names them
 STAGES = (
     "collgrad.state.write:_checked",
-    "collgrad.state.write:checksums",
+    "collgrad.state.write:sampled_checksum",
+    "collgrad.state.write:_prepared",
     "collgrad.state.call:_agree",
+    "collgrad.state.adapters.base:copy_all",
     "collgrad.state.write:_store",
 )
 
