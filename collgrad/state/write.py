@@ -166,8 +166,7 @@ def _dtype_sum(held: list[torch.Tensor], parts: Sequence[tuple[str, int, int]]) 
         device = samples[0].device
         sample = torch.cat([s.to(device) for s in samples])
         part, within = _spread([counts[i] for i in alone], device)
-        weights = _int64([first[i] for i in alone], device)[part].add_(within).mul_(_WEIGHT).bitwise_or_(1)
-        sums.append(_weighed(sample, weights))
+        sums.append(_weighed(sample, _weights([first[i] for i in alone], part, within)))
     return sum(sums)
 
 
@@ -179,8 +178,7 @@ def _gather_plan(
     ``step``-th) lie, and the weights of their places in the sample (from ``first``): worked out once
     while the values lie where they did (collgrad's reads lay them out the same way every call)."""
     part, within = _spread(list(counts), device)
-    where = _int64(list(starts), device)[part].add_(within * step)
-    return where, _int64(list(first), device)[part].add_(within).mul_(_WEIGHT).bitwise_or_(1)
+    return _int64(list(starts), device)[part].add_(within * step), _weights(list(first), part, within)
 
 
 def _spread(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +188,12 @@ def _spread(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torc
     part = torch.repeat_interleave(torch.arange(len(counts), device=device), many)
     begins = many.cumsum(0).sub_(many)
     return part, torch.arange(part.numel(), dtype=torch.int64, device=device).sub_(begins[part])
+
+
+def _weights(first: list[int], part: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
+    """Each sampled element's weight: an odd number of its place in the sample (its part's ``first``
+    place plus its place in the part, ``_spread``'s)."""
+    return _int64(first, part.device)[part].add_(within).mul_(_WEIGHT).bitwise_or_(1)
 
 
 def _int64(numbers: list[int], device: torch.device) -> torch.Tensor:

@@ -470,12 +470,12 @@ class Source:
         (parameter name, first element, count), in layout order: its owned fragments of each
         partitioned group, every value of a replicated group whole, and whole the values it refreshes
         other state from (``refreshed_whole``). The same answer on every rank (from the layout); worked
-        out once per rank asked about."""
+        out once per rank asked about while the values read whole stay the same."""
+        whole = self.refreshed_whole()  # may change between calls (ZeRO-3: a parameter gathered now)
         key = ("reads", rank)
-        found: tuple[tuple[str, int, int], ...] | None = self.scratch.get(key)
-        if found is not None:
-            return found
-        whole = self.refreshed_whole()
+        kept: tuple[frozenset[str], tuple[tuple[str, int, int], ...]] | None = self.scratch.get(key)
+        if kept is not None and kept[0] == whole:
+            return kept[1]
         parts: list[tuple[str, int, int]] = []
         for group in self.layout.groups:
             if group.kind is Partitioning.REPLICATED:
@@ -489,7 +489,8 @@ class Source:
                 slot = group.params[f.param]
                 if slot.name not in whole:
                     parts.append((slot.name, f.param_offset, f.numel))
-        found = self.scratch[key] = tuple(parts)
+        found = tuple(parts)
+        self.scratch[key] = (whole, found)
         return found
 
     def refreshed_whole(self) -> frozenset[str]:

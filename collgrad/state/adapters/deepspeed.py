@@ -299,6 +299,12 @@ def own_grad(param: nn.Parameter) -> torch.Tensor | None:
     return param.grad if getattr(param, "_hp_grad", None) is None else None
 
 
+def _whole_here(param: Any) -> bool:
+    """Whether ZeRO-3 holds ``param`` whole on this rank now (persistent, below
+    ``stage3_param_persistence_threshold``, or gathered): its ``data`` is the whole parameter."""
+    return bool(param.data.numel() == param.ds_numel)
+
+
 def full_numel(param: nn.Parameter) -> int:
     """Elements of ``param`` whole (a ZeRO-3 parameter's own shape is empty outside a gather)."""
     return int(getattr(param, "ds_numel", param.numel()))
@@ -698,7 +704,7 @@ class _Zero3(_EngineSource):
         them into the module's weights."""
         if self.kind != FP32:
             return frozenset()
-        return frozenset(n for n, p in self.params.items() if p.data.numel() == getattr(p, "ds_numel", -1))
+        return frozenset(n for n, p in self.params.items() if _whole_here(p))
 
     def after_write(self, values: Mapping[str, torch.Tensor]) -> None:
         """New gradients, with CPU offload: the per-parameter norms the step clips with recomputed from
@@ -721,7 +727,7 @@ class _Zero3(_EngineSource):
             i, offset, numel = opt.grad_position[opt.get_param_id(p)]
             partitions.append(p.ds_tensor.data)
             slices.append(opt.fp32_partitioned_groups_flat[i].narrow(0, offset, numel))
-            if p.data.numel() == p.ds_numel:
+            if _whole_here(p):
                 whole[name] = p
         with torch.no_grad():
             copy_all(partitions, slices)
@@ -865,7 +871,7 @@ class _AccessorState(ReplicatedSource):
                 flat = value.reshape(-1).to(torch.float32)
                 n = max(0, min(part.numel(), flat.numel() - start))  # the last partitions hold padding
                 part.data[:n].copy_(flat[start : start + n])
-                if p.data.numel() == p.ds_numel:  # held whole (persistent, or gathered)
+                if _whole_here(p):
                     copy_to_weights({name: p}, {name: value})
 
 
@@ -895,7 +901,7 @@ class _Zero3Weights(_EngineSource):
     def held_whole(self) -> dict[str, torch.Tensor]:
         """Parameters ZeRO-3 keeps gathered (persistent ones, below ``stage3_param_persistence_threshold``):
         their ``data`` is the whole parameter beside the partition."""
-        return {self.names[id(p)]: p.data for group in self.members for p in group if p.data.numel() == p.ds_numel}
+        return {self.names[id(p)]: p.data for group in self.members for p in group if _whole_here(p)}
 
     def read(self) -> LocalGrads:
         held = tuple(p.ds_tensor.data_ptr() for params in self.members for p in params)
