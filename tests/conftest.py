@@ -1,0 +1,22 @@
+"""The order files start in when pytest-xdist runs the suite in several processes (tox.ini: a file per
+process at a time, ``--no-loadscope-reorder``): the longest first, so that no process is left running
+one of them alone while the others have finished. Under a single process the order does not matter."""
+
+from __future__ import annotations
+
+import pytest
+
+#: The files that take longest (each tens of seconds on two cores: they run the examples and the
+#: benchmark as users do, or wait out bounded waits), longest first; the others follow as collected.
+LONGEST = (
+    "tests/hf/test_example.py",
+    "tests/deepspeed/test_bench.py",
+    "tests/deepspeed/test_examples.py",
+    "tests/fsdp/test_bench_fsdp2.py",
+    "tests/ranks/test_bounded_waits.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONGEST)))  # stable: the rest in order
