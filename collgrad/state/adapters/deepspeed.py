@@ -110,6 +110,11 @@ try:
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 except ImportError:  # a 0.19 release without it: the engine imports what it needs itself
     pass
+# Likewise DeepSpeed's probe of which of its ops this machine can build: computed on first access and
+# kept in deepspeed.ops (0.19), asked by every engine's communication backend (for its shared-memory
+# collective op), a compiler check per op (~0.4 s). Asked here, a forkserver's ranks inherit the answer;
+# any other process that builds an engine asks it anyway.
+deepspeed.ops.__compatible_ops__  # noqa: B018
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> DeepSpeedEngine:
