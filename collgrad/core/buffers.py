@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["adjacent_view", "flat_alias", "Pieces", "PiecesCache", "SameTensors", "main_run", "run_view"]
+__all__ = [
+    "adjacent_view",
+    "flat_alias",
+    "joined_copies",
+    "Pieces",
+    "PiecesCache",
+    "SameTensors",
+    "StorageSpans",
+    "main_run",
+    "run_view",
+]
 
 #: A 1-D view of the storage span some pieces cover, and each piece's offset in it.
 Placed = Tuple[torch.Tensor, Tuple[int, ...]]
@@ -23,6 +34,12 @@ Memo = Dict[MemoKey, Any]
 #: each piece's offset in the span (None: they share no storage), the span's numel, whether they tile
 #: it, and the memo.
 Known = Tuple[List[int], int, Optional[Tuple[int, ...]], int, bool, Memo]
+#: ``Pieces.storage_spans``: per storage, a 1-D view of the span its pieces cover; per piece, (its span,
+#: its offset in it).
+StorageSpans = Tuple[List[torch.Tensor], Tuple[Tuple[int, int], ...]]
+#: How pieces group by storage, as plain data (kept in the memo): per span its lowest piece and its
+#: numel, and per piece (its span, its offset in it).
+_SpanLayout = Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[Tuple[int, int], ...]]
 
 
 def adjacent_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -46,6 +63,68 @@ def adjacent_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
         end = p.data_ptr() + p.numel() * p.element_size()
     total = sum(p.numel() for p in parts)
     return _storage_view(first, int(first.storage_offset()), total)
+
+
+def joined_copies(
+    targets: list[torch.Tensor], sources: list[torch.Tensor], follows: Sequence[bool] | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The copies ``targets[i].copy_(sources[i])`` as fewer, longer ones: where target i + 1 follows
+    target i in its storage and source i + 1 follows source i in theirs, the run is one pair of 1-D
+    views. ``follows[i]``: whether target i + 1 follows target i, where the caller knows it from a plan
+    (its views of one buffer, 1-D, contiguous, of one dtype); else asked here like the sources, in C
+    loops (a copy each of hundreds of small tensors costs ~30% more than one of their bytes). Local;
+    nothing is copied."""
+    if len(sources) < 2 or (follows is not None and not any(follows)):
+        return targets, sources
+    joined = _follow(sources)
+    if joined is not None and follows is None:
+        joined = list(map(operator.and_, joined, _follow(targets) or [False] * len(joined)))
+    elif joined is not None and follows is not None:
+        joined = list(map(operator.and_, follows, joined))
+    if joined is None or not any(joined):
+        return targets, sources
+    if not any(joined):
+        return targets, sources
+    out_targets: list[torch.Tensor] = []
+    out_sources: list[torch.Tensor] = []
+    first = 0
+    for i, last in enumerate(joined + [False]):
+        if last:
+            continue
+        target, source = _run(targets[first : i + 1]), _run(sources[first : i + 1])
+        if target is None or source is None:
+            out_targets += targets[first : i + 1]
+            out_sources += sources[first : i + 1]
+        else:
+            out_targets.append(target)
+            out_sources.append(source)
+        first = i + 1
+    return out_targets, out_sources
+
+
+def _follow(tensors: list[torch.Tensor]) -> list[bool] | None:
+    """Whether each tensor's bytes begin where the one before it ends (from the second on); None if they
+    are not all contiguous, of one dtype. In C loops."""
+    if len(set(map(_dtype, tensors))) != 1 or not all(map(torch.Tensor.is_contiguous, tensors)):
+        return None
+    starts = list(map(torch.Tensor.data_ptr, tensors))
+    return list(map(operator.eq, starts[1:], map(operator.add, starts, map(_nbytes, tensors))))
+
+
+_dtype = operator.attrgetter("dtype")
+_nbytes = operator.attrgetter("nbytes")
+
+
+def _run(run: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Tensors that lie back to back (their addresses say so) as one 1-D view, if the first and the last
+    share a storage (so all do: a storage is one range of memory); None if not. One tensor: itself."""
+    first, last = run[0], run[-1]
+    if len(run) == 1:
+        return first
+    if first.untyped_storage().data_ptr() != last.untyped_storage().data_ptr():
+        return None
+    numel = (last.data_ptr() + last.nbytes - first.data_ptr()) // first.element_size()
+    return _storage_view(first, int(first.storage_offset()), numel)
 
 
 def flat_alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -148,6 +227,41 @@ class Pieces:
         hi = max(o + p.numel() for o, p in zip(offsets, self.given))
         span = _storage_view(first, lo, hi - lo)
         return span, tuple(o - lo for o in offsets)
+
+    def storage_spans(self) -> StorageSpans | None:
+        """Where the pieces lie storage by storage: per storage they use (in the order of their first
+        piece), a 1-D view of the span its pieces cover, and per piece (its span, its offset in it). One
+        span where ``placement()`` finds one; more where pieces lie in several storages (DeepSpeed's last
+        rank holds its tail padding in a tensor of its own). None if a piece is not contiguous or another
+        dtype. How the pieces group is worked out once (kept in ``memo``, see PiecesCache); the views are
+        made per call (a view kept would keep the storage alive after its owner frees it)."""
+        layout: _SpanLayout | None | Literal[False] = self.memo.get("storage spans", False)
+        if layout is False:
+            layout = self.memo["storage spans"] = self._by_storage()
+        if layout is None:
+            return None
+        firsts, numels, where = layout
+        given = self.given
+        views = [_storage_view(given[k], int(given[k].storage_offset()), n) for k, n in zip(firsts, numels)]
+        return views, where
+
+    def _by_storage(self) -> _SpanLayout | None:
+        first = self.given[0]
+        members: dict[int, list[int]] = {}  # storage -> its pieces
+        for k, p in enumerate(self.given):
+            if not p.is_contiguous() or p.dtype != first.dtype:
+                return None
+            members.setdefault(p.untyped_storage().data_ptr(), []).append(k)
+        offsets = [int(p.storage_offset()) for p in self.given]
+        firsts, numels, where = [], [], [(0, 0)] * len(self.given)
+        for index, ks in enumerate(members.values()):
+            lowest = min(ks, key=offsets.__getitem__)
+            end = max(offsets[k] + self.given[k].numel() for k in ks)
+            firsts.append(lowest)
+            numels.append(end - offsets[lowest])
+            for k in ks:
+                where[k] = (index, offsets[k] - offsets[lowest])
+        return tuple(firsts), tuple(numels), tuple(where)
 
     def _in_order(self, first: int, last: int) -> int | None:
         """Where piece ``first`` starts in ``placement()``'s span if pieces ``first..last`` lie there back
@@ -274,19 +388,32 @@ class SameTensors:
 
     def __init__(self, gone: Callable[[], None] | None = None) -> None:
         self._refs: tuple[weakref.ref[torch.Tensor], ...] = ()
-        self._ptrs: list[tuple[int, int, tuple[int, ...]]] = []
+        self._where: tuple[list[int], list[int], list[tuple[int, ...]]] = ([], [], [])
         self._on_free = None if gone is None else (lambda _ref: gone())
 
     def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
+        # asked once per call of every reader and writer, of hundreds of fragments: in C loops (map), not
+        # a Python tuple per tensor
+        ptrs, numels, strides = self._where
         return (
             len(self._refs) == len(tensors)
-            and [(t.data_ptr(), t.numel(), t.stride()) for t in tensors] == self._ptrs
-            and all(r() is t for r, t in zip(self._refs, tensors))
+            and list(map(torch.Tensor.data_ptr, tensors)) == ptrs
+            and all(map(operator.is_, map(_deref, self._refs), tensors))
+            and list(map(torch.Tensor.numel, tensors)) == numels
+            and list(map(torch.Tensor.stride, tensors)) == strides
         )
 
     def remember(self, tensors: Sequence[torch.Tensor]) -> None:
         self._refs = tuple(weakref.ref(t, self._on_free) for t in tensors)
-        self._ptrs = [(t.data_ptr(), t.numel(), t.stride()) for t in tensors]
+        self._where = (
+            list(map(torch.Tensor.data_ptr, tensors)),
+            list(map(torch.Tensor.numel, tensors)),
+            list(map(torch.Tensor.stride, tensors)),
+        )
+
+
+def _deref(ref: weakref.ref[torch.Tensor]) -> torch.Tensor | None:
+    return ref()
 
 
 class PiecesCache:

@@ -103,30 +103,33 @@ class Placements:
 
 class WriteRow(NamedTuple):
     """One owned part of a parameter to write, within one piece of the local buffer: the parameter,
-    where in it (flat), how many elements, whether that is the whole parameter, and where it goes:
-    the ``view``-th view of the plan's cut of ``into`` (-1: the pieces' storage span, else that piece)."""
+    where in it (flat), how many elements, whether that is the whole parameter, and where it goes: the
+    ``view``-th of the plan's views (its cuts' ``split_with_sizes``, one cut after another)."""
 
     name: str
     param_offset: int
     numel: int
     whole: bool
-    into: int
     view: int
 
 
 class WritePlan(NamedTuple):
-    """A group's write rows for the pieces where they lay (``placement`` None: no one storage span), and
-    per target cut (the span, -1, or a piece) the sizes whose ``split_with_sizes`` gives the rows' views
-    (gaps between this rank's parts included, so that they cover it)."""
+    """A group's write rows for the pieces where they lay (``where``: each piece's (storage span, offset)
+    as ``Pieces.storage_spans`` gives them; None: cut piece by piece) and began (``starts``), and per
+    target cut (span ``-1 - i``, or piece ``k``) the sizes whose ``split_with_sizes`` gives the rows'
+    views (gaps between this rank's parts included, so that they cover it)."""
 
-    placement: tuple[int, ...] | None
+    where: tuple[tuple[int, int], ...] | None
     starts: tuple[int, ...]
     rows: tuple[WriteRow, ...]
     cuts: tuple[tuple[int, tuple[int, ...]], ...]
-    #: the rows of whole parameters: their names, and their (cut, view) each, taken in C loops
-    whole: tuple[tuple[str, ...], tuple[tuple[int, int], ...]]
+    #: the rows of whole parameters: their names, and their views, taken in C loops
+    whole: tuple[tuple[str, ...], tuple[int, ...]]
     #: the other rows (parts of a parameter)
     partial: tuple[WriteRow, ...]
+    #: with every row given (whole rows, then the others), whether each row's view follows the one
+    #: before it in the buffer: where their values follow each other too, one copy serves them
+    follows: tuple[bool, ...]
 
 
 class PlanCache:

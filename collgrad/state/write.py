@@ -22,6 +22,7 @@ from __future__ import annotations
 import array
 import functools
 import itertools
+import operator
 from collections.abc import Mapping
 from typing import Callable, Iterable, Sequence
 
@@ -114,14 +115,21 @@ def sampled_checksum(values: Mapping[str, torch.Tensor], parts: Sequence[tuple[s
     read for them all; other parts take a strided view each, concatenated once. Local."""
     if not parts:
         return 0
-    held = [values[name] for name, _, _ in parts]
+    held = list(map(values.__getitem__, map(_name, parts)))
+    dtypes = list(map(_dtype, held))
     by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, value in enumerate(held):
-        by_dtype.setdefault(value.dtype, []).append(i)
+    if len(set(dtypes)) == 1:  # the usual case, without a step per part
+        by_dtype[dtypes[0]] = list(range(len(held)))
+    else:
+        for i, dtype in enumerate(dtypes):
+            by_dtype.setdefault(dtype, []).append(i)
     total = 0
     with torch.no_grad():
         for dtype, chosen in sorted(by_dtype.items(), key=lambda item: str(item[0])):
-            found = _dtype_sum([held[i] for i in chosen], [parts[i] for i in chosen])
+            if len(chosen) == len(held):
+                found = _dtype_sum(held, parts)
+            else:
+                found = _dtype_sum([held[i] for i in chosen], [parts[i] for i in chosen])
             total = total * 1_000_003 + stable_hash(str(dtype)) + found
     return total & ((1 << 62) - 1)  # fits in the int64 the exchange carries
 
@@ -130,32 +138,26 @@ def _dtype_sum(held: list[torch.Tensor], parts: Sequence[tuple[str, int, int]]) 
     """``sampled_checksum``'s sum for ``held`` of one dtype."""
     dtype = held[0].dtype
     step = max(1, SAMPLE_BYTES // held[0].element_size())
-    counts = [-(-numel // step) for _, _, numel in parts]
-    first = list(itertools.accumulate(counts, initial=0))  # where each part's sample starts, one after another
+    counts, first = _sample_sizes(tuple(map(_count, parts)), step)
     # per part, the buffer its value views where it is a contiguous view of one (C loops, not one by one)
-    bases = [v._base for v in held]
+    bases = list(map(_base, held))
     viewing = list(map(torch.Tensor.is_contiguous, held))
-    shared: dict[int, list[int]] = {}  # a buffer the parts view -> the parts
-    alone: list[int] = []
-    for i, (base, contiguous) in enumerate(zip(bases, viewing)):
-        if base is not None and contiguous and base.dtype is dtype:
-            shared.setdefault(id(base), []).append(i)
-        else:
-            alone.append(i)
     sums: list[int] = []
-    for chosen in shared.values():
-        if len(chosen) == 1:
-            alone += chosen
-            continue
-        value = held[chosen[0]]
-        storage = torch.as_strided(value, (value.untyped_storage().nbytes() // value.element_size(),), (1,), 0)
-        starts = tuple(int(held[i].storage_offset()) + parts[i][1] for i in chosen)
-        where, weights = _gather_plan(
-            starts, tuple(counts[i] for i in chosen), tuple(first[i] for i in chosen), step, value.device
-        )
-        sums.append(_weighed(storage[where], weights))
+    alone: list[int] = []
+    at = 0
+    for _, run in itertools.groupby(bases, key=id):  # parts one after another viewing one buffer
+        n = len(list(run))
+        base = bases[at]
+        if base is not None and base.dtype is dtype and all(viewing[at : at + n]):
+            # (what collgrad's reads return, a bucket's values in one buffer): one indexed read for them all
+            starts = tuple(
+                map(operator.add, map(torch.Tensor.storage_offset, held[at : at + n]), map(_lo, parts[at : at + n]))
+            )
+            sums.append(_gathered(held[at], starts, counts[at : at + n], first[at : at + n], step))
+        else:
+            alone += range(at, at + n)
+        at += n
     if alone:
-        alone.sort()
         samples = []
         for i in alone:
             value, (_, lo, numel) = held[i], parts[i]
@@ -168,6 +170,31 @@ def _dtype_sum(held: list[torch.Tensor], parts: Sequence[tuple[str, int, int]]) 
         part, within = _spread([counts[i] for i in alone], device)
         sums.append(_weighed(sample, _weights([first[i] for i in alone], part, within)))
     return sum(sums)
+
+
+_base = operator.attrgetter("_base")
+_dtype = operator.attrgetter("dtype")
+_name = operator.itemgetter(0)
+_lo = operator.itemgetter(1)
+_count = operator.itemgetter(2)
+
+
+@functools.lru_cache(maxsize=8)
+def _sample_sizes(numels: tuple[int, ...], step: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """For parts of ``numels`` elements, how many elements of each the sample takes (every ``step``-th
+    from its first), and where each part's sample starts in the sample, part after part."""
+    counts = tuple(-(-numel // step) for numel in numels)
+    return counts, tuple(itertools.accumulate(counts, initial=0))
+
+
+def _gathered(
+    value: torch.Tensor, starts: tuple[int, ...], counts: tuple[int, ...], first: tuple[int, ...], step: int
+) -> int:
+    """The weighed sum of the sample of parts of ``value``'s storage that start at ``starts``: one indexed
+    read of the storage (where to read kept while the parts lie where they did, ``_gather_plan``)."""
+    storage = torch.as_strided(value, (value.untyped_storage().nbytes() // value.element_size(),), (1,), 0)
+    where, weights = _gather_plan(starts, counts, first, step, value.device)
+    return _weighed(storage[where], weights)
 
 
 @functools.lru_cache(maxsize=8)
@@ -213,6 +240,9 @@ def _weighed(sample: torch.Tensor, weights: torch.Tensor) -> int:
     return int(words.mul_(weights).sum())
 
 
+_shape = operator.attrgetter("shape")
+
+
 def _checked(source: Source, grads: object, argument: str = "grads") -> dict[str, torch.Tensor]:
     """``grads`` (the ``argument`` of the call) as {name: tensor} in layout order, each shaped like its
     parameter (a shard for model-parallel names). Raises InvalidArgumentError / UnknownParameterError
@@ -222,14 +252,15 @@ def _checked(source: Source, grads: object, argument: str = "grads") -> dict[str
             f"rank {_compat.rank()}: {argument} must be a mapping name -> tensor, got {type(grads).__name__}"
         )
     shapes: dict[str, tuple[torch.Size, int]] | None = source.scratch.get("shapes")
+    order = source.layout.order
     if shapes is None:  # once per source: a torch.Size compares with a tensor's shape at C speed
         slots = (s for g in source.layout.groups for s in g.params)
         shapes = source.scratch["shapes"] = {s.name: (torch.Size(s.shape), s.numel) for s in slots}
-    order = source.layout.order
+        source.scratch["shapes in order"] = [shapes[name][0] for name in order]
     if tuple(grads) == order:  # every parameter, in layout order: checked in C loops, not one by one
         given = list(grads.values())
         if all(map(isinstance, given, itertools.repeat(torch.Tensor))):
-            if [v.shape for v in given] == [shapes[name][0] for name in order]:
+            if list(map(_shape, given)) == source.scratch["shapes in order"]:
                 return dict(grads)
     for name, value in grads.items():
         found = shapes.get(name)

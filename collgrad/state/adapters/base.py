@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
-from collgrad.core.buffers import Pieces
+from collgrad.core.buffers import Pieces, StorageSpans, joined_copies
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
 from collgrad.state.cache import PlanCache, WritePlan, WriteRow
 from collgrad.state.kinds import GRAD, WEIGHTS, StateKind
@@ -230,7 +230,7 @@ def copy_to_weights(params: Mapping[str, nn.Parameter], values: Mapping[str, tor
             (v if v.shape == w.shape else v.reshape(w.shape)).to(torch.float32) for v, w in zip(sources, weights)
         ]
     with torch.no_grad():
-        copy_all(weights, sources)
+        copy_all(*joined_copies(weights, sources))  # where weights and values lie in order: a copy each run
 
 
 def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -388,39 +388,51 @@ class Source:
                 continue
             buffer = local.buffers[position]
             assert isinstance(buffer, Pieces)
-            plan = self._write_plan(group, buffer)
-            span = plan.placement is not None and buffer.placement()
-            # every part's view of the buffer in one call per piece (or span): a slice each costs ~4x
-            views = {}
+            spans = buffer.storage_spans()
+            plan = self._write_plan(group, buffer, spans)
+            # every part's view of the buffer in one call per storage span (a piece each where the pieces
+            # are not contiguous): a slice each costs ~4x
+            views: list[torch.Tensor] = []
             for into, sizes in plan.cuts:
-                whole_of = span[0] if span and into < 0 else buffer.piece(into)
-                views[into] = whole_of.split_with_sizes(sizes) if len(sizes) > 1 else (whole_of,)
+                if into < 0:
+                    assert spans is not None  # the plan cuts spans only where the pieces have them
+                    whole_of = spans[0][-1 - into]
+                else:
+                    whole_of = buffer.piece(into)
+                views += whole_of.split_with_sizes(sizes) if len(sizes) > 1 else (whole_of,)
             rows = plan.partial
+            every = True
             try:  # the whole parameters in C loops, where every one is given (the usual case)
                 here = list(map(torch.Tensor.ravel, map(values.__getitem__, plan.whole[0])))
-                there = [views[into][view] for into, view in plan.whole[1]]
+                there = list(map(views.__getitem__, plan.whole[1]))
             except KeyError:  # a subset given: row by row
-                here, there, rows = [], [], plan.rows
-            for name, lo, numel, whole, into, view in rows:
+                here, there, rows, every = [], [], plan.rows, False
+            for name, lo, numel, whole, view in rows:
                 new = values.get(name)
                 if new is not None:
                     here.append(new.ravel() if whole else new.ravel()[lo : lo + numel])
-                    there.append(views[into][view])
+                    there.append(views[view])
+            if every:  # values that lie one after another, as the buffer's parts do: one copy each run
+                there, here = joined_copies(there, here, plan.follows)
             sources += here
             targets += there
         if scale != 1.0 and sources:  # in fp32 at least (the stored dtype may be fp16: scale first, round once)
             sources = list(torch._foreach_mul([_promoted(s) for s in sources], scale))
         return Copies(targets, sources)
 
-    def _write_plan(self, group: LayoutGroup, buffer: Pieces) -> WritePlan:
+    def _write_plan(self, group: LayoutGroup, buffer: Pieces, spans: StorageSpans | None) -> WritePlan:
         """This rank's owned fragments of ``group`` to write, each cut where it crosses from one piece
-        into the next, and placed in the pieces' storage span where they share one (else in its piece),
-        with the cuts that give every part's view in one ``split_with_sizes``: worked out once while the
-        pieces lie where they did (DeepSpeed keeps its buffers), not per fragment per call."""
-        placed = buffer.placement()
-        where = placed[1] if placed is not None else None
+        into the next, and placed in its storage span (``spans``: ``buffer.storage_spans()``; else in its
+        piece), with the cuts that give every part's view in one ``split_with_sizes`` per span: worked
+        out once while the pieces lie where they did (DeepSpeed keeps its buffers), not per fragment per
+        call. Where the pieces come from a PiecesCache that found them unmoved, ``where`` is the very
+        tuple the plan was made for, and nothing is compared."""
+        where = spans[1] if spans is not None else None
         found = self.plans.write_plans.get(group.index)
-        if found is not None and found.placement == where and found.starts == tuple(buffer.starts):
+        if found is not None and (
+            (where is not None and found.where is where)
+            or (found.where == where and found.starts == tuple(buffer.starts))
+        ):
             return found
         parts: dict[int, list[tuple[int, int, str, int, bool]]] = {}  # into -> (offset, numel, name, lo, whole)
         for f in owned_fragments(group, rank_in(group)):
@@ -429,30 +441,39 @@ class Source:
                 k = bisect.bisect_right(buffer.starts, f.local_offset + at) - 1
                 inside = f.local_offset + at - buffer.starts[k]
                 n = part.numel()
-                into, offset = (-1, where[k] + inside) if where is not None else (k, inside)
+                into, offset = (-1 - where[k][0], where[k][1] + inside) if where is not None else (k, inside)
                 parts.setdefault(into, []).append((offset, n, slot.name, f.param_offset + at, n == slot.numel))
         rows, cuts = [], []
+        spots: list[tuple[int, int, int]] = []  # per row: its cut, its offset there, its numel
+        views = 0  # the views of the cuts so far
         for into, found_parts in parts.items():
-            total = placed[0].numel() if into < 0 and placed is not None else buffer.piece(into).numel()
+            total = spans[0][-1 - into].numel() if into < 0 and spans is not None else buffer.piece(into).numel()
             sizes: list[int] = []
             end = 0
             for offset, n, name, lo, whole in sorted(found_parts):
                 if offset > end:
                     sizes.append(offset - end)  # a gap no part of this rank's covers
-                rows.append(WriteRow(name, lo, n, whole, into, len(sizes)))
+                rows.append(WriteRow(name, lo, n, whole, views + len(sizes)))
+                spots.append((into, offset, n))
                 sizes.append(n)
                 end = offset + n
             if end < total:
                 sizes.append(total - end)
             cuts.append((into, tuple(sizes)))
+            views += len(sizes)
         entire = [row for row in rows if row.whole]
+        given = [k for k, row in enumerate(rows) if row.whole] + [k for k, row in enumerate(rows) if not row.whole]
+        follows = tuple(
+            spots[b][0] == spots[a][0] and spots[b][1] == spots[a][1] + spots[a][2] for a, b in zip(given, given[1:])
+        )
         found = WritePlan(
             where,
             tuple(buffer.starts),
             tuple(rows),
             tuple(cuts),
-            (tuple(row.name for row in entire), tuple((row.into, row.view) for row in entire)),
+            (tuple(row.name for row in entire), tuple(row.view for row in entire)),
             tuple(row for row in rows if not row.whole),
+            follows,
         )
         self.plans.write_plans[group.index] = found
         return found
