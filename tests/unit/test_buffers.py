@@ -124,3 +124,37 @@ def test_the_main_run_is_the_longest_back_to_back_stretch_and_its_view_aliases_i
     tiled = Pieces([storage[5:10], storage[0:5]])
     assert main_run(tiled) == (1, 0) and torch.equal(run_view(tiled, main_run(tiled)), storage[:10])
     assert main_run(Pieces([torch.zeros(4), torch.zeros(2)])) == (0,)  # no two back to back: the longest
+
+
+def test_copies_of_parts_that_follow_each_other_on_both_sides_are_joined_into_one_per_run():
+    from collgrad.core.buffers import joined_copies
+
+    source, target = torch.arange(12.0), torch.zeros(12)
+    sizes = [2, 3, 1, 4, 2]
+    sources, targets = list(source.split(sizes)), list(target.split(sizes))
+    # a gap in the values between parts 2 and 3 (another buffer), and the plan saying part 4 does not follow
+    sources[3] = torch.arange(6.0, 10.0)
+    follows = [True, True, True, False]
+    joined_targets, joined_sources = joined_copies(targets, sources, follows)
+    assert [t.numel() for t in joined_targets] == [6, 4, 2] == [s.numel() for s in joined_sources]
+    assert joined_targets[0].data_ptr() == target.data_ptr() and joined_sources[0].data_ptr() == source.data_ptr()
+    torch._foreach_copy_(joined_targets, joined_sources)
+    assert torch.equal(target, torch.arange(12.0))  # the same bytes as a copy per part
+    # asked from the tensors themselves where no plan says: targets out of order are not joined
+    backwards = list(reversed(list(torch.zeros(12).split(sizes))))
+    assert joined_copies(backwards, list(source.split(list(reversed(sizes)))))[0] == backwards
+    # another dtype among the values, or non-contiguous ones: as given
+    mixed = [sources[0].double(), *sources[1:]]
+    assert joined_copies(targets, mixed, follows)[1] == mixed
+    strided = [torch.arange(4.0)[::2], torch.arange(4.0)[1::2]]
+    assert joined_copies(list(torch.zeros(4).split(2)), strided)[1] == strided
+
+
+def test_storage_spans_group_pieces_by_the_storage_they_lie_in():
+    main, padding = torch.arange(10.0), torch.zeros(3)
+    pieces = Pieces([main[6:10], main[0:4], padding, main[4:6]])  # DeepSpeed's order: back to front, then padding
+    spans, where = pieces.storage_spans()
+    assert [s.numel() for s in spans] == [10, 3] and spans[0].data_ptr() == main.data_ptr()
+    assert where == ((0, 6), (0, 0), (1, 0), (0, 4))
+    assert pieces.memo["storage spans"] is not None  # worked out once while the pieces stay (PiecesCache)
+    assert Pieces([main.view(2, 5)[:, :2]]).storage_spans() is None  # not contiguous: cut piece by piece
