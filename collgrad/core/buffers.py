@@ -74,6 +74,7 @@ def joined_copies(
     (its views of one buffer, 1-D, contiguous, of one dtype); else asked here like the sources, in C
     loops (a copy each of hundreds of small tensors costs ~30% more than one of their bytes). Local;
     nothing is copied."""
+    assert follows is None or len(follows) == len(sources) - 1 == len(targets) - 1  # one per pair
     if len(sources) < 2 or (follows is not None and not any(follows)):
         return targets, sources
     joined = _follow(sources)
@@ -82,8 +83,6 @@ def joined_copies(
     elif joined is not None and follows is not None:
         joined = list(map(operator.and_, follows, joined))
     if joined is None or not any(joined):
-        return targets, sources
-    if not any(joined):
         return targets, sources
     out_targets: list[torch.Tensor] = []
     out_sources: list[torch.Tensor] = []

@@ -258,6 +258,18 @@ def _worker(rank, world):
         lambda: collgrad.safe_set_full_model_grads(eng, {"nope" if rank == 0 else "mid.weight": torch.ones(9, 9)})
     )
     out["untouched_after_errors"] = torch.equal(collgrad.safe_get_full_model_grads(eng)["mid.weight"], torch.ones(9, 9))
+    # every value but one, each one in turn: where the one left out is a parameter split between ranks,
+    # the rest is still written as runs of adjacent copies, and nothing of the one left out
+    left_out_ok = []
+    for skipped in before:
+        was = collgrad.safe_get_full_model_grads(eng)
+        given = {n: g + 1 for n, g in was.items() if n != skipped}
+        collgrad.safe_set_full_model_grads(eng, given)
+        now = collgrad.safe_get_full_model_grads(eng)
+        left_out_ok.append(
+            torch.equal(now[skipped], was[skipped]) and all(torch.equal(now[n], g) for n, g in given.items())
+        )
+    out["subset"]["every_but_one"] = all(left_out_ok) and len(left_out_ok) == len(before)
     return out
 
 
@@ -308,7 +320,7 @@ def test_misuse_raises_on_every_rank(results):
 def test_a_subset_is_written_and_nothing_else(results):
     _, per_rank = results
     for res in per_rank:
-        assert res["subset"] == {"written": True, "others_untouched": True}
+        assert res["subset"] == {"written": True, "others_untouched": True, "every_but_one": True}
 
 
 def test_different_values_or_names_on_one_rank_make_every_rank_raise(results):

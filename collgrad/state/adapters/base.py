@@ -412,6 +412,8 @@ class Source:
                 if new is not None:
                     here.append(new.ravel() if whole else new.ravel()[lo : lo + numel])
                     there.append(views[view])
+                else:
+                    every = False  # the plan's order (``follows``) is of every row
             if every:  # values that lie one after another, as the buffer's parts do: one copy each run
                 there, here = joined_copies(there, here, plan.follows)
             sources += here
