@@ -174,4 +174,7 @@ def observe(rank: int, world: int, configs: list[Any]) -> dict[str, dict[str, di
                 "planned": sum(planned.values()),
                 "plan_cached": reading.plan_cached,
             }
+        torch.distributed.barrier()  # as run_bench: every rank done with the save methods' directory
+        if rank == 0:
+            setting.close()  # what the save and load methods wrote (left in the temp dir before)
     return out
