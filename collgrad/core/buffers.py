@@ -215,25 +215,20 @@ class Pieces:
         return self._placement
 
     def _place(self) -> Placed | None:
-        first = self.given[0]
-        storage = first.untyped_storage().data_ptr()
-        offsets = []
-        for p in self.given:
-            if not p.is_contiguous() or p.dtype != first.dtype or p.untyped_storage().data_ptr() != storage:
-                return None
-            offsets.append(int(p.storage_offset()))
-        lo = min(offsets)
-        hi = max(o + p.numel() for o, p in zip(offsets, self.given))
-        span = _storage_view(first, lo, hi - lo)
-        return span, tuple(o - lo for o in offsets)
+        spans = self.storage_spans()  # one storage: its span is the placement
+        if spans is None or len(spans[0]) != 1:
+            return None
+        views, where = spans
+        return views[0], tuple(offset for _, offset in where)
 
     def storage_spans(self) -> StorageSpans | None:
         """Where the pieces lie storage by storage: per storage they use (in the order of their first
         piece), a 1-D view of the span its pieces cover, and per piece (its span, its offset in it). One
-        span where ``placement()`` finds one; more where pieces lie in several storages (DeepSpeed's last
-        rank holds its tail padding in a tensor of its own). None if a piece is not contiguous or another
-        dtype. How the pieces group is worked out once (kept in ``memo``, see PiecesCache); the views are
-        made per call (a view kept would keep the storage alive after its owner frees it)."""
+        span where the pieces share a storage (``placement()``); more where they lie in several
+        (DeepSpeed's last rank holds its tail padding in a tensor of its own). None if a piece is not
+        contiguous or another dtype. How the pieces group is worked out once (kept in ``memo``, see
+        PiecesCache); the views are made per call (a view kept would keep the storage alive after its
+        owner frees it)."""
         layout: _SpanLayout | None | Literal[False] = self.memo.get("storage spans", False)
         if layout is False:
             layout = self.memo["storage spans"] = self._by_storage()
