@@ -27,7 +27,7 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -53,6 +53,8 @@ __all__ = [
     "STALE",
     "stale_name",
     "remove_later",
+    "remove_all",
+    "follows_on",
 ]
 
 #: torch dtypes and their safetensors names
@@ -258,11 +260,10 @@ class ShardFiles:
             if not data.numel():
                 return
             held = self._held
-            if held is not None and held[0] == fd and held[1] + held[2].nbytes == offset and kept:
-                joined = adjacent_view([held[2], data])
-                if joined is not None:
-                    self._held = (fd, held[1], joined)
-                    return
+            joined = follows_on(held, fd, offset, data) if held is not None and kept else None
+            if held is not None and joined is not None:
+                self._held = (fd, held[1], joined)
+                return
             self._let_go()
             if kept and data.data_ptr() == tensor.data_ptr():  # the caller's own memory: it may wait
                 self._held = (fd, offset, data)
@@ -361,11 +362,7 @@ class ShardFiles:
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()
-        for _, path in self.written:
-            try:
-                os.remove(path)
-            except OSError:
-                pass
+        remove_all(path for _, path in self.written)
         self.written.clear()
 
     def _write(self, fd: int, data: memoryview, offset: int) -> bool:
@@ -406,15 +403,30 @@ def remove_later(paths: list[str]) -> None:
     """``paths`` removed in a background thread: freeing a file's blocks costs ~10 ms a file, which is
     not the caller's wait; a non-daemon thread, so the interpreter finishes it before it exits."""
     if paths:
-        threading.Thread(target=_remove_all, args=(paths,), name="collgrad-remove-stale").start()
+        threading.Thread(target=remove_all, args=(paths,), name="collgrad-remove-stale").start()
 
 
-def _remove_all(paths: list[str]) -> None:
+def remove_all(paths: Iterable[str]) -> None:
+    """Each of ``paths`` removed where it is there to remove (cleaning up: a file already gone, or one
+    that cannot be removed, is left to the error that made the caller clean up). Local."""
     for path in paths:
         try:
             os.remove(path)
         except OSError:
             pass
+
+
+def follows_on(
+    before: tuple[Hashable, int, torch.Tensor], file: Hashable, offset: int, data: torch.Tensor
+) -> torch.Tensor | None:
+    """``before`` (a write waiting: its file, byte offset and values) and ``data`` (to write at ``offset``
+    of ``file``) as one write's values: one view of both, where ``data``'s bytes follow ``before``'s in
+    the file and in memory; else None. What joins a run of writes into one (the weights' flat buffer,
+    ZeRO's flat partitions). Local."""
+    held_file, at, values = before
+    if held_file != file or at + values.nbytes != offset:
+        return None
+    return adjacent_view([values, data])
 
 
 def shared(sizes: Sequence[int], index: int, world: int) -> list[int]:
@@ -504,9 +516,5 @@ class RangeWriter:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        for path in self.opened:
-            try:
-                os.remove(path)
-            except OSError:
-                pass
+        remove_all(self.opened)
         self.opened.clear()

@@ -43,7 +43,7 @@ import torch
 
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
-from collgrad.core.buffers import Pieces, adjacent_view
+from collgrad.core.buffers import Pieces
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import CheckpointError, CollgradError, InvalidArgumentError, LayoutChangedError
 from collgrad.state import adapters
@@ -67,6 +67,8 @@ from collgrad.state.shards import (
     Shard,
     bytes_of,
     cut_shards,
+    follows_on,
+    remove_all,
     remove_later,
     shared,
     stale_name,
@@ -367,7 +369,7 @@ def joined_writes(writes: Iterable[tuple[Placed, int, torch.Tensor]]) -> Iterato
         offset = place.offset + lo * place.entry.dtype.itemsize
         if held is not None:
             path, size, at, before = held
-            together = adjacent_view([before, data]) if path == place.path and at + before.nbytes == offset else None
+            together = follows_on((path, at, before), place.path, offset, data)
             if together is not None:
                 held = (path, size, at, together)
                 continue
@@ -607,8 +609,7 @@ def discard(writer: RangeWriter, temporaries: Sequence[tuple[str, str]]) -> None
     """What a failed save wrote removed: the tensor files this rank opened, the index and manifest
     written under temporary names (the previous checkpoint is left as it was)."""
     writer.remove()
-    for temporary, _ in temporaries:
-        _remove(temporary)
+    remove_all(temporary for temporary, _ in temporaries)
 
 
 def commit(path: str, temporaries: Sequence[tuple[str, str]], files: set[str]) -> None:
@@ -639,14 +640,7 @@ def _probe(path: str, rank: int) -> None:
 
 
 def _unprobe(path: str, rank: int) -> None:
-    _remove(os.path.join(path, f".collgrad-probe-{rank}"))
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+    remove_all([os.path.join(path, f".collgrad-probe-{rank}")])
 
 
 def _sync_directory(path: str) -> None:
