@@ -14,6 +14,8 @@ __all__ = [
     "adjacent_view",
     "flat_alias",
     "joined_copies",
+    "joined_runs",
+    "joined_source",
     "Pieces",
     "PiecesCache",
     "SameTensors",
@@ -99,6 +101,36 @@ def joined_copies(
             out_sources.append(source)
         first = i + 1
     return out_targets, out_sources
+
+
+def joined_runs(
+    sources: list[torch.Tensor], los: Sequence[int], numels: Sequence[int], follows: Sequence[bool]
+) -> list[tuple[int, int]] | None:
+    """The copies of elements ``[los[i], los[i] + numels[i])`` of each of ``sources`` (flattened) as runs
+    ``(first, end)`` of copies that can be one: where the target of copy i + 1 follows that of copy i
+    (``follows[i]``, from a plan) and source i + 1's part begins where source i's ends. None if the
+    sources are not all contiguous, of one dtype. Asked in C loops (a copy's addresses), nothing made:
+    ``joined_source`` makes a run's source view."""
+    assert len(follows) == len(sources) - 1 == len(los) - 1 == len(numels) - 1  # one per pair
+    if len(set(map(_dtype, sources))) != 1 or not all(map(torch.Tensor.is_contiguous, sources)):
+        return None
+    size = sources[0].element_size()
+    starts = list(map(torch.Tensor.data_ptr, sources))
+    for k in itertools.compress(itertools.count(), los):  # the few parts that start inside their value
+        starts[k] += los[k] * size
+    ends = map(operator.add, starts, map(operator.mul, numels, itertools.repeat(size)))
+    joined = map(operator.and_, follows, map(operator.eq, starts[1:], ends))
+    cuts = list(itertools.compress(itertools.count(1), map(operator.not_, joined)))
+    return list(zip([0, *cuts], [*cuts, len(sources)]))
+
+
+def joined_source(first: torch.Tensor, lo: int, last: torch.Tensor, numel: int) -> torch.Tensor | None:
+    """``numel`` elements from element ``lo`` of contiguous ``first`` on, as one 1-D view, where they end
+    in ``last``'s storage (``joined_runs`` found them back to back: if ``first`` and ``last`` share a
+    storage, so do all between); None if the two lie in different storages."""
+    if first is not last and first.untyped_storage().data_ptr() != last.untyped_storage().data_ptr():
+        return None
+    return _storage_view(first, int(first.storage_offset()) + lo, numel)
 
 
 def _follow(tensors: list[torch.Tensor]) -> list[bool] | None:

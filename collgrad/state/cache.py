@@ -130,6 +130,12 @@ class WritePlan(NamedTuple):
     #: with every row given (whole rows, then the others), whether each row's view follows the one
     #: before it in the buffer: where their values follow each other too, one copy serves them
     follows: tuple[bool, ...]
+    #: the rows in that order: their parameters, first elements, counts, and where each goes (its cut
+    #: and its offset there), so that a run of them is cut as one view without cutting each
+    order: tuple[str, ...] = ()
+    los: tuple[int, ...] = ()
+    numels: tuple[int, ...] = ()
+    places: tuple[tuple[int, int], ...] = ()
 
 
 class PlanCache:

@@ -47,6 +47,7 @@ __all__ = [
     "safe_update_full_model_grads",
     "checksums",
     "sampled_checksum",
+    "sampled_checksums",
     "SAMPLE_BYTES",
     "set_full",
     "write_here",
@@ -113,50 +114,80 @@ def sampled_checksum(values: Mapping[str, torch.Tensor], parts: Sequence[tuple[s
 
     Parts that are views of one buffer (what collgrad's own reads return) are gathered in one indexed
     read for them all; other parts take a strided view each, concatenated once. Local."""
+    return sampled_checksums(values, (tuple(parts),))[0]
+
+
+def sampled_checksums(
+    values: Mapping[str, torch.Tensor], regions: Sequence[tuple[tuple[str, int, int], ...]]
+) -> list[int]:
+    """``sampled_checksum`` of each of ``regions`` (parts each), in one pass over the values: one
+    indexed read per buffer the values view for all regions together (a rank's check reads two: its own
+    parts and the next rank's). Local."""
+    parts = [part for region in regions for part in region]
+    totals = [0] * len(regions)
     if not parts:
-        return 0
+        return totals
+    labels = _labels(tuple(map(len, regions)))
     held = list(map(values.__getitem__, map(_name, parts)))
     dtypes = list(map(_dtype, held))
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    by_dtype: dict[torch.dtype, list[int] | None] = {}
     if len(set(dtypes)) == 1:  # the usual case, without a step per part
-        by_dtype[dtypes[0]] = list(range(len(held)))
+        by_dtype[dtypes[0]] = None
     else:
         for i, dtype in enumerate(dtypes):
-            by_dtype.setdefault(dtype, []).append(i)
-    total = 0
+            found = by_dtype.setdefault(dtype, [])
+            assert found is not None
+            found.append(i)
     with torch.no_grad():
         for dtype, chosen in sorted(by_dtype.items(), key=lambda item: str(item[0])):
-            if len(chosen) == len(held):
-                found = _dtype_sum(held, parts)
+            if chosen is None:
+                sums = _dtype_sums(held, parts, labels, len(regions))
+                present = set(labels)
             else:
-                found = _dtype_sum([held[i] for i in chosen], [parts[i] for i in chosen])
-            total = total * 1_000_003 + stable_hash(str(dtype)) + found
-    return total & ((1 << 62) - 1)  # fits in the int64 the exchange carries
+                these = tuple(labels[i] for i in chosen)
+                sums = _dtype_sums([held[i] for i in chosen], [parts[i] for i in chosen], these, len(regions))
+                present = set(these)
+            for region in present:
+                totals[region] = totals[region] * 1_000_003 + stable_hash(str(dtype)) + sums[region]
+    return [total & ((1 << 62) - 1) for total in totals]  # fits in the int64 the exchange carries
 
 
-def _dtype_sum(held: list[torch.Tensor], parts: Sequence[tuple[str, int, int]]) -> int:
-    """``sampled_checksum``'s sum for ``held`` of one dtype."""
+@functools.lru_cache(maxsize=8)
+def _labels(lengths: tuple[int, ...]) -> tuple[int, ...]:
+    """Each part's region, for regions of ``lengths`` parts one after another."""
+    return tuple(itertools.chain.from_iterable(itertools.repeat(r, n) for r, n in enumerate(lengths)))
+
+
+def _dtype_sums(
+    held: list[torch.Tensor], parts: Sequence[tuple[str, int, int]], labels: tuple[int, ...], regions: int
+) -> list[int]:
+    """``sampled_checksums``' sum of each region for ``held`` of one dtype (``labels``: each part's
+    region, regions one after another)."""
     dtype = held[0].dtype
     step = max(1, SAMPLE_BYTES // held[0].element_size())
-    counts, first = _sample_sizes(tuple(map(_count, parts)), step)
-    # per part, the buffer its value views where it is a contiguous view of one (C loops, not one by one)
+    counts, first = _sample_sizes(tuple(map(_count, parts)), step, labels)
+    # per part, the buffer its value views where it is a contiguous view of one, and where the part
+    # starts in that buffer's storage (C loops, not one by one)
     bases = list(map(_base, held))
     viewing = list(map(torch.Tensor.is_contiguous, held))
-    sums: list[int] = []
+    starts = tuple(map(operator.add, map(torch.Tensor.storage_offset, held), map(_lo, parts)))
+    by_base: dict[int, list[slice]] = {}  # runs of parts viewing one buffer, every region's together
     alone: list[int] = []
     at = 0
     for _, run in itertools.groupby(bases, key=id):  # parts one after another viewing one buffer
         n = len(list(run))
         base = bases[at]
         if base is not None and base.dtype is dtype and all(viewing[at : at + n]):
-            # (what collgrad's reads return, a bucket's values in one buffer): one indexed read for them all
-            starts = tuple(
-                map(operator.add, map(torch.Tensor.storage_offset, held[at : at + n]), map(_lo, parts[at : at + n]))
-            )
-            sums.append(_gathered(held[at], starts, counts[at : at + n], first[at : at + n], step))
+            by_base.setdefault(id(base), []).append(slice(at, at + n))
         else:
             alone += range(at, at + n)
         at += n
+    sums = [0] * regions
+    for runs in by_base.values():
+        # (what collgrad's reads return, a bucket's values in one buffer): one indexed read for them all
+        starts_, counts_, first_, labels_ = (_picked(whole, runs) for whole in (starts, counts, first, labels))
+        found = _gathered(held[runs[0].start], starts_, counts_, first_, labels_, step, regions)
+        sums = list(map(operator.add, sums, found))
     if alone:
         samples = []
         for i in alone:
@@ -168,8 +199,15 @@ def _dtype_sum(held: list[torch.Tensor], parts: Sequence[tuple[str, int, int]]) 
         device = samples[0].device
         sample = torch.cat([s.to(device) for s in samples])
         part, within = _spread([counts[i] for i in alone], device)
-        sums.append(_weighed(sample, _weights([first[i] for i in alone], part, within)))
-    return sum(sums)
+        weights = _weights([first[i] for i in alone], part, within)
+        found = _weighed(sample, weights, _int64([labels[i] for i in alone], device)[part], regions)
+        sums = list(map(operator.add, sums, found))
+    return sums
+
+
+def _picked(whole: tuple[int, ...], runs: list[slice]) -> tuple[int, ...]:
+    """The items of ``whole`` in ``runs``, one run after another."""
+    return whole[runs[0]] if len(runs) == 1 else sum((whole[run] for run in runs), ())
 
 
 _base = operator.attrgetter("_base")
@@ -180,32 +218,53 @@ _count = operator.itemgetter(2)
 
 
 @functools.lru_cache(maxsize=8)
-def _sample_sizes(numels: tuple[int, ...], step: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _sample_sizes(
+    numels: tuple[int, ...], step: int, labels: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """For parts of ``numels`` elements, how many elements of each the sample takes (every ``step``-th
-    from its first), and where each part's sample starts in the sample, part after part."""
+    from its first), and where each part's sample starts in its region's sample (``labels``: each part's
+    region, regions one after another), part after part."""
     counts = tuple(-(-numel // step) for numel in numels)
-    return counts, tuple(itertools.accumulate(counts, initial=0))
+    first: list[int] = []
+    for _, run in itertools.groupby(zip(labels, counts), key=operator.itemgetter(0)):
+        first += itertools.accumulate((count for _, count in run), initial=0)
+        first.pop()  # the region's total
+    return counts, tuple(first)
 
 
 def _gathered(
-    value: torch.Tensor, starts: tuple[int, ...], counts: tuple[int, ...], first: tuple[int, ...], step: int
-) -> int:
-    """The weighed sum of the sample of parts of ``value``'s storage that start at ``starts``: one indexed
-    read of the storage (where to read kept while the parts lie where they did, ``_gather_plan``)."""
+    value: torch.Tensor,
+    starts: tuple[int, ...],
+    counts: tuple[int, ...],
+    first: tuple[int, ...],
+    labels: tuple[int, ...],
+    step: int,
+    regions: int,
+) -> list[int]:
+    """The weighed sum, per region, of the sample of parts of ``value``'s storage that start at
+    ``starts``: one indexed read of the storage (where to read kept while the parts lie where they did,
+    ``_gather_plan``)."""
     storage = torch.as_strided(value, (value.untyped_storage().nbytes() // value.element_size(),), (1,), 0)
-    where, weights = _gather_plan(starts, counts, first, step, value.device)
-    return _weighed(storage[where], weights)
+    where, weights, region = _gather_plan(starts, counts, first, labels, step, value.device)
+    return _weighed(storage[where], weights, region, regions)
 
 
 @functools.lru_cache(maxsize=8)
 def _gather_plan(
-    starts: tuple[int, ...], counts: tuple[int, ...], first: tuple[int, ...], step: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+    starts: tuple[int, ...],
+    counts: tuple[int, ...],
+    first: tuple[int, ...],
+    labels: tuple[int, ...],
+    step: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where in one buffer the sampled elements of parts starting at ``starts`` (``counts`` of them, every
-    ``step``-th) lie, and the weights of their places in the sample (from ``first``): worked out once
-    while the values lie where they did (collgrad's reads lay them out the same way every call)."""
+    ``step``-th) lie, the weights of their places in the sample (from ``first``), and each one's region
+    (from ``labels``): worked out once while the values lie where they did (collgrad's reads lay them
+    out the same way every call)."""
     part, within = _spread(list(counts), device)
-    return _int64(list(starts), device)[part].add_(within * step), _weights(list(first), part, within)
+    where = _int64(list(starts), device)[part].add_(within * step)
+    return where, _weights(list(first), part, within), _int64(list(labels), device)[part]
 
 
 def _spread(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,12 +291,14 @@ def _int64(numbers: list[int], device: torch.device) -> torch.Tensor:
     return found.to(device)
 
 
-def _weighed(sample: torch.Tensor, weights: torch.Tensor) -> int:
-    """The sum (int64, wrapping) of ``sample``'s elements as integers of their own size, each times its
-    weight (an odd number of its place in the sample)."""
+def _weighed(sample: torch.Tensor, weights: torch.Tensor, region: torch.Tensor, regions: int) -> list[int]:
+    """Per region, the sum (int64, wrapping) of ``sample``'s elements as integers of their own size, each
+    times its weight (an odd number of its place in the sample); ``region``: each element's region."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[sample.element_size()]
-    words = sample.contiguous().view(bits).to(torch.int64)
-    return int(words.mul_(weights).sum())
+    words = sample.contiguous().view(bits).to(torch.int64).mul_(weights)
+    if regions == 1:
+        return [int(words.sum())]
+    return words.new_zeros(regions).index_add_(0, region, words).tolist()
 
 
 _shape = operator.attrgetter("shape")
@@ -335,8 +396,10 @@ def set_full(
                 _compared(source, values, ranks, ranks[me]),
                 _compared(source, values, ranks, ranks[(me + 1) % len(ranks)]),
             )
-            mine = sampled_checksum(values, here)
-            after = mine if there == here else sampled_checksum(values, there)
+            if there == here:
+                mine = after = sampled_checksum(values, here)
+            else:
+                mine, after = sampled_checksums(values, (here, there))
         return [
             Field(f"names in {argument}=", stable_hash([state.key, *values]), shown=False),
             Field(_CHECKSUM, mine, compare=False),

@@ -19,7 +19,7 @@ from collgrad.launch import run_local
 #: each stage timed, as profile_call.py's ``--stages`` names them
 STAGES = (
     "collgrad.state.write:_checked",
-    "collgrad.state.write:sampled_checksum",
+    "collgrad.state.write:sampled_checksums",
     "collgrad.state.write:_prepared",
     "collgrad.state.call:_agree",
     "collgrad.state.adapters.base:copy_all",

@@ -270,6 +270,21 @@ def _worker(rank, world):
             torch.equal(now[skipped], was[skipped]) and all(torch.equal(now[n], g) for n, g in given.items())
         )
     out["subset"]["every_but_one"] = all(left_out_ok) and len(left_out_ok) == len(before)
+    # every value in one block of memory held by two storages (a tensor over each part of it, cut at each
+    # value in turn): the values lie back to back, but a run of copies cannot span the two storages;
+    # each is written all the same
+    was = collgrad.safe_get_full_model_grads(eng)
+    names, sizes = list(was), [g.numel() for g in was.values()]
+    written = []
+    for cut in range(1, len(sizes)):
+        memory = bytearray(torch.cat([g.reshape(-1) + cut for g in was.values()]).numpy().tobytes())
+        at = 4 * sum(sizes[:cut])
+        parts = [torch.frombuffer(memoryview(memory)[a:b], dtype=torch.float32) for a, b in ((0, at), (at, None))]
+        laid = [*parts[0].split(sizes[:cut]), *parts[1].split(sizes[cut:])]
+        collgrad.safe_set_full_model_grads(eng, {n: v.view_as(was[n]) for n, v in zip(names, laid)})
+        now = collgrad.safe_get_full_model_grads(eng)
+        written.append(all(torch.equal(now[n], was[n] + cut) for n in names))
+    out["subset"]["two_storages"] = all(written)
     return out
 
 
@@ -320,7 +335,12 @@ def test_misuse_raises_on_every_rank(results):
 def test_a_subset_is_written_and_nothing_else(results):
     _, per_rank = results
     for res in per_rank:
-        assert res["subset"] == {"written": True, "others_untouched": True, "every_but_one": True}
+        assert res["subset"] == {
+            "written": True,
+            "others_untouched": True,
+            "every_but_one": True,
+            "two_storages": True,
+        }
 
 
 def test_different_values_or_names_on_one_rank_make_every_rank_raise(results):

@@ -150,6 +150,30 @@ def test_copies_of_parts_that_follow_each_other_on_both_sides_are_joined_into_on
     assert joined_copies(list(torch.zeros(4).split(2)), strided)[1] == strided
 
 
+def test_runs_of_parts_that_follow_each_other_are_found_from_their_addresses_and_joined_per_storage():
+    from collgrad.core.buffers import joined_runs, joined_source
+
+    source = torch.arange(20.0)
+    values = [source[0:4], source[4:10], source[10:20], torch.arange(3.0)]
+    # parts: all of the first two, elements 2.. of the third (so it does not follow the second), the fourth
+    los, numels = [0, 0, 2, 0], [4, 6, 8, 3]
+    assert joined_runs(values, los, numels, [True, True, True]) == [(0, 2), (2, 3), (3, 4)]
+    assert joined_runs(values, los, numels, [False, True, True]) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    joined = joined_source(values[0], 0, values[1], 10)
+    assert joined is not None and joined.data_ptr() == source.data_ptr() and torch.equal(joined, source[:10])
+    part = joined_source(values[2], 2, values[2], 8)
+    assert part is not None and torch.equal(part, source[12:20])
+    # another dtype among them, or a non-contiguous one: no runs
+    assert joined_runs([values[0], values[1].double()], [0, 0], [4, 6], [True]) is None
+    assert joined_runs([values[0], source[::2]], [0, 0], [4, 10], [True]) is None
+    # two storages whose memory abuts (two tensors over halves of one buffer): back to back by address,
+    # but one view cannot span them
+    memory = bytearray(32)
+    halves = [torch.frombuffer(memoryview(memory)[at : at + 16], dtype=torch.float32) for at in (0, 16)]
+    assert joined_runs(halves, [0, 0], [4, 4], [True]) == [(0, 2)]
+    assert joined_source(halves[0], 0, halves[1], 8) is None
+
+
 def test_storage_spans_group_pieces_by_the_storage_they_lie_in():
     main, padding = torch.arange(10.0), torch.zeros(3)
     pieces = Pieces([main[6:10], main[0:4], padding, main[4:6]])  # DeepSpeed's order: back to front, then padding

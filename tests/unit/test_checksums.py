@@ -103,3 +103,26 @@ def test_sampled_checksum_is_the_same_however_the_values_lie():
         changed[name].view(-1).view(torch.int32)[lo] ^= 1
         assert sampled_checksum(changed, parts) != base, name
         assert sampled_checksum({**views, name: changed[name]}, parts) != base, name  # the run, one changed
+
+
+def test_sampled_checksums_of_several_regions_are_each_region_s_sampled_checksum():
+    """A rank's check reads two regions (its own parts and the next rank's) in one pass: each number is the
+    region's own, whatever the values' dtypes and however they lie (views of buffers, separate tensors,
+    not contiguous), and a region may share parameters with the other or hold none."""
+    from collgrad.state.write import sampled_checksum, sampled_checksums
+
+    g = torch.Generator().manual_seed(3)
+    first, second = torch.randn(9000, generator=g), torch.randn(5000, generator=g)
+    values = {
+        "a": first[:4000].view(40, 100),
+        "b": first[4000:],
+        "c": second[:3000],
+        "d": torch.randn(700, generator=g).to(torch.bfloat16),
+        "e": torch.randn(30, 20, generator=g).t(),
+        "f": second[3000:],
+    }
+    mine = (("a", 0, 4000), ("b", 0, 2500), ("d", 0, 700), ("c", 0, 3000))
+    after = (("b", 2500, 2500), ("e", 0, 600), ("f", 0, 2000), ("c", 100, 1000))
+    for regions in [(mine, after), (after, mine), (mine, ()), ((), after), (mine, mine, after)]:
+        assert sampled_checksums(values, regions) == [sampled_checksum(values, r) for r in regions], regions
+    assert sampled_checksums(values, (mine, after))[0] != sampled_checksums(values, (mine, after))[1]

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
-from collgrad.core.buffers import Pieces, StorageSpans, joined_copies
+from collgrad.core.buffers import Pieces, StorageSpans, joined_copies, joined_runs, joined_source
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
 from collgrad.state.cache import PlanCache, WritePlan, WriteRow
 from collgrad.state.kinds import GRAD, WEIGHTS, StateKind
@@ -390,6 +390,12 @@ class Source:
             assert isinstance(buffer, Pieces)
             spans = buffer.storage_spans()
             plan = self._write_plan(group, buffer, spans)
+            cut = spans[0] if spans is not None else None
+            joined = _joined_copies(plan, buffer, cut, values)
+            if joined is not None:
+                targets += joined.targets
+                sources += joined.sources
+                continue
             # every part's view of the buffer in one call per storage span (a piece each where the pieces
             # are not contiguous): a slice each costs ~4x
             views: list[torch.Tensor] = []
@@ -476,6 +482,10 @@ class Source:
             (tuple(row.name for row in entire), tuple(row.view for row in entire)),
             tuple(row for row in rows if not row.whole),
             follows,
+            tuple(rows[k].name for k in given),
+            tuple(rows[k].param_offset for k in given),
+            tuple(rows[k].numel for k in given),
+            tuple(spots[k][:2] for k in given),
         )
         self.plans.write_plans[group.index] = found
         return found
@@ -533,6 +543,48 @@ class Source:
         """Let go of every tensor kept between calls (views of the optimizer's buffers, staging), so
         that memory the owner frees is really freed. The next call reads afresh."""
         self.scratch.clear()
+
+
+#: ``_joined_copies`` serves a write where its values join into at most this many copies, or one in
+#: eight rows; else (a tensor per value, as a caller computed them) every row's view is cut at once.
+_FEW_RUNS = 16
+
+
+def _joined_copies(
+    plan: WritePlan, buffer: Pieces, spans: list[torch.Tensor] | None, values: Mapping[str, torch.Tensor]
+) -> Copies | None:
+    """A group's copies where every row of ``plan`` is given and the values join into few runs (what
+    collgrad's own reads return: a bucket's values back to back): per run one view of the buffer (of its
+    storage span, ``spans``, or its piece) and one of the values, with no view cut per row. None where
+    that does not hold: ``prepare_write`` then cuts every row's view."""
+    try:
+        given = list(map(values.__getitem__, plan.order))
+    except KeyError:
+        return None
+    runs = joined_runs(given, plan.los, plan.numels, plan.follows) if given else None
+    if runs is None or len(runs) > max(_FEW_RUNS, len(given) // 8):
+        return None
+    copies = Copies([], [])
+    los, numels, places = plan.los, plan.numels, plan.places
+    for first, end in runs:
+        numel = places[end - 1][1] + numels[end - 1] - places[first][1]
+        source = joined_source(given[first], los[first], given[end - 1], numel)
+        if source is not None:
+            copies.targets.append(_cut(buffer, spans, places[first], numel))
+            copies.sources.append(source)
+            continue
+        for k in range(first, end):  # back to back, but in two storages (allocations that abut): one each
+            copies.targets.append(_cut(buffer, spans, places[k], numels[k]))
+            copies.sources.append(given[k].reshape(-1).narrow(0, los[k], numels[k]))
+    return copies
+
+
+def _cut(buffer: Pieces, spans: list[torch.Tensor] | None, place: tuple[int, int], numel: int) -> torch.Tensor:
+    """``numel`` elements of ``buffer`` at a write plan's ``place`` (its cut: storage span ``-1 - i`` of
+    ``spans``, or piece ``i``; its offset there), as a view."""
+    into, offset = place
+    whole_of = spans[-1 - into] if into < 0 and spans is not None else buffer.piece(into)
+    return whole_of.narrow(0, offset, numel)
 
 
 def _scaled(value: torch.Tensor, scale: float) -> torch.Tensor:
