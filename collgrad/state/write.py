@@ -301,9 +301,6 @@ def _weighed(sample: torch.Tensor, weights: torch.Tensor, region: torch.Tensor, 
     return words.new_zeros(regions).index_add_(0, region, words).tolist()
 
 
-_shape = operator.attrgetter("shape")
-
-
 def _checked(source: Source, grads: object, argument: str = "grads") -> dict[str, torch.Tensor]:
     """``grads`` (the ``argument`` of the call) as {name: tensor} in layout order, each shaped like its
     parameter (a shard for model-parallel names). Raises InvalidArgumentError / UnknownParameterError
@@ -317,11 +314,13 @@ def _checked(source: Source, grads: object, argument: str = "grads") -> dict[str
     if shapes is None:  # once per source: a torch.Size compares with a tensor's shape at C speed
         slots = (s for g in source.layout.groups for s in g.params)
         shapes = source.scratch["shapes"] = {s.name: (torch.Size(s.shape), s.numel) for s in slots}
-        source.scratch["shapes in order"] = [shapes[name][0] for name in order]
+        source.scratch["numels in order"] = [shapes[name][1] for name in order]
     if tuple(grads) == order:  # every parameter, in layout order: checked in C loops, not one by one
         given = list(grads.values())
         if all(map(isinstance, given, itertools.repeat(torch.Tensor))):
-            if list(map(_shape, given)) == source.scratch["shapes in order"]:
+            # the parameter's number of elements is what the loop below asks for too (a value of another
+            # shape is taken as it is flattened); a numel is an int, where a shape is a new torch.Size
+            if list(map(torch.Tensor.numel, given)) == source.scratch["numels in order"]:
                 return dict(grads)
     for name, value in grads.items():
         found = shapes.get(name)
