@@ -63,6 +63,7 @@ DEEPSPEED_ROWS = [
     "collgrad_convert",  # ZeRO-2/3 only
     "raw_all_reduce",
     "raw_all_gather",
+    "raw_write",
 ]
 FSDP2_ROWS = [
     "full_tensor_loop",
@@ -95,6 +96,7 @@ FSDP2_ROWS = [
     "collgrad_training_load",
     "raw_all_reduce",
     "raw_all_gather",
+    "raw_write",
 ]
 
 

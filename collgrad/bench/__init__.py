@@ -10,6 +10,7 @@ repetitions after warm-up:
   collgrad_iter    ``iter_full_model_grads`` consumed to the end
   raw_all_reduce   one all_reduce of a flat buffer holding the model's gradient bytes (the floor)
   raw_all_gather   one all_gather of each rank's share of those bytes into the full buffer
+  raw_write        one all_gather of a readiness row and the copies a gradient write makes (its floor)
 
 and writing and statistics against the frameworks' per-parameter loops. Bytes are counted in the
 dtype of what is moved. Reported per method: median, min and max (ms, rank 0's clock), the slowest

@@ -35,6 +35,8 @@ from collgrad.bench.setting import (
     setter_loop,
 )
 from collgrad.bench.state_calls import STATE_METHODS
+from collgrad.state.adapters.base import copy_all
+from collgrad.state.call import FIELDS, OpenCall, source_of
 
 __all__ = ["Floor", "Reading", "Setting", "Method", "METHODS", "methods_for", "floors", "versus", "make_setting"]
 
@@ -143,9 +145,37 @@ def _raw_all_gather(s: Setting) -> Call:
     return call
 
 
+def _raw_write(s: Setting) -> Call:
+    """The floor of a write: one all-gather of a row of int64 the size of the readiness check's, then the
+    copies of this rank's owned parts that ``safe_set_full_model_grads`` makes of the same values, made
+    ready once before the calls (no argument check, no checksum, no plan, no views per call). What a
+    write that agrees before it copies cannot go below."""
+    source, _ = source_of(s.subject.engine)
+    local = source.read()
+    with torch.no_grad():
+        targets, sources = source.prepare_write(local, s.full, local.loss_scale)
+    group = source.control_group if source.control_group is not None else _compat.default_group()
+    row = torch.zeros(1 + len(FIELDS) + OpenCall.EXTRA, dtype=torch.int64)
+    rows = torch.empty(row.numel() * group.size(), dtype=torch.int64)
+
+    def call() -> None:
+        _compat.all_gather_flat(rows, row, group).wait()
+        with torch.no_grad():
+            copy_all(targets, sources)
+
+    return call
+
+
+def _raw_write_reading(s: Setting, call: Call) -> Reading:
+    return Reading(1, (1 + len(FIELDS) + OpenCall.EXTRA) * 8)
+
+
 _GATHER = Floor("raw_all_gather", 1.10, goal_stage3=1.20)  # ZeRO-3's all-gather plan also reorders
 _REDUCE = Floor("raw_all_reduce", 1.10)
 _STREAM = Floor("raw_all_reduce", 1.25)
+#: A write's floor copies the same bytes; what collgrad adds is per value (the values checked, joined
+#: into runs, the buffers located), which should stay within a quarter of the copy and the agreement.
+_WRITE = Floor("raw_write", 1.25)
 
 #: Every method, in report order. Writing and statistics run against the frameworks' own loops; the values
 #: written are the gradients themselves, so every repetition sees the same gradients.
@@ -163,7 +193,7 @@ METHODS: tuple[Method, ...] = (
         "deepspeed_set_loop", _set_loop, local_reading, versus=("collgrad_set", "collgrad_set_unchecked"), sources=DS
     ),
     Method("collgrad_set", _set(check=True), of_result),
-    Method("collgrad_set_unchecked", _set(check=False), of_result),
+    Method("collgrad_set_unchecked", _set(check=False), of_result, floor=_WRITE),
     Method("collgrad_update", _update, of_result),
     Method("deepspeed_norm_loop", _loop(norm=True), _loop_reading, versus="collgrad_stats", sources=DS),
     Method("full_tensor_norm_loop", _loop(norm=True), _loop_reading, versus="collgrad_stats", sources=FSDP2),
@@ -171,6 +201,7 @@ METHODS: tuple[Method, ...] = (
     *STATE_METHODS,  # the rest of the training state, the saves and the drop-in
     Method("raw_all_reduce", _raw_all_reduce, _raw_all_reduce_reading),
     Method("raw_all_gather", _raw_all_gather, _raw_all_gather_reading),
+    Method("raw_write", _raw_write, _raw_write_reading),
 )
 
 

@@ -123,19 +123,17 @@ class WritePlan(NamedTuple):
     starts: tuple[int, ...]
     rows: tuple[WriteRow, ...]
     cuts: tuple[tuple[int, tuple[int, ...]], ...]
-    #: the rows of whole parameters: their names, and their views, taken in C loops
-    whole: tuple[tuple[str, ...], tuple[int, ...]]
-    #: the other rows (parts of a parameter)
-    partial: tuple[WriteRow, ...]
     #: with every row given (whole rows, then the others), whether each row's view follows the one
     #: before it in the buffer: where their values follow each other too, one copy serves them
     follows: tuple[bool, ...]
-    #: the rows in that order: their parameters, first elements, counts, and where each goes (its cut
-    #: and its offset there), so that a run of them is cut as one view without cutting each
-    order: tuple[str, ...] = ()
-    los: tuple[int, ...] = ()
-    numels: tuple[int, ...] = ()
-    places: tuple[tuple[int, int], ...] = ()
+    #: the rows in that order: their parameters, first elements and counts, where each goes (its cut
+    #: and its offset there: a run of them is cut as one view), and its view of the cuts (each row's
+    #: view, where they do not run)
+    order: tuple[str, ...]
+    los: tuple[int, ...]
+    numels: tuple[int, ...]
+    places: tuple[tuple[int, int], ...]
+    views: tuple[int, ...]
 
 
 class PlanCache:

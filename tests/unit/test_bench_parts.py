@@ -105,10 +105,12 @@ def test_floors_and_goals():
         "collgrad_all_reduce": "raw_all_reduce",
         "collgrad_iter": "raw_all_reduce",
         "collgrad_load": "raw_reads",  # the same byte ranges read raw
+        "collgrad_set_unchecked": "raw_write",  # the same copies after one small all-gather
     }
     assert [f["collgrad_all_gather"].goal_at(s) for s in (1, 2, 3)] == [1.10, 1.10, 1.20]  # ZeRO-3 also reorders
     assert [f["collgrad_all_reduce"].goal_at(s) for s in (1, 2, 3)] == [1.10] * 3
     assert [f["collgrad_iter"].goal_at(s) for s in (1, 2, 3)] == [1.25] * 3
+    assert [f["collgrad_set_unchecked"].goal_at(s) for s in (1, 2, 3)] == [1.25] * 3
     assert versus() == [
         ("deepspeed_set_loop", "collgrad_set"),
         ("deepspeed_set_loop", "collgrad_set_unchecked"),

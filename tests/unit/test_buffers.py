@@ -174,6 +174,23 @@ def test_runs_of_parts_that_follow_each_other_are_found_from_their_addresses_and
     assert joined_source(halves[0], 0, halves[1], 8) is None
 
 
+def test_parts_of_values_that_view_one_buffer_in_order_are_cut_in_one_split():
+    from collgrad.core.buffers import cut_parts
+
+    flat = torch.arange(40.0)
+    values = [flat[0:10].view(2, 5), flat[10:16], flat[16:30], torch.arange(100.0, 106.0), flat[30:40]]
+    # a slice of each (as ZeRO-3 writes), all of one, and a value of its own in between
+    los, numels = [2, 0, 5, 1, 0], [3, 6, 4, 2, 10]
+    cut = cut_parts(values, los, numels)
+    expected = [v.reshape(-1)[lo : lo + n] for v, lo, n in zip(values, los, numels)]
+    assert all(torch.equal(c, e) and c.data_ptr() == e.data_ptr() for c, e in zip(cut, expected))
+    assert [c.numel() for c in cut] == numels
+    # parts out of order in their buffer, another dtype, not contiguous: each as it is, the same elements
+    for odd in ([flat[10:16], flat[0:10]], [flat[0:10], flat[10:16].double()], [flat[0:10], flat[10:22][::2]]):
+        got = cut_parts(odd, [1, 2], [4, 3])
+        assert all(torch.equal(c, v.reshape(-1)[lo : lo + n]) for c, v, lo, n in zip(got, odd, [1, 2], [4, 3]))
+
+
 def test_storage_spans_group_pieces_by_the_storage_they_lie_in():
     main, padding = torch.arange(10.0), torch.zeros(3)
     pieces = Pieces([main[6:10], main[0:4], padding, main[4:6]])  # DeepSpeed's order: back to front, then padding

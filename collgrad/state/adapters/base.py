@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
-from collgrad.core.buffers import Pieces, StorageSpans, joined_copies, joined_runs, joined_source
+from collgrad.core.buffers import Pieces, StorageSpans, cut_parts, joined_copies, joined_runs, joined_source
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
 from collgrad.state.cache import PlanCache, WritePlan, WriteRow
 from collgrad.state.kinds import GRAD, WEIGHTS, StateKind
@@ -390,12 +390,16 @@ class Source:
             assert isinstance(buffer, Pieces)
             spans = buffer.storage_spans()
             plan = self._write_plan(group, buffer, spans)
-            cut = spans[0] if spans is not None else None
-            joined = _joined_copies(plan, buffer, cut, values)
-            if joined is not None:
-                targets += joined.targets
-                sources += joined.sources
-                continue
+            try:
+                given: list[torch.Tensor] | None = list(map(values.__getitem__, plan.order))
+            except KeyError:
+                given = None  # a subset
+            if given is not None:
+                joined = _joined_copies(plan, buffer, spans[0] if spans is not None else None, given)
+                if joined is not None:
+                    targets += joined.targets
+                    sources += joined.sources
+                    continue
             # every part's view of the buffer in one call per storage span (a piece each where the pieces
             # are not contiguous): a slice each costs ~4x
             views: list[torch.Tensor] = []
@@ -406,24 +410,15 @@ class Source:
                 else:
                     whole_of = buffer.piece(into)
                 views += whole_of.split_with_sizes(sizes) if len(sizes) > 1 else (whole_of,)
-            rows = plan.partial
-            every = True
-            try:  # the whole parameters in C loops, where every one is given (the usual case)
-                here = list(map(torch.Tensor.ravel, map(values.__getitem__, plan.whole[0])))
-                there = list(map(views.__getitem__, plan.whole[1]))
-            except KeyError:  # a subset given: row by row
-                here, there, rows, every = [], [], plan.rows, False
-            for name, lo, numel, whole, view in rows:
+            if given is not None:  # every row, in C loops (ZeRO-3: a slice of every parameter, none adjacent)
+                sources += cut_parts(given, plan.los, plan.numels)
+                targets += map(views.__getitem__, plan.views)
+                continue
+            for name, lo, numel, _, view in plan.rows:  # a subset given: row by row
                 new = values.get(name)
                 if new is not None:
-                    here.append(new.ravel() if whole else new.ravel()[lo : lo + numel])
-                    there.append(views[view])
-                else:
-                    every = False  # the plan's order (``follows``) is of every row
-            if every:  # values that lie one after another, as the buffer's parts do: one copy each run
-                there, here = joined_copies(there, here, plan.follows)
-            sources += here
-            targets += there
+                    sources.append(new.reshape(-1).narrow(0, lo, numel))
+                    targets.append(views[view])
         if scale != 1.0 and sources:  # in fp32 at least (the stored dtype may be fp16: scale first, round once)
             sources = list(torch._foreach_mul([_promoted(s) for s in sources], scale))
         return Copies(targets, sources)
@@ -469,7 +464,6 @@ class Source:
                 sizes.append(total - end)
             cuts.append((into, tuple(sizes)))
             views += len(sizes)
-        entire = [row for row in rows if row.whole]
         given = [k for k, row in enumerate(rows) if row.whole] + [k for k, row in enumerate(rows) if not row.whole]
         follows = tuple(
             spots[b][0] == spots[a][0] and spots[b][1] == spots[a][1] + spots[a][2] for a, b in zip(given, given[1:])
@@ -479,13 +473,12 @@ class Source:
             tuple(buffer.starts),
             tuple(rows),
             tuple(cuts),
-            (tuple(row.name for row in entire), tuple(row.view for row in entire)),
-            tuple(row for row in rows if not row.whole),
             follows,
             tuple(rows[k].name for k in given),
             tuple(rows[k].param_offset for k in given),
             tuple(rows[k].numel for k in given),
             tuple(spots[k][:2] for k in given),
+            tuple(rows[k].view for k in given),
         )
         self.plans.write_plans[group.index] = found
         return found
@@ -551,16 +544,12 @@ _FEW_RUNS = 16
 
 
 def _joined_copies(
-    plan: WritePlan, buffer: Pieces, spans: list[torch.Tensor] | None, values: Mapping[str, torch.Tensor]
+    plan: WritePlan, buffer: Pieces, spans: list[torch.Tensor] | None, given: list[torch.Tensor]
 ) -> Copies | None:
-    """A group's copies where every row of ``plan`` is given and the values join into few runs (what
-    collgrad's own reads return: a bucket's values back to back): per run one view of the buffer (of its
-    storage span, ``spans``, or its piece) and one of the values, with no view cut per row. None where
-    that does not hold: ``prepare_write`` then cuts every row's view."""
-    try:
-        given = list(map(values.__getitem__, plan.order))
-    except KeyError:
-        return None
+    """A group's copies where the values of every row of ``plan`` (``given``, in the plan's order) join
+    into few runs (what collgrad's own reads return: a bucket's values back to back): per run one view of
+    the buffer (of its storage span, ``spans``, or its piece) and one of the values, with no view cut per
+    row. None where they do not: ``prepare_write`` then cuts every row's view."""
     runs = joined_runs(given, plan.los, plan.numels, plan.follows) if given else None
     if runs is None or len(runs) > max(_FEW_RUNS, len(given) // 8):
         return None
