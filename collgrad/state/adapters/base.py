@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Hashable, Iterable, Mapping, NamedTuple, Sequence
@@ -222,15 +223,20 @@ def copy_to_weights(params: Mapping[str, nn.Parameter], values: Mapping[str, tor
     """The module's own weights ``params`` made the full fp32 master weights ``values`` (the same on every
     rank), as an optimizer step leaves them: rounded to fp32 (what the master holds), then to the
     weight's dtype. Local."""
-    weights = [params[name].data for name in values]
+    # the parameters themselves, written under no_grad (``.data`` makes a new tensor each: ~2 us a weight)
+    weights: list[torch.Tensor] = list(map(params.__getitem__, values))
     sources = list(values.values())
     # the usual case in C loops (fp32 values shaped like their weights); else each value made so
-    if {v.dtype for v in sources} != {torch.float32} or [v.shape for v in sources] != [w.shape for w in weights]:
+    if set(map(_dtype, sources)) != {torch.float32} or list(map(_shape, sources)) != list(map(_shape, weights)):
         sources = [
             (v if v.shape == w.shape else v.reshape(w.shape)).to(torch.float32) for v, w in zip(sources, weights)
         ]
     with torch.no_grad():
         copy_all(*joined_copies(weights, sources))  # where weights and values lie in order: a copy each run
+
+
+_dtype = operator.attrgetter("dtype")
+_shape = operator.attrgetter("shape")
 
 
 def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
