@@ -400,7 +400,7 @@ def set_full(
             else:
                 mine, after = sampled_checksums(values, (here, there))
         return [
-            Field(f"names in {argument}=", stable_hash([state.key, *values]), shown=False),
+            Field(f"names in {argument}=", _names_print(state.key, tuple(values)), shown=False),
             Field(_CHECKSUM, mine, compare=False),
             Field("the next rank's values (checksum)", after, compare=False),
         ]
@@ -428,6 +428,13 @@ def set_full(
 
 
 _CHECKSUM = "values in grads= (checksum)"
+
+
+@functools.lru_cache(maxsize=8)
+def _names_print(key: str | None, names: tuple[str, ...]) -> int:
+    """What every rank compares of the names a write was given: their hash (the same names every call,
+    so kept: the hash reads every name's repr)."""
+    return stable_hash([key, *names])
 
 
 def _compared(
