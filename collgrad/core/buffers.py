@@ -69,22 +69,18 @@ def adjacent_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 
 def joined_copies(
-    targets: list[torch.Tensor], sources: list[torch.Tensor], follows: Sequence[bool] | None = None
+    targets: list[torch.Tensor], sources: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The copies ``targets[i].copy_(sources[i])`` as fewer, longer ones: where target i + 1 follows
-    target i in its storage and source i + 1 follows source i in theirs, the run is one pair of 1-D
-    views. ``follows[i]``: whether target i + 1 follows target i, where the caller knows it from a plan
-    (its views of one buffer, 1-D, contiguous, of one dtype); else asked here like the sources, in C
-    loops (a copy each of hundreds of small tensors costs ~30% more than one of their bytes). Local;
+    target i in its storage and source i + 1 follows source i in theirs (asked of both in C loops), the
+    run is one pair of 1-D views (a copy each of hundreds of small tensors costs ~30% more than one of
+    their bytes). Where a plan knows how the targets lie, ``joined_runs`` asks only the sources. Local;
     nothing is copied."""
-    assert follows is None or len(follows) == len(sources) - 1 == len(targets) - 1  # one per pair
-    if len(sources) < 2 or (follows is not None and not any(follows)):
+    if len(sources) < 2:
         return targets, sources
     joined = _follow(sources)
-    if joined is not None and follows is None:
+    if joined is not None:
         joined = list(map(operator.and_, joined, _follow(targets) or [False] * len(joined)))
-    elif joined is not None and follows is not None:
-        joined = list(map(operator.and_, follows, joined))
     if joined is None or not any(joined):
         return targets, sources
     out_targets: list[torch.Tensor] = []

@@ -132,20 +132,20 @@ def test_copies_of_parts_that_follow_each_other_on_both_sides_are_joined_into_on
     source, target = torch.arange(12.0), torch.zeros(12)
     sizes = [2, 3, 1, 4, 2]
     sources, targets = list(source.split(sizes)), list(target.split(sizes))
-    # a gap in the values between parts 2 and 3 (another buffer), and the plan saying part 4 does not follow
+    # a gap in the values between parts 2 and 3 (another buffer), and part 4's target elsewhere
     sources[3] = torch.arange(6.0, 10.0)
-    follows = [True, True, True, False]
-    joined_targets, joined_sources = joined_copies(targets, sources, follows)
+    targets[4] = torch.zeros(2)
+    joined_targets, joined_sources = joined_copies(targets, sources)
     assert [t.numel() for t in joined_targets] == [6, 4, 2] == [s.numel() for s in joined_sources]
     assert joined_targets[0].data_ptr() == target.data_ptr() and joined_sources[0].data_ptr() == source.data_ptr()
     torch._foreach_copy_(joined_targets, joined_sources)
-    assert torch.equal(target, torch.arange(12.0))  # the same bytes as a copy per part
-    # asked from the tensors themselves where no plan says: targets out of order are not joined
+    assert torch.equal(target[:10], torch.arange(10.0)) and torch.equal(targets[4], torch.arange(10.0, 12.0))
+    # targets out of order are not joined
     backwards = list(reversed(list(torch.zeros(12).split(sizes))))
     assert joined_copies(backwards, list(source.split(list(reversed(sizes)))))[0] == backwards
     # another dtype among the values, or non-contiguous ones: as given
     mixed = [sources[0].double(), *sources[1:]]
-    assert joined_copies(targets, mixed, follows)[1] == mixed
+    assert joined_copies(targets, mixed)[1] == mixed
     strided = [torch.arange(4.0)[::2], torch.arange(4.0)[1::2]]
     assert joined_copies(list(torch.zeros(4).split(2)), strided)[1] == strided
 
