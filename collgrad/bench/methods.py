@@ -190,7 +190,12 @@ METHODS: tuple[Method, ...] = (
     Method("collgrad_iter", _iter, _of_stream, floor=_STREAM),
     # DeepSpeed's setter writes this rank's fragment (ZeRO-1/2) or partition (ZeRO-3) locally.
     Method(
-        "deepspeed_set_loop", _set_loop, local_reading, versus=("collgrad_set", "collgrad_set_unchecked"), sources=DS
+        "deepspeed_set_loop",
+        _set_loop,
+        local_reading,
+        # and against the write's floor: the most any write that agrees before it copies can gain
+        versus=("collgrad_set", "collgrad_set_unchecked", "raw_write"),
+        sources=DS,
     ),
     Method("collgrad_set", _set(check=True), of_result),
     Method("collgrad_set_unchecked", _set(check=False), of_result, floor=_WRITE),

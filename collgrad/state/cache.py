@@ -124,7 +124,8 @@ class WritePlan(NamedTuple):
     rows: tuple[WriteRow, ...]
     cuts: tuple[tuple[int, tuple[int, ...]], ...]
     #: with every row given (whole rows, then the others), whether each row's view follows the one
-    #: before it in the buffer: where their values follow each other too, one copy serves them
+    #: before it in the buffer, the one before ending its parameter where this one begins its own: where
+    #: their values follow each other too, one copy serves them
     follows: tuple[bool, ...]
     #: the rows in that order: their parameters, first elements and counts, where each goes (its cut
     #: and its offset there: a run of them is cut as one view), and its view of the cuts (each row's

@@ -114,6 +114,7 @@ def test_floors_and_goals():
     assert versus() == [
         ("deepspeed_set_loop", "collgrad_set"),
         ("deepspeed_set_loop", "collgrad_set_unchecked"),
+        ("deepspeed_set_loop", "raw_write"),
         ("deepspeed_norm_loop", "collgrad_stats"),
         ("full_tensor_norm_loop", "collgrad_stats"),
         ("deepspeed_fp32_loop", "collgrad_fp32"),

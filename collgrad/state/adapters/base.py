@@ -471,8 +471,16 @@ class Source:
             cuts.append((into, tuple(sizes)))
             views += len(sizes)
         given = [k for k, row in enumerate(rows) if row.whole] + [k for k, row in enumerate(rows) if not row.whole]
+        # row b can take one copy with row a where b's view follows a's in the buffer, and a's part ends its
+        # parameter where b's begins its own (only then can the values follow each other: ZeRO-3's
+        # slices of every parameter never do)
+        numels = {slot.name: slot.numel for slot in group.params}
         follows = tuple(
-            spots[b][0] == spots[a][0] and spots[b][1] == spots[a][1] + spots[a][2] for a, b in zip(given, given[1:])
+            spots[b][0] == spots[a][0]
+            and spots[b][1] == spots[a][1] + spots[a][2]
+            and rows[a].param_offset + rows[a].numel == numels[rows[a].name]
+            and rows[b].param_offset == 0
+            for a, b in zip(given, given[1:])
         )
         found = WritePlan(
             where,
@@ -556,7 +564,9 @@ def _joined_copies(
     into few runs (what collgrad's own reads return: a bucket's values back to back): per run one view of
     the buffer (of its storage span, ``spans``, or its piece) and one of the values, with no view cut per
     row. None where they do not: ``prepare_write`` then cuts every row's view."""
-    runs = joined_runs(given, plan.los, plan.numels, plan.follows) if given else None
+    if not any(plan.follows):  # no two rows can be one copy (ZeRO-3): not asked of the values
+        return None
+    runs = joined_runs(given, plan.los, plan.numels, plan.follows)
     if runs is None or len(runs) > max(_FEW_RUNS, len(given) // 8):
         return None
     copies = Copies([], [])
