@@ -146,7 +146,11 @@ def cut_parts(values: list[torch.Tensor], los: Sequence[int], numels: Sequence[i
         if bases[at] is not None and end - at > 1 and all(contiguous[at:end]):
             ends = list(map(operator.add, starts[at:end], numels[at:end]))
             gaps = list(map(operator.sub, starts[at + 1 : end], ends))
-            if min(gaps) >= 0 and len(set(map(_dtype, values[at:end]))) == 1:
+            if (
+                min(gaps) >= 0
+                and len(set(map(_dtype, values[at:end]))) == 1
+                and _within(values[at], values[end - 1], ends[-1])
+            ):
                 sizes = [0] * (2 * (end - at) - 1)
                 sizes[0::2], sizes[1::2] = numels[at:end], gaps
                 span = _storage_view(values[at], starts[at], ends[-1] - starts[at])
@@ -160,6 +164,13 @@ def cut_parts(values: list[torch.Tensor], los: Sequence[int], numels: Sequence[i
 
 
 _base_of = operator.attrgetter("_base")
+
+
+def _within(first: torch.Tensor, last: torch.Tensor, end: int) -> bool:
+    """Whether ``first`` and ``last`` lie in one storage that holds ``end`` elements of their dtype (a
+    span cut from it is not bounds-checked: ``set_``)."""
+    storage = first.untyped_storage()
+    return storage.data_ptr() == last.untyped_storage().data_ptr() and end * first.element_size() <= storage.nbytes()
 
 
 def _follow(tensors: list[torch.Tensor]) -> list[bool] | None:

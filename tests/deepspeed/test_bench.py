@@ -51,7 +51,14 @@ def test_bench_runs_and_reports_every_method(tmp_path):
     assert "in call" in lines[header] and "faults" in lines[header]
     assert [line.split()[0] for line in lines[header + 1 : header + 1 + len(ROWS)]] == ROWS
     floors = report["ratios"]["floors"]
-    assert set(floors) == {"collgrad_all_gather", "collgrad_all_reduce", "collgrad_iter", "collgrad_load"}
+    assert set(floors) == {
+        "collgrad_all_gather",
+        "collgrad_all_reduce",
+        "collgrad_iter",
+        "collgrad_load",
+        "collgrad_set_unchecked",
+    }
+    assert floors["collgrad_set_unchecked"]["floor"] == "raw_write" and floors["collgrad_set_unchecked"]["goal"] == 1.25
     assert floors["collgrad_load"]["floor"] == "raw_reads" and floors["collgrad_load"]["goal"] == 1.5
     assert floors["collgrad_all_gather"]["floor"] == "raw_all_gather" and floors["collgrad_all_gather"]["goal"] == 1.2
     assert "to the floor" in stdout and "streaming:" in stdout
@@ -65,6 +72,7 @@ def test_bench_runs_and_reports_every_method(tmp_path):
     # the writes against DeepSpeed's setter loops, and against the loop that also changes the weights
     assert "deepspeed_fp32_weights_set_loop / collgrad_fp32_set" in stdout
     assert "deepspeed_exp_avg_set_loop / collgrad_exp_avg_set" in stdout
+    assert "deepspeed_set_loop / raw_write" in stdout  # the most a write that agrees first can gain
     assert "\r[bench] deepspeed_loop: 1/2\r[bench] deepspeed_loop: 2/2\n" in stderr  # one line per method
 
 
