@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 import collgrad
 from collgrad import _compat
+from collgrad.backends import agreement
+from collgrad.backends.waits import timeout_from_env
 from collgrad.bench.setting import (
     DS,
     FSDP2,
@@ -146,20 +148,21 @@ def _raw_all_gather(s: Setting) -> Call:
 
 
 def _raw_write(s: Setting) -> Call:
-    """The floor of a write: one all-gather of a row of int64 the size of the readiness check's, then the
-    copies of this rank's owned parts that ``safe_set_full_model_grads`` makes of the same values, made
-    ready once before the calls (no argument check, no checksum, no plan, no views per call). What a
-    write that agrees before it copies cannot go below."""
+    """The floor of a write: the readiness check's exchange alone (a row of int64 of its size, through
+    ``agreement.exchange``: the device and form every backend takes), then the copies into this rank's
+    partitioned buffers that ``safe_set_full_model_grads`` makes of the same values, made ready once
+    before the calls (under fp16 scaled once there). Not done: the argument check, the checksum, the plan,
+    the views made per call, the writes of groups every rank holds whole and what a source refreshes after
+    a write (offload's norms). What a write that agrees before it copies cannot go below."""
     source, _ = source_of(s.subject.engine)
     local = source.read()
     with torch.no_grad():
         targets, sources = source.prepare_write(local, s.full, local.loss_scale)
     group = source.control_group if source.control_group is not None else _compat.default_group()
-    row = torch.zeros(1 + len(FIELDS) + OpenCall.EXTRA, dtype=torch.int64)
-    rows = torch.empty(row.numel() * group.size(), dtype=torch.int64)
+    row = [0] * (1 + len(FIELDS) + OpenCall.EXTRA)
 
     def call() -> None:
-        _compat.all_gather_flat(rows, row, group).wait()
+        agreement.exchange(group, row, timeout_s=timeout_from_env(), what="raw_write's exchange")
         with torch.no_grad():
             copy_all(targets, sources)
 

@@ -103,13 +103,12 @@ class Placements:
 
 class WriteRow(NamedTuple):
     """One owned part of a parameter to write, within one piece of the local buffer: the parameter,
-    where in it (flat), how many elements, whether that is the whole parameter, and where it goes: the
-    ``view``-th of the plan's views (its cuts' ``split_with_sizes``, one cut after another)."""
+    where in it (flat), how many elements, and where it goes: the ``view``-th of the plan's views (its
+    cuts' ``split_with_sizes``, one cut after another)."""
 
     name: str
     param_offset: int
     numel: int
-    whole: bool
     view: int
 
 
@@ -123,7 +122,7 @@ class WritePlan(NamedTuple):
     starts: tuple[int, ...]
     rows: tuple[WriteRow, ...]
     cuts: tuple[tuple[int, tuple[int, ...]], ...]
-    #: with every row given (whole rows, then the others), whether each row's view follows the one
+    #: with every row given (in the buffer's order), whether each row's view follows the one
     #: before it in the buffer, the one before ending its parameter where this one begins its own: where
     #: their values follow each other too, one copy serves them
     follows: tuple[bool, ...]

@@ -420,7 +420,7 @@ class Source:
                 sources += cut_parts(given, plan.los, plan.numels)
                 targets += map(views.__getitem__, plan.views)
                 continue
-            for name, lo, numel, _, view in plan.rows:  # a subset given: row by row
+            for name, lo, numel, view in plan.rows:  # a subset given: row by row
                 new = values.get(name)
                 if new is not None:
                     sources.append(new.reshape(-1).narrow(0, lo, numel))
@@ -443,7 +443,7 @@ class Source:
             or (found.where == where and found.starts == tuple(buffer.starts))
         ):
             return found
-        parts: dict[int, list[tuple[int, int, str, int, bool]]] = {}  # into -> (offset, numel, name, lo, whole)
+        parts: dict[int, list[tuple[int, int, str, int]]] = {}  # into -> (offset, numel, name, lo)
         for f in owned_fragments(group, rank_in(group)):
             slot = group.params[f.param]
             for part, at in buffer.spans(f.local_offset, f.numel):
@@ -451,7 +451,7 @@ class Source:
                 inside = f.local_offset + at - buffer.starts[k]
                 n = part.numel()
                 into, offset = (-1 - where[k][0], where[k][1] + inside) if where is not None else (k, inside)
-                parts.setdefault(into, []).append((offset, n, slot.name, f.param_offset + at, n == slot.numel))
+                parts.setdefault(into, []).append((offset, n, slot.name, f.param_offset + at))
         rows, cuts = [], []
         spots: list[tuple[int, int, int]] = []  # per row: its cut, its offset there, its numel
         views = 0  # the views of the cuts so far
@@ -459,10 +459,10 @@ class Source:
             total = spans[0][-1 - into].numel() if into < 0 and spans is not None else buffer.piece(into).numel()
             sizes: list[int] = []
             end = 0
-            for offset, n, name, lo, whole in sorted(found_parts):
+            for offset, n, name, lo in sorted(found_parts):
                 if offset > end:
                     sizes.append(offset - end)  # a gap no part of this rank's covers
-                rows.append(WriteRow(name, lo, n, whole, views + len(sizes)))
+                rows.append(WriteRow(name, lo, n, views + len(sizes)))
                 spots.append((into, offset, n))
                 sizes.append(n)
                 end = offset + n
@@ -470,7 +470,7 @@ class Source:
                 sizes.append(total - end)
             cuts.append((into, tuple(sizes)))
             views += len(sizes)
-        given = [k for k, row in enumerate(rows) if row.whole] + [k for k, row in enumerate(rows) if not row.whole]
+        given = range(len(rows))  # in the buffer's order: a partition's tail, whole parameters, a head
         # row b can take one copy with row a where b's view follows a's in the buffer, and a's part ends its
         # parameter where b's begins its own (only then can the values follow each other: ZeRO-3's
         # slices of every parameter never do)
