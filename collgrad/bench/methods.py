@@ -170,7 +170,9 @@ def _raw_write(s: Setting) -> Call:
 
 
 def _raw_write_reading(s: Setting, call: Call) -> Reading:
-    return Reading(1, (1 + len(FIELDS) + OpenCall.EXTRA) * 8)
+    """Nothing sent that counts: the exchange is the readiness check's, which no record counts as data
+    (collgrad's writes report none either)."""
+    return Reading(0, 0)
 
 
 _GATHER = Floor("raw_all_gather", 1.10, goal_stage3=1.20)  # ZeRO-3's all-gather plan also reorders
