@@ -181,10 +181,12 @@ def safe_set_full_model_fp32_params(
     weights, FSDP2's shards, so that the next forward already uses them (DeepSpeed's
     ``safe_set_full_fp32_param`` leaves those until the next step). Adam's states are left as they are.
 
-    When and where: on every rank of the data-parallel group, at any time outside ``step()``, with the
-    same names and values on every rank. Each rank writes what it owns, without a bulk collective: only
-    the agreement, in which (``check=True``) checksums of the values are compared, so that ranks passing
-    different values raise together (ArgumentMismatchError) instead of training on a mix.
+    When and where: on every rank of the data-parallel group, at any time outside ``step()`` and not
+    between a forward and its backward (the weights change in place: autograd may refuse that backward,
+    as after any in-place change of a weight it saved), with the same names and values on every rank.
+    Each rank writes what it owns, without a bulk collective: only the agreement, in which
+    (``check=True``) checksums of the values are compared, so that ranks passing different values raise
+    together (ArgumentMismatchError) instead of training on a mix.
     """
     return set_full(model, values, params, check, policy, dispatcher, "safe_set_full_model_fp32_params", FP32)
 
