@@ -192,10 +192,7 @@ def _run(run: Sequence[torch.Tensor]) -> torch.Tensor | None:
     first, last = run[0], run[-1]
     if len(run) == 1:
         return first
-    if first.untyped_storage().data_ptr() != last.untyped_storage().data_ptr():
-        return None
-    numel = (last.data_ptr() + last.nbytes - first.data_ptr()) // first.element_size()
-    return _storage_view(first, int(first.storage_offset()), numel)
+    return joined_source(first, 0, last, (last.data_ptr() + last.nbytes - first.data_ptr()) // first.element_size())
 
 
 def flat_alias(tensor: torch.Tensor) -> torch.Tensor:

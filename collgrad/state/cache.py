@@ -29,7 +29,7 @@ from collgrad.state.plan import GradCall, GradPlan
 from collgrad.state.stat_blocks import Arranged
 from collgrad.state.steps import CopyPlan, Sent, ViewRun
 
-__all__ = ["Lru", "ShapePlans", "PlanCache", "Placements", "HeldCopies", "WriteRow", "WritePlan", "MAX_SHAPES"]
+__all__ = ["Lru", "ShapePlans", "PlanCache", "Placements", "HeldCopies", "WritePlan", "MAX_SHAPES"]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -101,34 +101,24 @@ class Placements:
         self.views: Lru[tuple[int, ...], tuple[ViewRun, ...]] = Lru(MAX_SHAPES)
 
 
-class WriteRow(NamedTuple):
-    """One owned part of a parameter to write, within one piece of the local buffer: the parameter,
-    where in it (flat), how many elements, and where it goes: the ``view``-th of the plan's views (its
-    cuts' ``split_with_sizes``, one cut after another)."""
-
-    name: str
-    param_offset: int
-    numel: int
-    view: int
-
-
 class WritePlan(NamedTuple):
-    """A group's write rows for the pieces where they lay (``where``: each piece's (storage span, offset)
-    as ``Pieces.storage_spans`` gives them; None: cut piece by piece) and began (``starts``), and per
-    target cut (span ``-1 - i``, or piece ``k``) the sizes whose ``split_with_sizes`` gives the rows'
-    views (gaps between this rank's parts included, so that they cover it)."""
+    """A group's write rows (this rank's owned parts of its parameters, each within one piece of the
+    local buffer) for the pieces where they lay (``where``: each piece's (storage span, offset) as
+    ``Pieces.storage_spans`` gives them; None: cut piece by piece) and began (``starts``), and per target
+    cut (span ``-1 - i``, or piece ``k``) the sizes whose ``split_with_sizes`` gives the rows' views
+    (gaps between this rank's parts included, so that they cover it). The rows are columns, in the
+    buffer's order, so that a write takes them in C loops."""
 
     where: tuple[tuple[int, int], ...] | None
     starts: tuple[int, ...]
-    rows: tuple[WriteRow, ...]
     cuts: tuple[tuple[int, tuple[int, ...]], ...]
-    #: with every row given (in the buffer's order), whether each row's view follows the one
-    #: before it in the buffer, the one before ending its parameter where this one begins its own: where
-    #: their values follow each other too, one copy serves them
+    #: whether each row's view follows the one before it in the buffer, the one before ending its
+    #: parameter where this one begins its own: where their values follow each other too, one copy
+    #: serves them
     follows: tuple[bool, ...]
-    #: the rows in that order: their parameters, first elements and counts, where each goes (its cut
-    #: and its offset there: a run of them is cut as one view), and its view of the cuts (each row's
-    #: view, where they do not run)
+    #: per row: its parameter, the first element and the count of its part, where it goes (its cut and
+    #: its offset there: a run of rows is cut as one view), and its view of the cuts (each row's view,
+    #: where they do not run)
     order: tuple[str, ...]
     los: tuple[int, ...]
     numels: tuple[int, ...]

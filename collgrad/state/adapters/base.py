@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 from collgrad import _compat
 from collgrad.core.buffers import Pieces, StorageSpans, cut_parts, joined_copies, joined_runs, joined_source
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
-from collgrad.state.cache import PlanCache, WritePlan, WriteRow
+from collgrad.state.cache import PlanCache, WritePlan
 from collgrad.state.kinds import GRAD, WEIGHTS, StateKind
 from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout, owned_fragments
 
@@ -420,7 +420,7 @@ class Source:
                 sources += cut_parts(given, plan.los, plan.numels)
                 targets += map(views.__getitem__, plan.views)
                 continue
-            for name, lo, numel, view in plan.rows:  # a subset given: row by row
+            for name, lo, numel, view in zip(plan.order, plan.los, plan.numels, plan.views):  # a subset: row by row
                 new = values.get(name)
                 if new is not None:
                     sources.append(new.reshape(-1).narrow(0, lo, numel))
@@ -452,9 +452,14 @@ class Source:
                 n = part.numel()
                 into, offset = (-1 - where[k][0], where[k][1] + inside) if where is not None else (k, inside)
                 parts.setdefault(into, []).append((offset, n, slot.name, f.param_offset + at))
-        rows, cuts = [], []
-        spots: list[tuple[int, int, int]] = []  # per row: its cut, its offset there, its numel
-        views = 0  # the views of the cuts so far
+        # the rows, in the buffer's order (a partition's tail, whole parameters, a head), as columns
+        order: list[str] = []
+        los: list[int] = []
+        numels: list[int] = []
+        places: list[tuple[int, int]] = []
+        views: list[int] = []
+        cuts: list[tuple[int, tuple[int, ...]]] = []
+        cut = 0  # the views of the cuts so far
         for into, found_parts in parts.items():
             total = spans[0][-1 - into].numel() if into < 0 and spans is not None else buffer.piece(into).numel()
             sizes: list[int] = []
@@ -462,37 +467,37 @@ class Source:
             for offset, n, name, lo in sorted(found_parts):
                 if offset > end:
                     sizes.append(offset - end)  # a gap no part of this rank's covers
-                rows.append(WriteRow(name, lo, n, views + len(sizes)))
-                spots.append((into, offset, n))
+                order.append(name)
+                los.append(lo)
+                numels.append(n)
+                places.append((into, offset))
+                views.append(cut + len(sizes))
                 sizes.append(n)
                 end = offset + n
             if end < total:
                 sizes.append(total - end)
             cuts.append((into, tuple(sizes)))
-            views += len(sizes)
-        given = range(len(rows))  # in the buffer's order: a partition's tail, whole parameters, a head
+            cut += len(sizes)
         # row b can take one copy with row a where b's view follows a's in the buffer, and a's part ends its
         # parameter where b's begins its own (only then can the values follow each other: ZeRO-3's
         # slices of every parameter never do)
-        numels = {slot.name: slot.numel for slot in group.params}
+        whole = {slot.name: slot.numel for slot in group.params}
         follows = tuple(
-            spots[b][0] == spots[a][0]
-            and spots[b][1] == spots[a][1] + spots[a][2]
-            and rows[a].param_offset + rows[a].numel == numels[rows[a].name]
-            and rows[b].param_offset == 0
-            for a, b in zip(given, given[1:])
+            places[a + 1] == (places[a][0], places[a][1] + numels[a])
+            and los[a] + numels[a] == whole[order[a]]
+            and los[a + 1] == 0
+            for a in range(len(order) - 1)
         )
         found = WritePlan(
             where,
             tuple(buffer.starts),
-            tuple(rows),
             tuple(cuts),
             follows,
-            tuple(rows[k].name for k in given),
-            tuple(rows[k].param_offset for k in given),
-            tuple(rows[k].numel for k in given),
-            tuple(spots[k][:2] for k in given),
-            tuple(rows[k].view for k in given),
+            tuple(order),
+            tuple(los),
+            tuple(numels),
+            tuple(places),
+            tuple(views),
         )
         self.plans.write_plans[group.index] = found
         return found
@@ -578,9 +583,9 @@ def _joined_copies(
             copies.targets.append(_cut(buffer, spans, places[first], numel))
             copies.sources.append(source)
             continue
-        for k in range(first, end):  # back to back, but in two storages (allocations that abut): one each
-            copies.targets.append(_cut(buffer, spans, places[k], numels[k]))
-            copies.sources.append(given[k].reshape(-1).narrow(0, los[k], numels[k]))
+        # back to back, but in two storages (allocations that abut): one copy each
+        copies.targets.extend(_cut(buffer, spans, places[k], numels[k]) for k in range(first, end))
+        copies.sources.extend(cut_parts(given[first:end], los[first:end], numels[first:end]))
     return copies
 
 
