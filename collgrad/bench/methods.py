@@ -224,7 +224,7 @@ def methods_for(source: str, only: tuple[str, ...] = (), stage: int | None = Non
         if source in m.sources
         and (not only or m.name in only)
         and (stage is None or source != "deepspeed" or stage in m.stages)
-        and (m.needs is None or importlib.util.find_spec(m.needs) is not None)
+        and all(importlib.util.find_spec(module) is not None for module in m.needs)
     ]
 
 

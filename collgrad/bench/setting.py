@@ -201,8 +201,8 @@ class Method:
     sources: tuple[str, ...] = SOURCES
     #: the ZeRO stages a DeepSpeed run has it for (FSDP2 runs: every method of their source)
     stages: tuple[int, ...] = (0, 1, 2, 3)
-    #: a module the method needs (the row is left out where it is not installed)
-    needs: str | None = None
+    #: the modules the method needs (the row is left out where one is not installed)
+    needs: tuple[str, ...] = ()
 
     def bind(self, setting: Setting) -> Call:
         """The call on this rank's engine."""

@@ -422,7 +422,7 @@ STATE_METHODS: tuple[Method, ...] = (
         versus="collgrad_load",
         sources=DS,
         stages=(3,),
-        needs="transformers",
+        needs=("transformers",),
     ),
     Method("deepspeed_gathered_load", _gathered_load, _weights_loop_reading, versus="collgrad_load", sources=DS),
     Method("fsdp2_broadcast_load", _broadcast_load, _consolidated_reading, versus="collgrad_load", sources=FSDP2),
@@ -458,6 +458,7 @@ STATE_METHODS: tuple[Method, ...] = (
         versus="collgrad_convert",
         sources=DS,
         stages=(2, 3),
+        needs=("safetensors", "huggingface_hub"),  # zero_to_fp32 writes safetensors shards with them
     ),
     Method("collgrad_convert", _convert, lambda s, call: Reading(0, 0), sources=DS, stages=(2, 3)),
 )
