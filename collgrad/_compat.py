@@ -147,8 +147,16 @@ def all_gather_flat(output: torch.Tensor, inp: torch.Tensor, group: ProcessGroup
 
 
 def all_gather_list(outputs: list[torch.Tensor], inp: torch.Tensor, group: ProcessGroup) -> dist.Work:
-    """The list form of all-gather: every backend implements it, torch's MPI backend included."""
-    work: dist.Work = dist.all_gather(outputs, inp, group=group, async_op=True)
+    """The list form of all-gather: every backend implements it, torch's MPI backend included.
+
+    The process group's own ``allgather``, as ``dist.all_gather`` calls it: the wrapper's checks, its
+    logging decorators and its group lookup cost ~40-90 us a call (2.13, Gloo, two local ranks;
+    ``docs/benchmarks.md``), and every collgrad call makes one such all-gather, its readiness check.
+    collgrad's own tensors are real (not complex) and ``group`` always holds this rank."""
+    opts = AllgatherOptions()
+    if hasattr(opts, "asyncOp"):  # 2.9+: as allreduce_coalesced says
+        opts.asyncOp = True
+    work: dist.Work = group.allgather([outputs], [inp], opts)
     return work
 
 

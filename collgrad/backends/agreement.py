@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
@@ -78,7 +77,7 @@ def exchange(
     device = _compat.agreement_device(device_type)
     mine = torch.tensor(list(row), dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(group.size())]
-    work = dist.all_gather(rows, mine, group=group, async_op=True)
+    work = _compat.all_gather_list(rows, mine, group)
     try:
         if meanwhile is not None:
             meanwhile()

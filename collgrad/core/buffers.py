@@ -461,7 +461,7 @@ class SameTensors:
         return (
             len(self._refs) == len(tensors)
             and list(map(torch.Tensor.data_ptr, tensors)) == ptrs
-            and all(map(operator.is_, map(_deref, self._refs), tensors))
+            and all(map(operator.is_, map(weakref.ref.__call__, self._refs), tensors))
             and list(map(torch.Tensor.numel, tensors)) == numels
             and list(map(torch.Tensor.stride, tensors)) == strides
         )
@@ -473,10 +473,6 @@ class SameTensors:
             list(map(torch.Tensor.numel, tensors)),
             list(map(torch.Tensor.stride, tensors)),
         )
-
-
-def _deref(ref: weakref.ref[torch.Tensor]) -> torch.Tensor | None:
-    return ref()
 
 
 class PiecesCache:

@@ -123,12 +123,11 @@ def sampled_checksums(
     """``sampled_checksum`` of each of ``regions`` (parts each), in one pass over the values: one
     indexed read per buffer the values view for all regions together (a rank's check reads two: its own
     parts and the next rank's). Local."""
-    parts = [part for region in regions for part in region]
+    names, los, numels, labels = _columns(regions)
     totals = [0] * len(regions)
-    if not parts:
+    if not names:
         return totals
-    labels = _labels(tuple(map(len, regions)))
-    held = list(map(values.__getitem__, map(_name, parts)))
+    held = list(map(values.__getitem__, names))
     dtypes = list(map(_dtype, held))
     by_dtype: dict[torch.dtype, list[int] | None] = {}
     if len(set(dtypes)) == 1:  # the usual case, without a step per part
@@ -141,15 +140,46 @@ def sampled_checksums(
     with torch.no_grad():
         for dtype, chosen in sorted(by_dtype.items(), key=lambda item: str(item[0])):
             if chosen is None:
-                sums = _dtype_sums(held, parts, labels, len(regions))
+                sums = _dtype_sums(held, los, numels, labels, len(regions))
                 present = set(labels)
             else:
                 these = tuple(labels[i] for i in chosen)
-                sums = _dtype_sums([held[i] for i in chosen], [parts[i] for i in chosen], these, len(regions))
+                picked = [held[i] for i in chosen]
+                los_, numels_ = tuple(los[i] for i in chosen), tuple(numels[i] for i in chosen)
+                sums = _dtype_sums(picked, los_, numels_, these, len(regions))
                 present = set(these)
             for region in present:
                 totals[region] = totals[region] * 1_000_003 + stable_hash(str(dtype)) + sums[region]
     return [total & ((1 << 62) - 1) for total in totals]  # fits in the int64 the exchange carries
+
+
+_Columns = tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+#: ``_columns``' answers, by the identity of the regions they were worked out for (held here, so an id
+#: is never another tuple's): a write's regions are the tuples ``Source.reads`` keeps, the same each call.
+_COLUMNS: dict[tuple[int, ...], tuple[tuple[tuple[tuple[str, int, int], ...], ...], _Columns]] = {}
+
+
+def _columns(regions: Sequence[tuple[tuple[str, int, int], ...]]) -> _Columns:
+    """The parts of ``regions``, one region after another, as columns: names, first elements, counts,
+    and each part's region. Worked out once for regions passed as the same tuples again (a few passes
+    over every part, ~0.1 ms a write in the ranks, otherwise)."""
+    key = tuple(map(id, regions))
+    found = _COLUMNS.get(key)
+    if found is not None and all(map(operator.is_, found[0], regions)):
+        return found[1]
+    parts = [part for region in regions for part in region]
+    columns: _Columns = (
+        tuple(map(_name, parts)),
+        tuple(map(_lo, parts)),
+        tuple(map(_count, parts)),
+        _labels(tuple(map(len, regions))),
+    )
+    if all(type(region) is tuple for region in regions):  # kept only for what cannot change in place
+        if len(_COLUMNS) >= 8:  # a few kinds of state written, each its own regions
+            del _COLUMNS[next(iter(_COLUMNS))]
+        _COLUMNS[key] = (tuple(regions), columns)
+    return columns
 
 
 @functools.lru_cache(maxsize=8)
@@ -159,18 +189,18 @@ def _labels(lengths: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _dtype_sums(
-    held: list[torch.Tensor], parts: Sequence[tuple[str, int, int]], labels: tuple[int, ...], regions: int
+    held: list[torch.Tensor], los: tuple[int, ...], numels: tuple[int, ...], labels: tuple[int, ...], regions: int
 ) -> list[int]:
-    """``sampled_checksums``' sum of each region for ``held`` of one dtype (``labels``: each part's
-    region, regions one after another)."""
+    """``sampled_checksums``' sum of each region for ``held`` of one dtype, the parts of them that start
+    at ``los`` and hold ``numels`` elements (``labels``: each part's region, regions one after another)."""
     dtype = held[0].dtype
     step = max(1, SAMPLE_BYTES // held[0].element_size())
-    counts, first = _sample_sizes(tuple(map(_count, parts)), step, labels)
+    counts, first = _sample_sizes(numels, step, labels)
     # per part, the buffer its value views where it is a contiguous view of one, and where the part
     # starts in that buffer's storage (C loops, not one by one)
     bases = list(map(_base, held))
     viewing = list(map(torch.Tensor.is_contiguous, held))
-    starts = tuple(map(operator.add, map(torch.Tensor.storage_offset, held), map(_lo, parts)))
+    starts = tuple(map(operator.add, map(torch.Tensor.storage_offset, held), los))
     by_base: dict[int, list[slice]] = {}  # runs of parts viewing one buffer, every region's together
     alone: list[int] = []
     at = 0
@@ -191,7 +221,7 @@ def _dtype_sums(
     if alone:
         samples = []
         for i in alone:
-            value, (_, lo, numel) = held[i], parts[i]
+            value, lo, numel = held[i], los[i], numels[i]
             if value.is_contiguous():  # one call: the strided elements where they lie
                 samples.append(torch.as_strided(value, (counts[i],), (step,), value.storage_offset() + lo))
             else:
