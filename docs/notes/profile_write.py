@@ -1,9 +1,10 @@
-"""Inside two local ranks, where ``safe_set_full_model_grads`` of the bench model spends its time, checked
-and unchecked: per rank, the median call and the mean time per call in its stages (the names checked,
-the sampled checksums, the copies made ready while the ranks agree (inside the agreement), the
+"""Inside two local ranks, where ``safe_set_full_model_grads`` (``--state exp_avg``:
+``safe_set_full_model_optimizer_states`` of Adam's first moment) of the bench model spends its time,
+checked and unchecked: per rank, the median call and the mean time per call in its stages (the names
+checked, the sampled checksums, the copies made ready while the ranks agree (inside the agreement), the
 agreement, the copy, the store), each wrapped with ``perf_counter``.
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python docs/notes/profile_write.py --stage 2
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python docs/notes/profile_write.py --stage 2 [--state exp_avg]
 
 Figures from it are in the closing notes of the issue on writes (the bench's write rows).
 """
@@ -27,7 +28,7 @@ STAGES = (
 )
 
 
-def _rank(rank: int, world: int, stage: int, calls: int) -> list[str]:
+def _rank(rank: int, world: int, stage: int, calls: int, state: str) -> list[str]:
     import torch.distributed as dist
     from profile_call import _wrap  # beside this script: a stage wrapped with perf_counter
 
@@ -38,6 +39,7 @@ def _rank(rank: int, world: int, stage: int, calls: int) -> list[str]:
 
     cfg = BenchConfig(stage=stage)
     setting = make_setting(build_subject(cfg), cfg)
+    engine = setting.subject.engine
     spent: dict[str, float] = {}
     for target in STAGES:
         _wrap(target, spent)
@@ -48,7 +50,12 @@ def _rank(rank: int, world: int, stage: int, calls: int) -> list[str]:
         for _ in range(calls):
             dist.barrier()
             start = time.perf_counter()
-            collgrad.safe_set_full_model_grads(setting.subject.engine, setting.full, check=check)
+            if state == "exp_avg":
+                collgrad.safe_set_full_model_optimizer_states(
+                    engine, "exp_avg", setting.exp_avg, optimizer=setting.subject.optimizer_obj, check=check
+                )
+            else:
+                collgrad.safe_set_full_model_grads(engine, setting.full, check=check)
             took.append(time.perf_counter() - start)
         stages = ", ".join(f"{k.rsplit(':', 1)[1]} {v / calls * 1e3:.2f}" for k, v in spent.items())
         lines.append(f"rank {rank} check={check}: {statistics.median(took) * 1e3:.2f} ms ({stages})")
@@ -59,8 +66,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=2)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--state", choices=("grads", "exp_avg"), default="grads")
     args = parser.parse_args()
-    for lines in run_local(_rank, 2, args.stage, args.calls, env={"DS_ACCELERATOR": "cpu"}):
+    for lines in run_local(_rank, 2, args.stage, args.calls, args.state, env={"DS_ACCELERATOR": "cpu"}):
         print("\n".join(lines))
 
 
