@@ -152,7 +152,9 @@ def all_gather_list(outputs: list[torch.Tensor], inp: torch.Tensor, group: Proce
     The process group's own ``allgather``, as ``dist.all_gather`` calls it: the wrapper's checks, its
     logging decorators and its group lookup cost ~40-90 us a call (2.13, Gloo, two local ranks;
     ``docs/benchmarks.md``), and every collgrad call makes one such all-gather, its readiness check.
-    collgrad's own tensors are real (not complex) and ``group`` always holds this rank."""
+    ``group`` always holds this rank; complex tensors go as real views, as the wrapper sends them."""
+    if inp.is_complex():
+        inp, outputs = torch.view_as_real(inp), [torch.view_as_real(t) for t in outputs]
     opts = AllgatherOptions()
     if hasattr(opts, "asyncOp"):  # 2.9+: as allreduce_coalesced says
         opts.asyncOp = True

@@ -177,7 +177,7 @@ def _columns(regions: Sequence[tuple[tuple[str, int, int], ...]]) -> _Columns:
     )
     if all(type(region) is tuple for region in regions):  # kept only for what cannot change in place
         if len(_COLUMNS) >= 8:  # a few kinds of state written, each its own regions
-            del _COLUMNS[next(iter(_COLUMNS))]
+            _COLUMNS.pop(next(iter(_COLUMNS)), None)
         _COLUMNS[key] = (tuple(regions), columns)
     return columns
 
