@@ -175,7 +175,8 @@ def _columns(regions: Sequence[tuple[tuple[str, int, int], ...]]) -> _Columns:
         tuple(map(_count, parts)),
         _labels(tuple(map(len, regions))),
     )
-    if all(type(region) is tuple for region in regions):  # kept only for what cannot change in place
+    if all(type(region) is tuple for region in regions) and all(type(part) is tuple for part in parts):
+        # kept only for what cannot change in place
         if len(_COLUMNS) >= 8:  # a few kinds of state written, each its own regions
             _COLUMNS.pop(next(iter(_COLUMNS)), None)
         _COLUMNS[key] = (tuple(regions), columns)
@@ -277,7 +278,9 @@ def _gathered(
     ms for the bench's 6,300 samples out of cache (advanced indexing goes through a general kernel)."""
     storage = torch.as_strided(value, (value.untyped_storage().nbytes() // value.element_size(),), (1,), 0)
     where, weights, region = _gather_plan(starts, counts, first, labels, step, value.device)
-    return _weighed(storage.index_select(0, where), weights, region, regions)
+    # as signed integers of the element's size (what _weighed reads them as): index_select has no kernel
+    # for uint16/32/64 (2.13)
+    return _weighed(storage.view(_BITS[value.element_size()]).index_select(0, where), weights, region, regions)
 
 
 @functools.lru_cache(maxsize=8)
@@ -322,11 +325,14 @@ def _int64(numbers: list[int], device: torch.device) -> torch.Tensor:
     return found.to(device)
 
 
+#: The integer type each element size is read as.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _weighed(sample: torch.Tensor, weights: torch.Tensor, region: torch.Tensor, regions: int) -> list[int]:
     """Per region, the sum (int64, wrapping) of ``sample``'s elements as integers of their own size, each
     times its weight (an odd number of its place in the sample); ``region``: each element's region."""
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[sample.element_size()]
-    words = sample.contiguous().view(bits).to(torch.int64).mul_(weights)
+    words = sample.contiguous().view(_BITS[sample.element_size()]).to(torch.int64).mul_(weights)
     if regions == 1:
         return [int(words.sum())]
     return words.new_zeros(regions).index_add_(0, region, words).tolist()

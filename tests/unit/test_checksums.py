@@ -126,3 +126,40 @@ def test_sampled_checksums_of_several_regions_are_each_region_s_sampled_checksum
     for regions in [(mine, after), (after, mine), (mine, ()), ((), after), (mine, mine, after)]:
         assert sampled_checksums(values, regions) == [sampled_checksum(values, r) for r in regions], regions
     assert sampled_checksums(values, (mine, after))[0] != sampled_checksums(values, (mine, after))[1]
+
+
+def test_sampled_checksum_of_views_of_one_buffer_of_any_dtype():
+    """Views of one buffer are sampled with one indexed read of its storage, whatever the dtype (torch has
+    no ``index_select`` for uint16/32/64: the storage is read as signed integers of the same size), and
+    give the number separate tensors give."""
+    from collgrad.state.write import sampled_checksum
+
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int16, torch.bool, torch.float16):
+        flat = torch.randint(0, 200, (6000,), generator=g).to(dtype)
+        views = {"a": flat[:2500], "b": flat[2500:4000].view(30, 50), "c": flat[4000:]}
+        parts = [("a", 3, 2497), ("b", 0, 1500), ("c", 10, 1990)]
+        base = sampled_checksum(views, parts)
+        assert sampled_checksum({n: v.clone() for n, v in views.items()}, parts) == base, dtype
+        changed = {n: v.clone() for n, v in views.items()}
+        changed["c"].view(-1)[10] = 201 if dtype is not torch.bool else not bool(changed["c"].view(-1)[10])
+        assert sampled_checksum(changed, parts) != base, dtype
+
+
+def test_sampled_checksums_of_regions_passed_again_follow_their_parts():
+    """The parts' columns are kept for regions passed as the same tuples again (a write's regions are the
+    tuples the source keeps); regions whose parts can change in place are worked out each call."""
+    from collgrad.state.write import sampled_checksums
+
+    g = torch.Generator().manual_seed(5)
+    values = {"a": torch.randn(9000, generator=g), "b": torch.randn(5000, generator=g)}
+    kept = (("a", 0, 9000), ("b", 0, 5000))
+    first = sampled_checksums(values, (kept,))
+    assert sampled_checksums(values, (kept,)) == first  # from the kept columns
+    assert sampled_checksums(values, ((("a", 0, 9000), ("b", 0, 5000)),)) == first  # equal, other tuples
+    part = ["b", 0, 5000]
+    mutable = (("a", 0, 9000), part)
+    assert sampled_checksums(values, (mutable,)) == first  # a part given as a list
+    part[1:] = [1, 4999]  # the same region tuple, one part changed in place
+    assert sampled_checksums(values, (mutable,)) == sampled_checksums(values, ((("a", 0, 9000), ("b", 1, 4999)),))
+    assert sampled_checksums(values, (mutable,)) != first
