@@ -34,25 +34,29 @@ from collgrad.errors import (
     RankFailedError,
     UnknownParameterError,
 )
-from collgrad.state import (
+from collgrad.checkpoint import (
     Converted,
+    LoadedModel,
+    LoadedTrainingState,
+    SavedModel,
+    SavedTrainingState,
+    convert_deepspeed_checkpoint,
+    load_full_model,
+    load_training_state,
+    save_full_model,
+    save_training_state,
+)
+from collgrad.state import (
     FullGrads,
     FullState,
     FullStateStream,
     GradStat,
     GradStats,
-    LoadedModel,
-    LoadedTrainingState,
     PreStepHook,
-    SavedModel,
-    SavedTrainingState,
     StateRecord,
-    convert_deepspeed_checkpoint,
     iter_full_model_fp32_params,
     iter_full_model_grads,
     iter_full_model_optimizer_states,
-    load_full_model,
-    load_training_state,
     register_pre_step_hook,
     safe_get_full_model_fp32_params,
     safe_get_full_model_grad_stats,
@@ -62,8 +66,6 @@ from collgrad.state import (
     safe_set_full_model_grads,
     safe_set_full_model_optimizer_states,
     safe_update_full_model_grads,
-    save_full_model,
-    save_training_state,
 )
 
 __version__ = "0.1.0"

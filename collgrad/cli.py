@@ -142,8 +142,8 @@ class _Bar:
 
 def _convert(args: argparse.Namespace) -> int:
     from collgrad.errors import CollgradError
-    from collgrad.state.convert import convert_deepspeed_checkpoint
-    from collgrad.state.save import DEFAULT_MAX_SHARD_BYTES
+    from collgrad.checkpoint.convert import convert_deepspeed_checkpoint
+    from collgrad.checkpoint.save import DEFAULT_MAX_SHARD_BYTES
 
     try:
         done = convert_deepspeed_checkpoint(

@@ -11,7 +11,7 @@ from collgrad import _compat
 from collgrad.errors import InvalidArgumentError
 from collgrad.state.hook import PreStepHook
 from collgrad.state.hook import register_pre_step_hook as _register
-from collgrad.state.save import SavedModel, save_full_model
+from collgrad.checkpoint.save import SavedModel, save_full_model
 
 __all__ = ["register_pre_step_hook", "save_model"]
 

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from collgrad import _compat
+from collgrad.core.dispatch import default_dispatcher
 from collgrad.errors import InvalidArgumentError
 from collgrad.state.kinds import FP32, GRAD, Grad, OptimizerState, StateKind
 from collgrad.state.read import FullState
@@ -127,7 +128,7 @@ class _Served:
                 from collgrad.state.call import source_of
                 from collgrad.state.execute import accessor_bytes
 
-                source = source_of(engine, kind)[0]
+                source = source_of(engine, kind, dispatcher=default_dispatcher())[0]
                 self.sent[0] += 1
                 self.sent[1] += accessor_bytes(source, source.layout.groups[0], ds_adapter.full_numel(param))
                 return self._fallback(f"collgrad does not know {type(engine.optimizer).__name__}'s layout", fallback)
@@ -153,7 +154,7 @@ class _Served:
         state = self.engines[engine]
         from collgrad.state.write import write_here
 
-        if not write_here(engine, kind, {name: value}):
+        if not write_here(engine, kind, {name: value}, dispatcher=default_dispatcher()):
             self._fallback(f"collgrad does not know {type(engine.optimizer).__name__}'s layout", fallback)
         state.written[kind] = state.written.get(kind, 0) + 1
 
@@ -164,7 +165,7 @@ class _Served:
         from collgrad.state.call import source_of
 
         if kind not in state.known:  # whether collgrad reads this kind itself, or only through DeepSpeed's accessor
-            state.known[kind] = source_of(engine, kind)[0].accessor is None
+            state.known[kind] = source_of(engine, kind, dispatcher=default_dispatcher())[0].accessor is None
         if not state.known[kind]:
             return None
         first = state.index[start]
@@ -184,7 +185,7 @@ class _Served:
         self.sent[1] += read.record.bytes
         # Each window's selection keeps a source of its own (its plans are reused every step); its
         # scratch (ZeRO-3's staging) goes with the window, so what is held stays one window per kind.
-        source_of(engine, kind, params=names)[0].release()
+        source_of(engine, kind, params=names, dispatcher=default_dispatcher())[0].release()
         return dict(read)
 
     def _owner(self, param: Any) -> tuple[Any, str] | None:

@@ -1,4 +1,5 @@
-"""The partitioned training state, model-wide: kinds -> layout -> adapters -> call -> plan -> execute.
+"""The partitioned training state in memory, model-wide: kinds -> layout -> adapters -> call -> plan ->
+execute. Nothing here touches a file: checkpoints are collgrad.checkpoint's, which builds on this.
 
 kinds.py         the kinds of state as typed values: GRAD, FP32, WEIGHTS, OptimizerState(key)
 layout.py        pure: which flat range of which parameter each rank holds, for any kind (frozen data)
@@ -9,7 +10,7 @@ adapters/        a model resolved once (``resolve``: a DeepSpeed engine, an FSDP
 plan.py          pure: layout + call arguments + agreed capabilities -> GradPlan (frozen)
 steps.py         pure: each step of a plan as frozen data (cuts, reduce steps, copy plans, sliced steps)
 cache.py         what a source keeps between calls: typed, LRU-bounded per call shape
-model_cache.py   sources per dispatcher and model (weakly), and each model's write count
+model_cache.py   sources per dispatcher and model (weakly), each model's write count; a call's Context
 call.py          opening a call: arguments checked, source taken, readiness agreed on every rank
 placements.py    where a rank's pieces lie, as told in the readiness check
 execute.py       the executor: one function per plan kind, each only moves bytes (runner.py: what they
@@ -19,23 +20,14 @@ state.py         the fp32 master weights and optimizer states, read and written 
 write.py         safe_set_full_model_grads, safe_update_full_model_grads
 stats.py         safe_get_full_model_grad_stats: per-parameter statistics without any full gradient
                  (stat_blocks.py: pure blocks; stat_reduce.py: this rank's reductions)
-save.py          save_full_model: a consolidated checkpoint streamed into safetensors shards (shards.py)
-load.py          load_full_model: a checkpoint read back where the model keeps it, each rank its own
-                 bytes (files.py: safetensors headers and indexes checked as untrusted input)
-training.py      save_training_state / load_training_state: the whole training state, world-size-free,
-                 each rank writing and reading its own ranges (manifest.py: what is where, as JSON)
-outcome.py       a phase of a file-writing or -reading call agreed by every rank
 hook.py          register_pre_step_hook: a function run inside DeepSpeed's fused step(), where they are valid
 record.py        what a call did
 """
 
-from collgrad.state.convert import Converted, convert_deepspeed_checkpoint
 from collgrad.state.hook import PreStepHook, register_pre_step_hook
 from collgrad.state.kinds import FP32, GRAD, WEIGHTS, OptimizerState, StateKind
-from collgrad.state.load import LoadedModel, load_full_model
 from collgrad.state.read import FullGrads, FullState, FullStateStream, iter_full_model_grads, safe_get_full_model_grads
 from collgrad.state.record import GroupRecord, StateRecord
-from collgrad.state.save import SavedModel, save_full_model
 from collgrad.state.state import (
     iter_full_model_fp32_params,
     iter_full_model_optimizer_states,
@@ -45,12 +37,6 @@ from collgrad.state.state import (
     safe_set_full_model_optimizer_states,
 )
 from collgrad.state.stats import GradStat, GradStats, safe_get_full_model_grad_stats
-from collgrad.state.training import (
-    LoadedTrainingState,
-    SavedTrainingState,
-    load_training_state,
-    save_training_state,
-)
 from collgrad.state.write import safe_set_full_model_grads, safe_update_full_model_grads
 
 __all__ = [
@@ -66,11 +52,6 @@ __all__ = [
     "safe_get_full_model_optimizer_states",
     "iter_full_model_optimizer_states",
     "safe_set_full_model_optimizer_states",
-    "save_full_model",
-    "load_full_model",
-    "save_training_state",
-    "convert_deepspeed_checkpoint",
-    "load_training_state",
     "FullState",
     "FullGrads",
     "FullStateStream",
@@ -79,11 +60,6 @@ __all__ = [
     "GradStats",
     "GradStat",
     "PreStepHook",
-    "SavedModel",
-    "LoadedModel",
-    "SavedTrainingState",
-    "LoadedTrainingState",
-    "Converted",
     "StateKind",
     "OptimizerState",
     "GRAD",

@@ -33,7 +33,7 @@ from collgrad.state.adapters.base import LocalGrads, Problem, Source
 from collgrad.state.cache import ShapePlans
 from collgrad.state.kinds import GRAD, StateKind
 from collgrad.state.layout import LayoutGroup
-from collgrad.state.model_cache import MODELS, ModelCache
+from collgrad.state.model_cache import MODELS, Context, ModelCache
 from collgrad.state.placements import piece_count, placement_print
 from collgrad.state.plan import PLANS, GradCall, GradPlan, PlanKind, Route, needs_capabilities, plan_grads
 
@@ -289,9 +289,11 @@ def source_of(
     kind: StateKind = GRAD,
     optimizer: torch.optim.Optimizer | None = None,
     params: Iterable[object] | None = None,
+    *,
+    dispatcher: Dispatcher,
 ) -> tuple[Source, bool]:
     """The cached Source of ``kind`` of ``model``'s trainable parameters (``params``: that selection),
-    and whether it came from the cache, as the public functions open it with the default dispatcher.
-    ``model``: what a caller passed, or the ``Model`` it resolved. Local."""
+    and whether it came from the cache, opened under ``dispatcher`` in the default cache (as the public
+    functions open it). ``model``: what a caller passed, or the ``Model`` it resolved. Local."""
     resolved = model if isinstance(model, adapters.Model) else adapters.resolve(model)
-    return MODELS.source(default_dispatcher(), resolved, params, kind, optimizer)
+    return Context(dispatcher).source(resolved, kind, optimizer, params)

@@ -11,17 +11,17 @@ the public functions use; pass another ``ModelCache`` (e.g. in tests) to keep so
 from __future__ import annotations
 
 import weakref
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, NamedTuple
 
 import torch
 
 from collgrad import _compat
-from collgrad.core.dispatch import Dispatcher
+from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.errors import InvalidArgumentError
 from collgrad.state.adapters.base import Model, Source
 from collgrad.state.kinds import GRAD, StateKind
 
-__all__ = ["ModelCache", "MODELS"]
+__all__ = ["ModelCache", "MODELS", "Context"]
 
 #: A model's sources by ``params=`` selection (None: every trainable parameter).
 PerModel = dict[Hashable, Source]
@@ -86,3 +86,27 @@ class ModelCache:
 
 #: The cache behind the public functions.
 MODELS = ModelCache()
+
+
+class Context(NamedTuple):
+    """One public call's context, passed down from its entrance: the dispatcher it runs with and the
+    cache of models' sources it keeps them in. Nothing below the public function reads a default."""
+
+    dispatcher: Dispatcher
+    models: ModelCache = MODELS
+
+    @staticmethod
+    def of(dispatcher: Dispatcher | None) -> Context:
+        """The context of a call given ``dispatcher=`` (None: the default one)."""
+        return Context(dispatcher if dispatcher is not None else default_dispatcher())
+
+    def source(
+        self,
+        model: Model,
+        kind: StateKind = GRAD,
+        optimizer: torch.optim.Optimizer | None = None,
+        params: Iterable[object] | None = None,
+    ) -> tuple[Source, bool]:
+        """The cached Source of ``kind`` of ``model``'s trainable parameters (``params``: that selection),
+        and whether it came from the cache. Local."""
+        return self.models.source(self.dispatcher, model, params, kind, optimizer)

@@ -538,12 +538,12 @@ def _store(call: OpenCall, values: Mapping[str, torch.Tensor], copies: Copies | 
     return StateRecord(source.layout.variant, (), 0, call.local.loss_scale, False, call.cached, call.layout_cached)
 
 
-def write_here(model: object, state: StateKind, values: Mapping[str, torch.Tensor]) -> bool:
+def write_here(model: object, state: StateKind, values: Mapping[str, torch.Tensor], *, dispatcher: Dispatcher) -> bool:
     """``values`` (name -> full value of ``state``, as held: a gradient scaled as the optimizer holds it)
     written where this rank owns them, now, with no collective and no check between ranks: what
     DeepSpeed's own setters do, for the drop-in that serves them. False, writing nothing, where collgrad
     knows no layout for the model; NotReadyError (this rank) where there is nothing to write into."""
-    source, _ = source_of(model, state)
+    source, _ = source_of(model, state, dispatcher=dispatcher)
     if source.accessor_set is not None:
         return False
     local = source.read()

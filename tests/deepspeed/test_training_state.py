@@ -368,7 +368,7 @@ def _refusals(eng, rank, world, root) -> dict:
 
 
 def _spoil(path, case) -> None:
-    with open(os.path.join(path, "training_state.json")) as f:
+    with open(os.path.join(path, "training_state", "manifest.json")) as f:
         manifest = json.load(f)
     fp32 = manifest["tensors"]["fp32"]
     first = sorted(set(fp32.values()))[0]
@@ -382,10 +382,10 @@ def _spoil(path, case) -> None:
     elif case == "outside":
         fp32["inp.weight"] = "../" + first
     if case == "bad json":
-        with open(os.path.join(path, "training_state.json"), "w") as f:
+        with open(os.path.join(path, "training_state", "manifest.json"), "w") as f:
             f.write("{not json")
     elif case in ("manifest disagrees", "outside"):
-        with open(os.path.join(path, "training_state.json"), "w") as f:
+        with open(os.path.join(path, "training_state", "manifest.json"), "w") as f:
             json.dump(manifest, f)
 
 
@@ -628,7 +628,7 @@ def test_ranks_that_do_not_share_the_directory_stream_to_rank_0_which_writes_it_
     if first is None:
         pytest.skip("no mount namespace here (unshare(CLONE_NEWNS) needs CAP_SYS_ADMIN): no unshared directory")
     assert first["streamed"] and second["streamed"] and second["here"] == []
-    assert "training_state.json" in first["here"]
+    assert "training_state" in first["here"] and "model.safetensors.index.json" in first["here"]
     root = str(results[3])
     net = models.Net()
     opt = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=LR)
@@ -657,7 +657,7 @@ def _converted(path) -> tuple[dict, object]:
     safetensors' own reader, and its manifest."""
     from safetensors.torch import load_file
 
-    from collgrad.state.manifest import read_manifest
+    from collgrad.checkpoint.manifest import read_manifest
 
     manifest = read_manifest(path)
     out: dict = {}

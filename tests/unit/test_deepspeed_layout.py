@@ -1,4 +1,4 @@
-"""Where DeepSpeed's checkpoints keep each element (collgrad.state.deepspeed_checkpoint's pure layout
+"""Where DeepSpeed's checkpoints keep each element (collgrad.checkpoint.deepspeed_checkpoint's pure layout
 functions), without DeepSpeed or a process group: every element of every parameter in exactly one place,
 in order, where ZeRO-1/2's flat partitions and ZeRO-3's per-parameter parts put it."""
 
@@ -9,7 +9,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.state.deepspeed_checkpoint import flat_sizes_zero3, placements_zero3, placements_zero12
+from collgrad.checkpoint.deepspeed_checkpoint import flat_sizes_zero3, placements_zero3, placements_zero12
 
 shapes = st.lists(st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple), min_size=1, max_size=8)
 

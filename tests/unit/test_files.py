@@ -12,9 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from collgrad.checkpoint.safetensors import open_checkpoint, read_header
+from collgrad.checkpoint.storage import MAX_RUN_BYTES, Copy, Run, Target, joined_runs, reads, with_moves
+from collgrad.checkpoint.storage import Reader as RangeReader
 from collgrad.errors import CheckpointError
-from collgrad.state.files import RangeReader, open_checkpoint, read_header
-from collgrad.state.load import MAX_RUN_BYTES, Copy, Run, Target, joined_runs, reads, with_moves
 
 safetensors = pytest.importorskip(
     "safetensors.torch", reason="safetensors is not installed (pip install 'collgrad[hf]')"

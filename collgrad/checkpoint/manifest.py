@@ -1,10 +1,11 @@
 """The manifest of a training state: what is where, and everything that is not a tensor of the model's
 shape, as JSON. Pure: no process group, no framework.
 
-    training_state.json
-    {"format": "collgrad-training-state", "version": 1, "generation": "3f0c...",
+    training_state/manifest.json
+    {"format": "collgrad-training-state", "version": 2, "generation": "3f0c...",
      "saved_by": {"framework": "deepspeed", "layout": "deepspeed-zero2", "world_size": 2},
      "tensors": {"weights": {name: file}, "fp32": {name: file}, "optimizer": {key: {name: file}}},
+                                             # files relative to the checkpoint's directory
      "param_groups": [{"params": [name, ...], "hyperparameters": VALUE}, ...],
      "param_states": {"values": [VALUE, ...], "of": {name: index}},
                                              # the optimizer's states that are not per element ("step"),
@@ -12,7 +13,9 @@ shape, as JSON. Pure: no process group, no framework.
      "lr_scheduler": VALUE or null,          # its state_dict()
      "counters": {name: number}}             # the framework's own (a DeepSpeed engine's steps, loss scaler)
 
-Tensors lie in safetensors files beside it (each file's header says where in it), every file named by
+The module's weights lie in the checkpoint's directory (what ``from_pretrained`` reads), the masters and
+the optimizer's states beside the manifest in ``training_state/``, where no loader of a model directory
+looks. Tensors lie in safetensors files (each file's header says where in it), every file named by
 the save's generation, so a save never overwrites a file an earlier manifest names: the manifest is
 replaced last, in one rename, and is the checkpoint. A VALUE is JSON where JSON can hold it; tuples,
 lists, dicts (any keys) and small tensors are tagged (``encode``/``decode``): nothing is ever
@@ -32,19 +35,37 @@ from typing import Any, Mapping
 import torch
 
 from collgrad import _compat
-from collgrad.errors import CheckpointError, InvalidArgumentError
-from collgrad.state.shards import SAFE_DTYPES
+from collgrad.checkpoint.safetensors import SAFE_DTYPES, refused
+from collgrad.errors import InvalidArgumentError
 
-__all__ = ["MANIFEST_NAME", "FORMAT", "Manifest", "ParamGroup", "encode", "decode", "read_manifest", "plain_file"]
+__all__ = [
+    "STATE_DIR",
+    "MANIFEST_NAME",
+    "manifest_path",
+    "FORMAT",
+    "Manifest",
+    "ParamGroup",
+    "encode",
+    "decode",
+    "read_manifest",
+    "plain_file",
+]
 
-MANIFEST_NAME = "training_state.json"
+#: Where a training state keeps what is not the module's weights, in its directory, and its manifest.
+STATE_DIR = "training_state"
+MANIFEST_NAME = f"{STATE_DIR}/manifest.json"
 FORMAT = "collgrad-training-state"
-VERSION = 1
+VERSION = 2
 #: The most elements a tensor held in the manifest may have (a step count, a scalar hyperparameter).
 MAX_JSON_TENSOR = 4096
 _DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in SAFE_DTYPES}
-#: What a file the manifest names may look like: a plain name, no directory.
-_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")
+#: What a file the manifest names may look like: a plain name in the directory or in ``STATE_DIR``.
+_FILE = re.compile(rf"^({STATE_DIR}/)?[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")
+
+
+def manifest_path(directory: str) -> str:
+    """Where the manifest of a training state in ``directory`` lies."""
+    return os.path.join(directory, MANIFEST_NAME)
 
 
 @dataclass(frozen=True)
@@ -155,51 +176,47 @@ def decode(value: Any, where: str) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
-        raise _refuse(where, "holds an untagged list")
+        raise refused(where, "holds an untagged list")
     if not isinstance(value, dict) or len(value) not in (1, 3):
-        raise _refuse(where, f"holds {type(value).__name__} where a value was expected")
+        raise refused(where, f"holds {type(value).__name__} where a value was expected")
     if "tuple" in value and isinstance(value["tuple"], list):
         return tuple(decode(v, where) for v in value["tuple"])
     if "list" in value and isinstance(value["list"], list):
         return [decode(v, where) for v in value["list"]]
     if "dict" in value and isinstance(value["dict"], list):
         if not all(isinstance(kv, list) and len(kv) == 2 for kv in value["dict"]):
-            raise _refuse(where, "holds a dict that is not a list of [key, value] pairs")
+            raise refused(where, "holds a dict that is not a list of [key, value] pairs")
         out = {}
         for k, v in value["dict"]:
             key = decode(k, where)
             if not isinstance(key, (bool, int, float, str, type(None), tuple)):
-                raise _refuse(where, f"holds a dict key of type {type(key).__name__}")
+                raise refused(where, f"holds a dict key of type {type(key).__name__}")
             out[key] = decode(v, where)
         return out
     if set(value) == {"tensor", "shape", "values"}:
         dtype = _DTYPES.get(value["tensor"]) if isinstance(value["tensor"], str) else None
         shape, values = value["shape"], value["values"]
         if dtype is None or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise _refuse(where, f"holds a tensor of dtype {value['tensor']!r} and shape {shape!r}")
+            raise refused(where, f"holds a tensor of dtype {value['tensor']!r} and shape {shape!r}")
         if not isinstance(values, list) or len(values) != math.prod(shape) or len(values) > MAX_JSON_TENSOR:
-            raise _refuse(where, f"holds a tensor of shape {shape} with the wrong number of values")
+            raise refused(where, f"holds a tensor of shape {shape} with the wrong number of values")
         if not all(isinstance(v, (bool, int, float)) for v in values):
-            raise _refuse(where, "holds a tensor with values that are not numbers")
+            raise refused(where, "holds a tensor with values that are not numbers")
         return torch.tensor(values, dtype=torch.float64 if dtype.is_floating_point else None).to(dtype).reshape(shape)
-    raise _refuse(where, f"holds an object tagged {sorted(value)}, which no training state writes")
+    raise refused(where, f"holds an object tagged {sorted(value)}, which no training state writes")
 
 
 def plain_file(name: str, where: str) -> str:
-    """``name`` if it is a plain safetensors file name (no directory, nothing hidden); CheckpointError
-    naming ``where`` otherwise."""
-    if not isinstance(name, str) or not _FILE.match(name) or os.path.basename(name) != name:
-        raise _refuse(where, f"names the file {name!r}, which is not a plain .safetensors name in its directory")
+    """``name`` if it is a plain safetensors file name in the directory or in ``STATE_DIR`` (nothing
+    hidden, no other directory); CheckpointError naming ``where`` otherwise."""
+    if not isinstance(name, str) or not _FILE.match(name):
+        raise refused(where, f"names the file {name!r}, which is not a plain .safetensors name in its directory")
     return name
-
-
-def _refuse(where: str, reason: str) -> CheckpointError:
-    return CheckpointError(f"rank {_compat.rank()}: {where}: {reason}; nothing was loaded")
 
 
 def _mapping(found: Any, where: str, what: str) -> dict[str, Any]:
     if not isinstance(found, dict) or not all(isinstance(k, str) for k in found):
-        raise _refuse(where, f"{what} is not an object of names")
+        raise refused(where, f"{what} is not an object of names")
     return found
 
 
@@ -216,36 +233,36 @@ def _param_states(found: Any, where: str) -> dict[str, Mapping[str, Any]]:
     found = _mapping(found, where, "param_states")
     values, of = found.get("values"), _mapping(found.get("of"), where, "param_states.of")
     if not isinstance(values, list):
-        raise _refuse(where, "param_states.values is not a list")
+        raise refused(where, "param_states.values is not a list")
     decoded = []
     for k, value in enumerate(values):
         held = decode(value, f"{where}: param_states.values[{k}]")
         if not isinstance(held, dict) or not all(isinstance(key, str) for key in held):
-            raise _refuse(where, f"param_states.values[{k}] is not named values")
+            raise refused(where, f"param_states.values[{k}] is not named values")
         decoded.append(held)
     if not all(type(i) is int and 0 <= i < len(decoded) for i in of.values()):
-        raise _refuse(where, "param_states.of names a value that is not there")
+        raise refused(where, "param_states.of names a value that is not there")
     return {name: decoded[i] for name, i in of.items()}
 
 
 def read_manifest(directory: str) -> Manifest:
     """The manifest of the training state in ``directory``, every field checked (types, file names);
     CheckpointError naming the file and the reason otherwise. Local."""
-    where = os.path.join(directory, MANIFEST_NAME)
+    where = manifest_path(directory)
     try:
         with open(where, "rb") as f:
             document = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
-        raise _refuse(
+        raise refused(
             directory, f"holds no {MANIFEST_NAME}: not a training state (save one with save_training_state)"
         ) from None
     except OSError as error:
-        raise _refuse(where, f"cannot be read ({error.strerror or error})") from error
+        raise refused(where, f"cannot be read ({error.strerror or error})") from error
     except (UnicodeDecodeError, ValueError) as error:
-        raise _refuse(where, f"is not valid JSON ({error})") from None
+        raise refused(where, f"is not valid JSON ({error})") from None
     document = _mapping(document, where, "the manifest")
     if document.get("format") != FORMAT or document.get("version") != VERSION:
-        raise _refuse(where, f"is not a {FORMAT} manifest of version {VERSION}")
+        raise refused(where, f"is not a {FORMAT} manifest of version {VERSION}")
     tensors = _mapping(document.get("tensors"), where, "tensors")
     optimizer = {
         k: _files(v, where, f"tensors.optimizer[{k!r}]")
@@ -254,26 +271,26 @@ def read_manifest(directory: str) -> Manifest:
     groups = []
     found_groups = document.get("param_groups")
     if not isinstance(found_groups, list):
-        raise _refuse(where, "param_groups is not a list")
+        raise refused(where, "param_groups is not a list")
     for k, group in enumerate(found_groups):
         group = _mapping(group, where, f"param group {k}")
         params = group.get("params")
         if not isinstance(params, list) or not all(isinstance(n, str) for n in params):
-            raise _refuse(where, f"param group {k} does not list its parameters by name")
+            raise refused(where, f"param group {k} does not list its parameters by name")
         hyper = decode(group.get("hyperparameters"), f"{where}: param group {k}")
         if not isinstance(hyper, dict) or not all(isinstance(h, str) and h != "params" for h in hyper):
-            raise _refuse(where, f"param group {k}'s hyperparameters are not named values")
+            raise refused(where, f"param group {k}'s hyperparameters are not named values")
         groups.append(ParamGroup(tuple(params), hyper))
     states = _param_states(document.get("param_states"), where)
     scheduler = decode(document.get("lr_scheduler"), f"{where}: lr_scheduler")
     if scheduler is not None and not isinstance(scheduler, dict):
-        raise _refuse(where, "lr_scheduler is not a state_dict")
+        raise refused(where, "lr_scheduler is not a state_dict")
     counters = _mapping(document.get("counters", {}), where, "counters")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in counters.values()):
-        raise _refuse(where, "counters are not numbers")
+        raise refused(where, "counters are not numbers")
     generation = document.get("generation")
     if not isinstance(generation, str):
-        raise _refuse(where, "has no generation")
+        raise refused(where, "has no generation")
     return Manifest(
         generation,
         _mapping(document.get("saved_by", {}), where, "saved_by"),

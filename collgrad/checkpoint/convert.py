@@ -6,7 +6,8 @@ under FSDP2, and whose weights ``from_pretrained`` loads.
     read     every rank's files memory-mapped and checked (deepspeed_checkpoint.py): where each
              element of each tensor lies, in which rank's flat partition
     lay out  the training state's files from those tensors, as save_training_state lays them out
-    write    each tensor's pieces, rank by rank, straight from the mapped files to their offsets
+    write    each tensor's pieces (plan.py's write items: one process holding every rank's pieces),
+             rank by rank, straight from the mapped files to their offsets
              (adjacent ones in one write); a piece in another dtype (ZeRO-3's weights, the masters in
              the module's dtype) cast on its own; flushed
     commit   the index, then the manifest renamed into place: never half a checkpoint
@@ -25,21 +26,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from collgrad.errors import CheckpointError, CollgradError, InvalidArgumentError
-from collgrad.state.deepspeed_checkpoint import DeepSpeedCheckpoint, Placement, read_deepspeed_checkpoint
-from collgrad.state.manifest import Manifest, ParamGroup
-from collgrad.state.save import DEFAULT_MAX_SHARD_BYTES
-from collgrad.state.shards import Entry, RangeWriter, bytes_of
-from collgrad.state.training import (
-    Files,
-    Placed,
-    commit,
-    discard,
-    joined_writes,
-    lay_out,
-    write_headers,
-    write_small,
-)
+from collgrad.checkpoint import commit, storage
+from collgrad.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint, Placement, read_deepspeed_checkpoint
+from collgrad.checkpoint.manifest import MANIFEST_NAME, STATE_DIR, Manifest, ParamGroup, manifest_path
+from collgrad.checkpoint.plan import WHOLE, Files, Held, Holding, Ranges, WriteItem, lay_out, write_items
+from collgrad.checkpoint.safetensors import INDEX_NAME, Entry
+from collgrad.checkpoint.save import DEFAULT_MAX_SHARD_BYTES, checked_shard_bytes
+from collgrad.checkpoint.training import file_names, put_in_place, weights_index
+from collgrad.errors import CheckpointError, CollgradError
 
 __all__ = ["convert_deepspeed_checkpoint", "Converted"]
 
@@ -79,43 +73,46 @@ def convert_deepspeed_checkpoint(
     while writing removes what was written and leaves a checkpoint already in ``out_dir`` loadable.
     Offline: one process, no process group; DeepSpeed need not be installed."""
     start = time.perf_counter()
-    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-        raise InvalidArgumentError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    checked_shard_bytes(max_shard_bytes)
     source = read_deepspeed_checkpoint(checkpoint_dir, tag)
     path = os.fspath(out_dir)
     generation = secrets.token_hex(8)
-    files = lay_out(path, _entries(source), generation, max_shard_bytes)
+    entries = _entries(source)
+    files = lay_out(entries, max_shard_bytes, file_names(generation, entries))
     manifest = _manifest(source, files, generation)
     manifest.to_json()  # a value JSON cannot hold refused before anything is written
-    total = sum(s.data_bytes for named in files.shards.values() for _, s in named)
-    writer = RangeWriter()
-    temporaries: list[tuple[str, str]] = []
+    holdings, memory = _held(source, files)
+    total, done = files.data_bytes(), 0
+
+    def written(item: WriteItem) -> None:
+        nonlocal done
+        done += item.ranges.numel * item.dtype.itemsize
+        if progress is not None and item.held is not None:
+            progress(done, total)
+
+    writer = storage.Writer()
+    renames: list[tuple[str, str]] = []
     try:
-        os.makedirs(path, exist_ok=True)
-        write_headers(files, writer)
-        done = 0
-        with torch.no_grad():
-            for file, size, offset, data in joined_writes(_writes(source, files)):
-                writer.write(file, size, offset, bytes_of(data))
-                done += data.nbytes
-                if writer.error is not None:
-                    break
-                if progress is not None:
-                    progress(done, total)
+        os.makedirs(os.path.join(path, STATE_DIR), exist_ok=True)
+        headers = {file: shard.header for named in files.shards.values() for file, shard in named}
+        items = [item for item in write_items(files, holdings, 0, 1)]
+        storage.write(writer, items, memory, headers, lambda f: commit.temporary(os.path.join(path, f)), written)
         writer.finish()
         if writer.error is not None:
             raise writer.error
-        temporaries = write_small(path, manifest, files, generation)
-        commit(path, temporaries, set(manifest.files()))
+        renames = [(commit.temporary(os.path.join(path, f)), os.path.join(path, f)) for f in files.names()]
+        renames.append(weights_index(path, files))
+        renames.append(commit.write_small(manifest_path(path), manifest.to_json()))
+        put_in_place(path, renames)
     except OSError as error:
-        discard(writer, temporaries)
+        commit.discard(writer, renames)
         raise CollgradError(
             f"{path}: writing the converted checkpoint failed ({error.strerror or error}); what was written is "
             "removed, and a checkpoint already there is as it was"
         ) from error
     return Converted(
         path,
-        manifest.files() + tuple(os.path.basename(final) for _, final in temporaries),
+        (*files.names(), INDEX_NAME, MANIFEST_NAME),
         source.tag,
         source.layout,
         source.world,
@@ -159,28 +156,41 @@ def _flat(source: DeepSpeedCheckpoint, placement: Placement, key: str | None, ra
     return found
 
 
-def _pieces(
-    source: DeepSpeedCheckpoint, placement: Placement, key: str | None, place: Placed
-) -> Iterator[tuple[Placed, int, torch.Tensor]]:
-    at = 0
-    for piece in placement.pieces:
-        yield place, at, _flat(source, placement, key, piece.rank)[piece.start : piece.start + piece.numel]
-        at += piece.numel
+def _held(source: DeepSpeedCheckpoint, files: Files) -> tuple[list[Holding], list[storage.Memory]]:
+    """Every tensor's values as this one process holds them: per tensor, its pieces in the ranks' mapped
+    flat tensors (each a ``Memory`` of one tensor), or the whole tensor in rank 0's file (the weights
+    below ZeRO-3, the buffers). The holdings in the files' order; none a replica (one process)."""
+    memory: list[storage.Memory] = []
+    at: dict[int, int] = {}  # a flat tensor's index in ``memory``, by identity
 
+    def of(tensor: torch.Tensor) -> int:
+        found = at.get(id(tensor))
+        if found is None:
+            found = at[id(tensor)] = len(memory)
+            memory.append(storage.Memory(whole=[tensor]))
+        return found
 
-def _writes(source: DeepSpeedCheckpoint, files: Files) -> Iterator[tuple[Placed, int, torch.Tensor]]:
-    """Every tensor's values as (its place, first element, values), piece by piece, from the mapped files."""
+    def pieces(stem: str, placement: Placement, key: str | None) -> Iterator[Holding]:
+        done = 0
+        for piece in placement.pieces:
+            flat = _flat(source, placement, key, piece.rank)
+            held = Held(of(flat), WHOLE, 0, piece.start)
+            yield Holding(stem, placement.name, Ranges(done, piece.numel), held)
+            done += piece.numel
+
     by_name = {p.name: p for p in (*source.trainable, *source.frozen)}
+    out: list[Holding] = []
     for entry in (e for _, shard in files.shards.get("model", ()) for e in shard.entries):
-        place = files.placed[("model", entry.name)]
         placement = by_name.get(entry.name)
         if source.layout == "zero3" and placement is not None:  # the masters (or frozen fragments), cast
-            yield from _pieces(source, placement, None, place)
+            out.extend(pieces("model", placement, None))
         else:  # whole in rank 0's file: the weights below ZeRO-3, the buffers
-            yield place, 0, source.module[entry.name]
+            whole = source.module[entry.name]
+            out.append(Holding("model", entry.name, Ranges(0, whole.numel()), Held(of(whole), WHOLE, 0)))
     for stem, key in (("fp32", None), *((f"optimizer-{k}", key) for k, key in enumerate(source.keys))):
         for placement in source.trainable:
-            yield from _pieces(source, placement, key, files.placed[(stem, placement.name)])
+            out.extend(pieces(stem, placement, key))
+    return out, memory
 
 
 def _manifest(source: DeepSpeedCheckpoint, files: Files, generation: str) -> Manifest:

@@ -1,0 +1,194 @@
+"""``load_full_model``: a checkpoint's tensors put back where the model keeps them, each rank reading only
+the bytes it holds, with no collective carrying a weight.
+
+    check    every rank: the model resolved, the sources of what a load writes opened (the module's
+             weights; the fp32 masters where an optimizer keeps its own), every header and the index
+             checked (safetensors.py), names and shapes matched with the model's state_dict (match.py)
+             -> one agreement: a refusal on any rank raises on every rank, before any value changes
+    plan     this rank's holdings of each source (its fragments of each partitioned tensor; what it
+             holds whole: replicated weights, ZeRO-3's persistent parameters, buffers) -> read items,
+             each a range of one file (plan.py, pure)
+    execute  the items resolved against this rank's memory and read, each range once, straight into
+             place where it can be, else into a buffer of its own and copied (storage.py)
+             -> one more agreement: an I/O error on any rank raises on every rank
+
+dtypes: a 16-bit file into fp32 masters is an exact upcast; the module's weights get the file's values
+in their own dtype, as the step's cast of the masters would give them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from collgrad.backends.agreement import stable_hash
+from collgrad.checkpoint import storage
+from collgrad.checkpoint.agree import agree_outcome
+from collgrad.checkpoint.match import Matched, Opened, held, match, opened, persistent_buffers, refuse_unmatched
+from collgrad.checkpoint.plan import read_items
+from collgrad.checkpoint.safetensors import Checkpoint, open_checkpoint
+from collgrad.core.dispatch import Dispatcher
+from collgrad.errors import CollgradError
+from collgrad.state import adapters
+from collgrad.state.adapters.base import select
+from collgrad.state.kinds import FP32
+from collgrad.state.model_cache import Context
+
+__all__ = ["load_full_model", "LoadedModel", "Checked", "check", "plan"]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What ``load_full_model`` did, on this rank."""
+
+    path: str
+    files: tuple[str, ...]
+    #: tensors of the checkpoint loaded (a tied weight once)
+    tensors: int
+    #: data bytes this rank read (headers apart)
+    bytes_read: int
+    #: header and index bytes this rank read
+    header_bytes: int
+    seconds: float
+    #: ``strict=False``: the model's keys the checkpoint lacks, and the checkpoint's the model lacks
+    missing_keys: tuple[str, ...] = ()
+    unexpected_keys: tuple[str, ...] = ()
+
+
+def load_full_model(
+    model: object,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    params: Iterable[str | torch.Tensor] | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> LoadedModel:
+    """Load the safetensors checkpoint at ``path`` (a directory holding ``model.safetensors`` or
+    ``model.safetensors.index.json`` and its shards, as ``save_pretrained`` and ``save_full_model``
+    write them, or one ``.safetensors`` file) into ``model``: its module's weights (the replicated copy
+    under ZeRO-0/1/2, each rank's partitions under ZeRO-3, FSDP2's local shards; frozen parameters and
+    persistent buffers too) and the fp32 master weights, so that the next forward and the next step
+    both start from the file. Optimizer states are left as they are. Names are the module's
+    ``state_dict()`` names; a tied weight is found under any of its names.
+
+    Each rank reads only the bytes of the parts it holds (ZeRO-3 partitions, FSDP2 shards, ZeRO-1/2
+    master partitions), straight from the files; what it holds whole (ZeRO-0/1/2's replicated weights,
+    ZeRO-3's persistent parameters, buffers) it reads whole. No collective carries a weight, only two
+    small agreements.
+
+    ``strict=True``: a key the model has and the checkpoint lacks, or the other way round, raises
+    CheckpointError naming them; ``strict=False`` loads what matches and returns ``missing_keys`` and
+    ``unexpected_keys``. A shape that differs raises either way. ``params``: only these parameters
+    (names or tensors), and then no buffers. Files are untrusted: every header is checked against its
+    file and the index before anything is read; any refusal raises on every rank and leaves the model
+    exactly as it was. An I/O error while reading raises on every rank too.
+
+    When and where: on every rank of the model's data-parallel group, with the same arguments, outside
+    ``forward()``/``step()``. Returns a ``LoadedModel``.
+    """
+    start = time.perf_counter()
+    ctx = Context.of(dispatcher)
+    resolved, error, group, me = adapters.enter(model)
+    checked: Checked | None = None
+    names: list[str] | None = None
+    try:
+        if resolved is not None:
+            names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
+            checked = check(ctx, resolved, path, names, strict)
+    except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
+        error = caught
+    # what every rank must share: its arguments, and the checkpoint as it sees it (names, dtypes, shapes)
+    seen = None if checked is None else sorted((n, str(s.dtype), s.shape) for n, s in checked.matched.stored.items())
+    agree_outcome(
+        group,
+        me,
+        error,
+        call="load_full_model",
+        what="check the checkpoint against the model",
+        timeout_s=ctx.dispatcher.timeout,
+        arguments=stable_hash((os.fspath(path), strict, names, seen)),
+        compared="arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes)",
+    )
+    assert checked is not None  # else the agreement raised
+    bytes_read, error = storage.read(plan(checked))
+    what = "read its part of the checkpoint"
+    agree_outcome(group, me, error, call="load_full_model", what=what, timeout_s=ctx.dispatcher.timeout)
+    matched = checked.matched
+    files = tuple(sorted({s.file for s in matched.stored.values()}))
+    return LoadedModel(
+        os.fspath(path),
+        files,
+        len(matched.stored),
+        bytes_read,
+        checked.checkpoint.header_bytes,
+        time.perf_counter() - start,
+        matched.missing,
+        matched.unexpected,
+    )
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A checkpoint checked against the model on this rank: the sources a load writes (the module's
+    weights first, then the fp32 masters where an optimizer keeps its own), the checkpoint, its match
+    with the model and the persistent buffers it holds."""
+
+    sources: list[Opened]
+    checkpoint: Checkpoint
+    matched: Matched
+    buffers: list[tuple[str, torch.Tensor]]
+
+
+def check(
+    ctx: Context, model: adapters.Model, path: str | os.PathLike[str], names: list[str] | None, strict: bool
+) -> Checked:
+    """The load's check on this rank: its sources opened, the checkpoint's headers and index checked,
+    its names and shapes matched with the model's ``state_dict`` (``names``: those parameters only, and
+    no buffers); CheckpointError (this rank) for what is refused. Local."""
+    sources: list[Opened] = []
+    for kind in model.load_kinds():  # the module's weights (every parameter), then the masters
+        chosen = names
+        if kind == FP32:  # of the trainable parameters only (the weights' source has them all)
+            chosen = [n for n, p in sources[0].source.params.items() if p.requires_grad]
+            if not chosen:
+                continue
+        sources.append(opened(ctx, model, kind.label, kind, None, chosen, loading=True))
+    checkpoint = open_checkpoint(path)
+    buffers = list(persistent_buffers(model.module)) if names is None else []  # as save_full_model writes them
+    matched = _matched(model.module, sources[0], buffers, checkpoint, names is not None, strict)
+    return Checked(sources, checkpoint, matched, [(n, b) for n, b in buffers if n in matched.stored])
+
+
+def plan(checked: Checked) -> storage.LoadPlan:
+    """This rank's reads: its holdings of each source as read items (plan.py, pure), resolved against its
+    memory (kept with the first source for the next load of the same items into the same memory). Local."""
+    holdings, memory = held(checked.sources, checked.buffers, loading=True)
+    stored = {(one.stem, n): s for one in checked.sources for n, s in checked.matched.stored.items()}
+    return storage.load_plan(read_items(stored, holdings), memory, checked.sources[0].source.scratch)
+
+
+def _matched(
+    module: torch.nn.Module,
+    weights: Opened,
+    buffers: list[tuple[str, torch.Tensor]],
+    checkpoint: Checkpoint,
+    selected: bool,
+    strict: bool,
+) -> Matched:
+    """The checkpoint's tensor of every parameter the module's weights' source holds and of every
+    persistent buffer, a tied weight found under any of its names; CheckpointError (this rank) for a
+    shape that differs, or with ``strict`` for keys on one side only (none unexpected with ``params``)."""
+    aliases: dict[str, list[str]] = {}
+    canonical: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(canonical.setdefault(id(p), name), []).append(name)
+    shapes = {slot.name: slot.shape for group in weights.source.layout.groups for slot in group.params}
+    shapes.update((name, tuple(buffer.shape)) for name, buffer in buffers)
+    found = match(checkpoint.directory, shapes, checkpoint.tensors, aliases)
+    unexpected = () if selected else found.unexpected
+    refuse_unmatched(checkpoint.directory, found.missing, unexpected, strict)
+    return Matched(found.stored, found.missing, unexpected)

@@ -1,0 +1,175 @@
+"""A model as a checkpoint sees it, and the one check of a checkpoint against it.
+
+    opened(ctx, model, kind, ...)   one kind of the model's state opened (its source, this rank's view
+                                    of it), checked to be readable here
+    held(sources, buffers)          what this rank holds, as the plan's holdings (data) and the memory
+                                    behind them (storage.py resolves one against the other)
+    match(...)                      a checkpoint's tensors against the model's names and shapes: a tied
+                                    weight under any of its names, a shape that differs refused, keys on
+                                    one side only named (``refuse_unmatched``: with strict, refused)
+
+Every refusal is ``refused`` (safetensors.py): a CheckpointError naming this rank, the file and why,
+raised before anything changes. Local: the jobs agree on the verdict between ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from collgrad import _compat
+from collgrad.checkpoint.plan import Holding, holdings
+from collgrad.checkpoint.safetensors import Stored, refused
+from collgrad.checkpoint.storage import Memory
+from collgrad.errors import InvalidArgumentError, LayoutChangedError
+from collgrad.state import adapters
+from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in
+from collgrad.state.kinds import StateKind
+from collgrad.state.model_cache import Context
+
+__all__ = ["Opened", "opened", "held", "persistent_buffers", "Matched", "match", "refuse_unmatched", "listed"]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """One kind of a model's state as this rank holds it: the file stem it is saved under (``model``,
+    ``fp32``, ``optimizer-<k>``), the kind, its source and this rank's view of it."""
+
+    stem: str
+    kind: StateKind
+    source: Source
+    local: LocalGrads
+
+
+def opened(
+    ctx: Context,
+    model: adapters.Model,
+    stem: str,
+    kind: StateKind,
+    optimizer: Any = None,
+    names: Sequence[str] | None = None,
+    *,
+    loading: bool = False,
+) -> Opened:
+    """The source of ``kind`` of ``names`` (None: every parameter) and this rank's view of it, checked to
+    be readable (``loading``: writable) in place; InvalidArgumentError (a tensor- or expert-parallel
+    shard) or LayoutChangedError (this rank) otherwise."""
+    source = ctx.source(model, kind, optimizer, names)[0]
+    if source.model_parallel:
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: {sorted(source.model_parallel)[0]} is a tensor- or expert-parallel shard: a "
+            "checkpoint holds data-parallel models only"
+        )
+    local = source.read()
+    if local.problem is not Problem.OK:
+        how = "written here" if loading else "read here"
+        raise LayoutChangedError(
+            f"rank {_compat.rank()}: the {kind.describe()} cannot be {how} ({local.problem.describe()}"
+            f"{'; ' + local.detail if local.detail else ''}){'; nothing was loaded' if loading else ''}"
+        )
+    return Opened(stem, kind, source, local)
+
+
+def held(
+    sources: Sequence[Opened], buffers: Sequence[tuple[str, torch.Tensor]], *, loading: bool = False
+) -> tuple[list[Holding], list[Memory]]:
+    """What this rank holds of ``sources`` (and of ``buffers``, with the first: the module's weights),
+    as the plan's holdings and, by the same indexes, the memory behind them. ``loading``: with what it
+    holds whole besides (ZeRO-3's persistent parameters, which a load writes too) and the setters of
+    sources collgrad reads only through DeepSpeed's accessors. Local."""
+    out: list[Holding] = []
+    memory: list[Memory] = []
+    for k, one in enumerate(sources):
+        source = one.source
+        whole = [(n, tuple(b.shape)) for n, b in buffers] if k == 0 else []
+        tensors = [b for _, b in buffers] if k == 0 else []
+        if loading:
+            extra = source.held_whole()
+            whole = [(n, tuple(t.shape)) for n, t in extra.items()] + whole
+            tensors = list(extra.values()) + tensors
+        setter = loading and source.accessor_set is not None
+        ranks = [rank_in(group) for group in source.layout.groups]
+        out += holdings(one.stem, k, source.layout, ranks, whole, setter=setter)
+        memory.append(Memory(one.local.buffers, tensors, _setter(source) if setter else None))
+    return out, memory
+
+
+def _setter(source: Source) -> Any:
+    """DeepSpeed's local setter, by the parameter's index in the source's layout (fp32 values)."""
+    put = source.accessor_set
+    assert put is not None
+    params = [source.params[slot.name] for group in source.layout.groups for slot in group.params]
+
+    def setter(param: int, values: torch.Tensor) -> None:
+        put(params[param], values.to(torch.float32))
+
+    return setter
+
+
+def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers ``state_dict`` holds (persistent ones), each once, in module order."""
+    seen: set[int] = set()
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is None or name in sub._non_persistent_buffers_set or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            yield (f"{prefix}.{name}" if prefix else name), buffer.detach()
+
+
+@dataclass(frozen=True)
+class Matched:
+    """The checkpoint's tensor of each name the model keeps that it holds (by the model's name), the
+    model's names it lacks and its names the model lacks."""
+
+    stored: Mapping[str, Stored]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+
+def match(
+    where: str,
+    shapes: Mapping[str, tuple[int, ...]],
+    stored: Mapping[str, Stored],
+    aliases: Mapping[str, Sequence[str]] | None = None,
+    others: Sequence[str] = (),
+) -> Matched:
+    """The tensors of ``stored`` (a checkpoint's, ``where``) of the names ``shapes`` gives the model's
+    shapes of, each found under any of its ``aliases`` (a tied weight's names); the rest on either side
+    named. ``others``: names of the model matched elsewhere (not unexpected here). A shape that
+    differs: CheckpointError (this rank)."""
+    found: dict[str, Stored] = {}
+    missing, wrong = [], []
+    known = set(others)
+    for name, shape in shapes.items():
+        names = aliases.get(name, (name,)) if aliases is not None else (name,)
+        known.update(names)
+        hit = next((stored[a] for a in names if a in stored), None)
+        if hit is None:
+            missing.append(name)
+        elif hit.shape != tuple(shape):
+            wrong.append(f"{name}: {list(hit.shape)} in the checkpoint, {list(shape)} in the model")
+        else:
+            found[name] = hit
+    if wrong:
+        raise refused(where, f"shapes differ from the model's: {listed(wrong)}")
+    return Matched(found, tuple(missing), tuple(n for n in stored if n not in known))
+
+
+def refuse_unmatched(where: str, missing: Sequence[str], unexpected: Sequence[str], strict: bool) -> None:
+    """With ``strict``, keys on one side only refused (CheckpointError naming them, this rank)."""
+    if strict and (missing or unexpected):
+        parts = [f"missing from the checkpoint: {listed(missing)}"] if missing else []
+        parts += [f"not in the model: {listed(unexpected)}"] if unexpected else []
+        raise refused(
+            where,
+            f"the checkpoint does not match the model ({'; '.join(parts)}); pass strict=False to load what matches",
+        )
+
+
+def listed(names: Sequence[str], most: int = 8) -> str:
+    """At most ``most`` of ``names``, and how many more."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")

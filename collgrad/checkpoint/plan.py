@@ -1,0 +1,310 @@
+"""The plan of a save or a load, as data: which byte ranges of which file this rank writes or reads,
+and where in its memory they come from or go, before any byte moves. Pure: no process group, no file,
+no tensor's memory (items name memory by index: ``Held``; storage.py resolves them when bytes move).
+
+    layout (state/layout.py) + this rank's index in each group     headers (safetensors.py)
+        |                                                               |
+    holdings(): what this rank holds, per tensor, as element Ranges  Files: every tensor's place
+        \\_____________________________   _____________________________/
+                                      \\ /
+              write_items(): WriteItem (file, byte offset, dtype, kind, tensor, ranges, held)
+              read_items():  ReadItem  (the same fields, read into ``held``)
+
+A tensor's elements are addressed row-major, flat. ``Ranges`` is a strided set of runs of them: a
+ZeRO partition's fragment is one run; a slice along another dimension than 0 (a tensor-parallel
+shard, columns [lo, hi) of every row) is ``rows`` runs ``stride`` elements apart:
+
+    tensor 4 x 6, columns [2, 4) (dim 1):      . . x x . .      Ranges(start=2, length=2,
+                                               . . x x . .             rows=4, stride=6)
+                                               . . x x . .
+                                               . . x x . .
+
+Across the ranks of a group every byte of every file is written exactly once (fragments by their
+holder; what every rank holds whole, ``replica``, by one rank in turn, as ``turns`` gives them; each
+header by one rank); each rank's reads cover exactly what it holds. tests/unit/test_checkpoint_plan.py
+shows both with hypothesis, no process group. A later step that moves small pieces between ranks
+before they reach the disk is one more item kind between holdings and writes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Mapping, NamedTuple, Sequence
+
+import torch
+
+from collgrad.checkpoint.safetensors import Entry, Shard, Stored, cut_shards
+from collgrad.state.layout import LayoutGroup, Partitioning, StateLayout, owned_fragments
+
+__all__ = [
+    "Ranges",
+    "Held",
+    "WHOLE",
+    "SETTER",
+    "Holding",
+    "holdings",
+    "Placed",
+    "Files",
+    "lay_out",
+    "WriteItem",
+    "write_items",
+    "ReadItem",
+    "read_items",
+    "turns",
+]
+
+
+class Ranges(NamedTuple):
+    """Elements of a tensor (flat, row-major): ``rows`` runs of ``length`` elements, the first from
+    ``start``, each next ``stride`` elements after the one before (``rows`` 1: one run)."""
+
+    start: int
+    length: int
+    rows: int = 1
+    stride: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.length * self.rows
+
+    def runs(self) -> Iterator[tuple[int, int]]:
+        """Each run as (its first element in the tensor, its first among these ranges' elements)."""
+        for k in range(self.rows):
+            yield self.start + k * self.stride, k * self.length
+
+    @staticmethod
+    def flat(start: int, numel: int) -> Ranges:
+        """Elements ``[start, start + numel)``."""
+        return Ranges(start, numel)
+
+    @staticmethod
+    def slice(shape: Sequence[int], dim: int, lo: int, hi: int) -> Ranges:
+        """Indexes ``[lo, hi)`` along dimension ``dim`` of a tensor of ``shape`` (``tensor.narrow``)."""
+        inner, outer = math.prod(shape[dim + 1 :]), math.prod(shape[:dim])
+        if hi - lo == shape[dim]:  # every index of ``dim``: the whole tensor
+            return Ranges(0, outer * shape[dim] * inner)
+        if outer == 1:  # dimension 0, or only ones before it: one run
+            return Ranges(lo * inner, (hi - lo) * inner)
+        return Ranges(lo * inner, (hi - lo) * inner, outer, shape[dim] * inner)
+
+
+#: ``Held.group`` of a tensor held whole outside the layout's groups (persistent buffers, ZeRO-3's
+#: persistent parameters): the ``param``-th of the source's whole tensors.
+WHOLE = -1
+#: ``Held.group`` of a parameter this rank reaches only through the source's setter (DeepSpeed's
+#: accessors, for a layout collgrad does not read): the ``param``-th of the layout's parameters, whole.
+SETTER = -2
+
+
+class Held(NamedTuple):
+    """Where this rank keeps elements, by index, no memory: source ``source``'s layout group ``group``,
+    at element ``offset`` of its flat local buffer (``param`` -1: a fragment of a partition) or of its
+    ``param``-th tensor, held whole (a replicated group; ``group`` WHOLE: the source's whole tensors)."""
+
+    source: int
+    group: int
+    param: int
+    offset: int = 0
+
+
+class Holding(NamedTuple):
+    """Elements ``ranges`` of tensor ``tensor`` of kind ``kind`` (a file stem: ``model``, ``fp32``,
+    ``optimizer-0``), kept at ``held``; ``replica``: every rank of the group holds them alike (one writes)."""
+
+    kind: str
+    tensor: str
+    ranges: Ranges
+    held: Held
+    replica: bool = False
+
+
+def holdings(
+    kind: str,
+    source: int,
+    layout: StateLayout,
+    ranks: Sequence[int],
+    whole: Sequence[tuple[str, tuple[int, ...]]] = (),
+    setter: bool = False,
+) -> list[Holding]:
+    """What this rank holds of ``layout`` (its index in group g: ``ranks[g]``): its fragments of every
+    partitioned tensor, every tensor of a replicated group whole (``setter``: every parameter whole,
+    through the source's setter); then ``whole`` (name, shape), held whole outside the layout. Pure."""
+    out: list[Holding] = []
+    if setter:
+        slots = [slot for group in layout.groups for slot in group.params]
+        out.extend(Holding(kind, s.name, Ranges(0, s.numel), Held(source, SETTER, k)) for k, s in enumerate(slots))
+    else:
+        for group, rank in zip(layout.groups, ranks):
+            out.extend(_group_holdings(kind, source, group, rank))
+    for k, (name, shape) in enumerate(whole):
+        out.append(Holding(kind, name, Ranges(0, math.prod(shape)), Held(source, WHOLE, k), replica=True))
+    return out
+
+
+def _group_holdings(kind: str, source: int, group: LayoutGroup, rank: int) -> Iterator[Holding]:
+    if group.kind is Partitioning.REPLICATED:
+        for k, slot in enumerate(group.params):
+            yield Holding(kind, slot.name, Ranges(0, slot.numel), Held(source, group.index, k), replica=True)
+        return
+    for fragment in owned_fragments(group, rank):
+        if fragment.numel:
+            name = group.params[fragment.param].name
+            held = Held(source, group.index, -1, fragment.local_offset)
+            yield Holding(kind, name, Ranges(fragment.param_offset, fragment.numel), held)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a tensor lies in a checkpoint being written: its file (relative to the checkpoint's
+    directory) and the file's size, the offset of its first byte, its entry."""
+
+    file: str
+    size: int
+    offset: int
+    entry: Entry
+
+
+@dataclass(frozen=True)
+class Files:
+    """A save's files, laid out before any byte moves: by kind (file stem), its shards and the name of
+    each (relative to the checkpoint's directory); where each tensor lies, by (kind, name)."""
+
+    shards: Mapping[str, tuple[tuple[str, Shard], ...]]
+    placed: Mapping[tuple[str, str], Placed]
+
+    def mapped(self, kind: str) -> dict[str, str]:
+        """The file each tensor of ``kind`` is in, by name (as an index's ``weight_map``)."""
+        return {e.name: file for file, shard in self.shards.get(kind, ()) for e in shard.entries}
+
+    def data_bytes(self, kind: str | None = None) -> int:
+        """The bytes of tensor data of ``kind``'s files (None: of every file)."""
+        kinds = self.shards if kind is None else {kind: self.shards.get(kind, ())}
+        return sum(shard.data_bytes for named in kinds.values() for _, shard in named)
+
+    def names(self) -> tuple[str, ...]:
+        """Every file, in order."""
+        return tuple(file for named in self.shards.values() for file, _ in named)
+
+
+def lay_out(
+    entries: Mapping[str, Sequence[Entry]], max_shard_bytes: int, name: Mapping[str, str] | None = None
+) -> Files:
+    """Every file of a save and the place of every tensor in it, from each kind's tensors in order,
+    each kind cut into shards of at most ``max_shard_bytes``: the same on every rank. ``name[kind]``:
+    the format of its files' names, given ``{k}`` (1-based) and ``{n}`` (how many), default
+    ``save_pretrained``'s (``model.safetensors`` alone, else ``model-00001-of-00002.safetensors``). Pure."""
+    shards: dict[str, tuple[tuple[str, Shard], ...]] = {}
+    placed: dict[tuple[str, str], Placed] = {}
+    for kind, listed in entries.items():
+        if not listed:
+            continue
+        cut = cut_shards(tuple(listed), max_shard_bytes)
+        pattern = (name or {}).get(kind) or ("model.safetensors" if len(cut) == 1 else _PRETRAINED)
+        named = tuple((pattern.format(k=k + 1, n=len(cut)), s) for k, s in enumerate(cut))
+        shards[kind] = named
+        for file, shard in named:
+            for entry, offset in zip(shard.entries, shard.offsets):
+                placed[(kind, entry.name)] = Placed(file, shard.size, offset, entry)
+    return Files(shards, placed)
+
+
+_PRETRAINED = "model-{k:05d}-of-{n:05d}.safetensors"
+
+
+class WriteItem(NamedTuple):
+    """Elements ``ranges`` of tensor ``tensor`` of ``kind``, written from ``held`` at byte ``offset`` of
+    ``file`` (where element ``ranges.start`` goes; each next run ``stride`` elements on) in ``dtype``;
+    ``size``: the file's. A header: ``held`` None, ``ranges`` its bytes (dtype uint8)."""
+
+    file: str
+    size: int
+    offset: int
+    dtype: torch.dtype
+    kind: str
+    tensor: str
+    ranges: Ranges
+    held: Held | None
+
+
+def turns(sizes: Sequence[int], index: int, world: int) -> list[int]:
+    """Of items of ``sizes`` bytes one after another that every rank holds, those rank ``index`` of
+    ``world`` writes: item k by the rank whose turn its first byte falls in, counting through the bytes
+    in order (a contiguous run per rank, about 1/world of the bytes each). Pure."""
+    total = sum(sizes) or 1
+    out, at = [], 0
+    for k, size in enumerate(sizes):
+        if min(world - 1, at * world // total) == index:
+            out.append(k)
+        at += size
+    return out
+
+
+def write_items(
+    files: Files,
+    held: Sequence[Holding],
+    index: int,
+    world: int,
+    writers: Sequence[int] | None = None,
+) -> list[WriteItem]:
+    """What rank ``index`` of ``world`` writes of ``files`` holding ``held``: every fragment it holds,
+    its turn of what every rank holds (``replica``), and (index 0) every header. ``writers``: the index
+    of the one rank that writes each file (in ``files.names()`` order) instead: that rank its file's
+    header and every replica in it. Over all ranks, every byte of every file once. Pure."""
+    out: list[WriteItem] = []
+    names = files.names()
+    writer = dict(zip(names, writers)) if writers is not None else {}
+    for kind, named in files.shards.items():
+        for file, shard in named:
+            if writer.get(file, 0) == index:
+                size = len(shard.header)
+                out.append(WriteItem(file, shard.size, 0, torch.uint8, kind, "", Ranges(0, size), None))
+    replicas: list[tuple[Placed, Holding]] = []
+    for holding in held:
+        place = files.placed[(holding.kind, holding.tensor)]
+        if holding.replica:
+            replicas.append((place, holding))
+        else:
+            out.append(_item(place, holding))
+    if writers is not None:
+        out.extend(_item(place, holding) for place, holding in replicas if writer[place.file] == index)
+    else:
+        for k in turns([p.entry.nbytes for p, _ in replicas], index, world):
+            out.append(_item(*replicas[k]))
+    return out
+
+
+def _item(place: Placed, holding: Holding) -> WriteItem:
+    entry = place.entry
+    offset = place.offset + holding.ranges.start * entry.dtype.itemsize
+    return WriteItem(
+        place.file, place.size, offset, entry.dtype, holding.kind, entry.name, holding.ranges, holding.held
+    )
+
+
+class ReadItem(NamedTuple):
+    """Elements ``ranges`` of tensor ``tensor`` of ``kind``, read from byte ``offset`` of ``file`` (where
+    element ``ranges.start`` lies; each next run ``stride`` elements on) as stored in ``dtype``, into
+    ``held`` (converted to its dtype); ``shape``: the whole tensor's, as stored."""
+
+    file: str
+    offset: int
+    dtype: torch.dtype
+    kind: str
+    tensor: str
+    ranges: Ranges
+    held: Held
+    shape: tuple[int, ...]
+
+
+def read_items(stored: Mapping[tuple[str, str], Stored], held: Sequence[Holding]) -> list[ReadItem]:
+    """What this rank reads for ``held``: each holding of a tensor the checkpoint holds (``stored``, by
+    (kind, name)) from where its elements lie; holdings of tensors it does not hold are not read. Pure."""
+    out = []
+    for holding in held:
+        found = stored.get((holding.kind, holding.tensor))
+        if found is not None:
+            offset = found.byte_offset(holding.ranges.start)
+            kind, name, ranges = holding.kind, holding.tensor, holding.ranges
+            out.append(ReadItem(found.file, offset, found.dtype, kind, name, ranges, holding.held, found.shape))
+    return out

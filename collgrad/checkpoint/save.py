@@ -1,0 +1,346 @@
+"""``save_full_model``: a consolidated checkpoint in the layout Hugging Face ``from_pretrained`` loads,
+streamed bucket by bucket into safetensors shards, never the whole model in one memory.
+
+    check    arguments; the sources of what is written opened; a probe file in the directory
+             -> agree (arguments the same everywhere)                      (one small all-gather)
+             -> agree: which ranks see every probe (they share the directory)  (one small all-gather)
+    plan     the shards laid out from the layouts (plan.py: the same on every rank); this rank's
+             write items: where the ranks share the directory, its turn of every shard's bytes (a
+             contiguous run of them), the first rank the headers; else shard k's rank (``ranks``) all
+             of shard k
+    execute  the module's weights (or the fp32 masters) streamed whole one bucket at a time (one
+             collective per bucket; ZeRO-1/2 and stage 0 hold them whole: none), then the persistent
+             buffers; each tensor this rank writes written at its offsets as it arrives (storage.py)
+             -> agree: every rank wrote its part                               (one small all-gather)
+    commit   the shards renamed to their final names, the index added, an earlier save's weights
+             files removed (commit.py)  -> agree: done everywhere             (one small all-gather)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from collgrad import _compat
+from collgrad.backends.agreement import stable_hash
+from collgrad.checkpoint import commit
+from collgrad.checkpoint.agree import agree_outcome
+from collgrad.checkpoint.match import persistent_buffers
+from collgrad.checkpoint.plan import WHOLE, Files, Held, Holding, Ranges, WriteItem, lay_out, write_items
+from collgrad.checkpoint.safetensors import INDEX_NAME, SAFE_DTYPES, Entry, index_json, is_weights_file
+from collgrad.checkpoint.storage import Writer
+from collgrad.core.dispatch import Dispatcher
+from collgrad.errors import InvalidArgumentError
+from collgrad.state import adapters
+from collgrad.state.adapters.base import Source, select
+from collgrad.state.call import OpenCall
+from collgrad.state.kinds import FP32, WEIGHTS, StateKind
+from collgrad.state.layout import Partitioning
+from collgrad.state.model_cache import Context
+from collgrad.state.read import FullStateStream
+from collgrad.state.record import StateRecord
+
+__all__ = ["save_full_model", "SavedModel", "DEFAULT_MAX_SHARD_BYTES", "checked_shard_bytes"]
+
+#: ``save_pretrained``'s default shard size ("5GB")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+#: A training state's weights file (its generation in the name), which only its manifest's commit removes.
+_GENERATION = re.compile(r"^model-[0-9a-f]+-\d{5,}-of-\d{5,}\.safetensors$")
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    """What ``save_full_model`` wrote: every file of the checkpoint (shards in order, then the index if
+    there is one), the ones this rank wrote (where the ranks share the writing: put in place, by the
+    first rank), how many tensors and bytes of tensor data, the seconds the call took on this rank,
+    and the records of the streams that gathered the tensors."""
+
+    directory: str
+    files: tuple[str, ...]
+    written_here: tuple[str, ...]
+    tensors: int
+    bytes: int
+    seconds: float
+    #: what each stream of whole tensors did (collectives, bytes sent by this rank)
+    records: tuple[StateRecord, ...] = ()
+    #: the ranks shared the writing (each its run of the bytes, into every shard), and the bytes of the
+    #: shards (headers and tensors) this rank wrote
+    shared: bool = False
+    bytes_written: int = 0
+
+    @property
+    def first_writer(self) -> bool:
+        """This rank wrote the checkpoint's first file: the one rank to write what goes beside it."""
+        return bool(self.written_here) and self.written_here[0] == self.files[0]
+
+
+def save_full_model(
+    model: object,
+    directory: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    ranks: Sequence[int] | None = None,
+    params: Iterable[str | torch.Tensor] | None = None,
+    bucket_bytes: int | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> SavedModel:
+    """Write ``model``'s whole ``state_dict`` (trainable and frozen parameters, persistent buffers; a
+    tied weight once, under its first name, as ``save_pretrained`` does) to ``directory`` as safetensors
+    shards of at most ``max_shard_bytes`` each plus ``model.safetensors.index.json`` (one shard:
+    ``model.safetensors`` alone), which ``transformers``' ``from_pretrained`` and ``safetensors`` load.
+
+    ``dtype=None`` keeps the module's dtype (a 16-bit model is written 16-bit, as ZeRO-3's
+    ``_zero3_consolidated_16bit_state_dict`` gives it); ``dtype=torch.float32`` (or another floating
+    dtype) writes the fp32 master weights of the trainable parameters converted to it, and the other
+    tensors converted. ``ranks``: the global ranks that write, shard k by ``ranks[k % len(ranks)]``
+    (a shared file system when there are several); by default (None) every rank that sees the same
+    directory on the same machine as the others writes its share of every shard at its offsets, else
+    rank 0 alone. ``params``: only these parameters (names or parameters), and then no buffers.
+
+    Memory: a rank holds at most one tensor converted to the file's dtype plus what the stream holds
+    (about two buckets of ``bucket_bytes``). No shard appears under its final name
+    before every rank has written all of its own; a failure on any rank (a bad directory, a full disk)
+    raises on every rank (that rank: CollgradError with the cause; the others: RankFailedError) and
+    removes the temporary files.
+
+    When and where: on every rank of the model's data-parallel group, with the same arguments, outside
+    ``step()``. Returns a ``SavedModel``.
+    """
+    start = time.perf_counter()
+    ctx = Context.of(dispatcher)
+    path = os.fspath(directory)
+    resolved, error, group, me = adapters.enter(model)
+    writers: tuple[int, ...] = (0,)
+    names: list[str] | None = None
+    wanted: list[_Wanted] = []
+    entries: list[Entry] = []
+    buffers: list[tuple[str, torch.Tensor]] = []
+    try:
+        if resolved is not None:
+            writers = _checked(ranks, dtype, max_shard_bytes)
+            names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
+            buffers = list(persistent_buffers(resolved.module)) if names is None else []
+            wanted, entries = _wanted(ctx, resolved, dtype, names, buffers)
+            _probe(path, me, me in writers)
+    except (OSError, ValueError, TypeError, KeyError) as caught:
+        error, writers, names = caught, (0,), None
+    arguments = stable_hash((path, str(dtype), max_shard_bytes, writers, names, ranks is None))
+    timeout = ctx.dispatcher.timeout
+    _agree(group, me, error, "check the arguments and make the directory", timeout, arguments)
+    assert resolved is not None  # else the agreement raised
+    everyone = list(_compat.group_ranks(group)) if group is not None else [me]
+    rows = _agree(group, me, None, "look for the others' files", timeout, seen=int(commit.sees(path, everyone)))
+    commit.unprobe(path, me)
+    # every rank sees every rank's probe: they share the writing, each its turn of the bytes
+    shared = ranks is None and all(row[2] for row in rows)
+    files = lay_out({"model": entries}, max_shard_bytes)
+    everything = [Holding("model", e.name, Ranges(0, e.numel), Held(0, WHOLE, k), True) for k, e in enumerate(entries)]
+    by_file = None if shared else [writers[k % len(writers)] for k in range(len(files.names()))]
+    index = everyone.index(me) if shared else me
+    items = write_items(files, everything, index, len(everyone), by_file)
+    mine = {item.tensor: item for item in items if item.held is not None}
+    writer = Writer()
+    streams: list[FullStateStream] = []
+    try:
+        headers = {file: shard.header for file, shard in files.shards["model"]}
+        for item in items:
+            if item.held is None:
+                writer.write_bytes(commit.temporary(os.path.join(path, item.file)), item.size, 0, headers[item.file])
+        for one in wanted:  # every tensor, whole, as held, in the layout's order
+            tensors: Iterable[tuple[str, torch.Tensor]]
+            if one.whole:
+                tensors = ((n, p.detach()) for n, p in one.source.params.items())
+            else:  # one bucket at a time
+                streams.append(_stream(resolved, group, me, one, bucket_bytes, ctx))
+                tensors = streams[-1]
+            _put(writer, path, mine, tensors, kept=one.whole)
+        _put(writer, path, mine, buffers, kept=True)
+        writer.finish()
+        _agree(group, me, writer.error, "write its shards", timeout)
+    except BaseException:
+        writer.remove()
+        raise
+    here: list[str] = []
+    error = None
+    try:
+        here = _commit(path, files, items, index == 0 if shared else me == writers[0], shared)
+    except OSError as caught:
+        error = caught
+        writer.remove()
+    _agree(group, me, error, "give its shards their final names", timeout)
+    finals = files.names() + ((INDEX_NAME,) if len(files.names()) > 1 else ())
+    records = tuple(stream.record() for stream in streams)
+    seconds = time.perf_counter() - start
+    return SavedModel(
+        path, finals, tuple(here), len(entries), files.data_bytes(), seconds, records, shared, writer.bytes_written
+    )
+
+
+def _checked(ranks: Sequence[int] | None, dtype: torch.dtype | None, max_shard_bytes: int) -> tuple[int, ...]:
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    writers = (0,) if ranks is None else tuple(ranks) if not isinstance(ranks, int) else (ranks,)
+    if not writers or any(not isinstance(r, int) or not 0 <= r < world for r in writers):
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: ranks must name the global ranks that write (0 to {world - 1}), got {ranks!r}"
+        )
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in SAFE_DTYPES):
+        raise InvalidArgumentError(f"rank {_compat.rank()}: dtype must be None or a torch dtype, got {dtype!r}")
+    checked_shard_bytes(max_shard_bytes)
+    return writers
+
+
+def checked_shard_bytes(max_shard_bytes: object) -> int:
+    """``max_shard_bytes`` if it is a positive int; InvalidArgumentError (this rank) otherwise."""
+    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: max_shard_bytes must be a positive int, got {max_shard_bytes!r}"
+        )
+    return max_shard_bytes
+
+
+def _probe(path: str, rank: int, writing: bool) -> None:
+    """This rank's probe file in the directory; only a writing rank must be able to make one (another
+    that cannot just does not share the writing)."""
+    try:
+        commit.probe(path, rank)
+    except OSError:
+        if writing:
+            raise
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    """One kind of state a save writes: the parameters it brings whole, their source, and whether every
+    rank holds them whole already (then they are read as they are, each in its own dtype, with no
+    stream; else a stream brings them, one bucket at a time)."""
+
+    kind: StateKind
+    names: list[str]
+    source: Source
+    whole: bool
+
+
+def _wanted(
+    ctx: Context,
+    model: adapters.Model,
+    dtype: torch.dtype | None,
+    names: list[str] | None,
+    buffers: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[list[_Wanted], list[Entry]]:
+    """What a save writes: the module's weights, or with ``dtype`` the fp32 master weights of the
+    trainable parameters and the module's weights of the frozen ones; and every tensor as written, in
+    layout order (the parameters, then the persistent ``buffers``). Local: the streams are opened
+    later, on every rank together (``_stream``)."""
+    named = select(model.module, names, trainable=False)
+    kinds: list[tuple[StateKind, list[str]]]
+    if dtype is None:
+        kinds = [(WEIGHTS, [n for n, _ in named])]
+    else:
+        trainable = [n for n, p in named if p.requires_grad]
+        kinds = [(FP32, trainable), (WEIGHTS, [n for n, p in named if not p.requires_grad])]
+    wanted: list[_Wanted] = []
+    entries: list[Entry] = []
+    for kind, chosen in kinds:
+        if not chosen:
+            continue
+        source = ctx.source(model, kind, None, chosen)[0]
+        # ZeRO-1/2, stage 0, a plain module: every rank holds these weights whole
+        whole = source.accessor is None and all(g.kind is Partitioning.REPLICATED for g in source.layout.groups)
+        wanted.append(_Wanted(kind, chosen, source, whole))
+        for group in source.layout.groups:
+            for slot in group.params:
+                kept = source.params[slot.name].dtype if kind == WEIGHTS and whole else group.out_dtype
+                entries.append(Entry(slot.name, slot.shape, dtype or kept))
+    for name, buffer in buffers:
+        written = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
+        entries.append(Entry(name, tuple(buffer.shape), written))
+    return wanted, entries
+
+
+def _stream(
+    model: adapters.Model, group: ProcessGroup | None, me: int, one: _Wanted, bucket_bytes: int | None, ctx: Context
+) -> FullStateStream:
+    """The whole tensors of ``one``, one bucket at a time: the call opened on every rank together (one
+    small all-gather), then one collective per bucket."""
+    call = OpenCall(
+        adapters.Entrance(model, None, group, me),
+        name=f"save_full_model:{one.kind.label}",
+        streaming=True,
+        kind=one.kind,
+        params=one.names,
+        bucket_bytes=bucket_bytes,
+        dispatcher=ctx.dispatcher,
+        models=ctx.models,
+    )
+    return FullStateStream(call, copy=False)
+
+
+def _put(
+    writer: Writer, path: str, mine: dict[str, WriteItem], tensors: Iterable[tuple[str, torch.Tensor]], kept: bool
+) -> None:
+    """Each of ``tensors`` (name, whole value) this rank writes (``mine``) written at its place. Every rank
+    goes through every tensor (a stream's collectives), whatever fails: failures stay in ``writer``."""
+    for name, tensor in tensors:
+        item = mine.get(name)
+        if item is not None:
+            if tensor.numel() != item.ranges.numel:
+                writer.error = writer.error or InvalidArgumentError(
+                    f"rank {_compat.rank()}: {name} has {tensor.numel()} elements, not {item.ranges.numel}"
+                )
+            target = commit.temporary(os.path.join(path, item.file))
+            writer.write(target, item.size, item.offset, tensor, item.dtype, kept)
+
+
+def _commit(path: str, files: Files, items: Sequence[WriteItem], first: bool, shared: bool) -> list[str]:
+    """This rank's shards renamed to their final names (where the ranks share the writing: every shard,
+    by the first rank), and by the first the index added and an earlier save's weights files removed:
+    the files this rank put in place. OSError where the file system refuses."""
+    written = dict.fromkeys(item.file for item in items)
+    here = [f for f in files.names() if (first if shared else f in written)]
+    renames = [(commit.temporary(os.path.join(path, f)), os.path.join(path, f)) for f in here]
+    if first and len(files.names()) > 1:
+        final = os.path.join(path, INDEX_NAME)
+        renames.append(commit.write_small(final, index_json(files.mapped("model"), files.data_bytes())))
+        here.append(INDEX_NAME)
+    commit.commit(renames, [(path, _earlier)] if first else [])
+    return here
+
+
+def _earlier(name: str) -> bool:
+    """A weights file an earlier ``save_pretrained`` or ``save_full_model`` left (``from_pretrained``
+    would load ``model.safetensors`` before an index), as ``save_pretrained`` removes them; a training
+    state's generation-named files are its manifest's, left to it."""
+    return is_weights_file(name) and not _GENERATION.match(name)
+
+
+def _agree(
+    group: ProcessGroup | None,
+    me: int,
+    error: BaseException | None,
+    what: str,
+    timeout_s: float,
+    arguments: int = 0,
+    seen: int = 0,
+) -> list[list[int]]:
+    """Every rank learns whether any rank failed to ``what`` (and, with ``arguments``, whether every rank
+    passed the same): this rank raises its own failure, the others RankFailedError naming it. ``seen``:
+    told to the others; returns every rank's row."""
+    compared = "arguments (directory, dtype, max_shard_bytes, ranks or params)"
+    return agree_outcome(
+        group,
+        me,
+        error,
+        call="save_full_model",
+        what=what,
+        timeout_s=timeout_s,
+        arguments=arguments,
+        compared=compared,
+        extra=(seen,),
+    )

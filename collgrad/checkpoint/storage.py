@@ -1,0 +1,619 @@
+"""The one writer and the one reader of checkpoint files: they only move bytes, as a plan's items say
+(plan.py), between files and this rank's memory. Local: no process group; every failure is kept for
+the caller to tell the other ranks (a rank that raised alone would leave them waiting).
+
+    write   WriteItem -> the views of its values in memory (``Memory``) -> converted to the file's
+            dtype -> joined with the write before it where both their bytes and their values follow
+            on (a flat partition's fragments: one write) -> pwrite at its offset; large ones started
+            on their way to the disk at once (``sync_file_range``); finish: fdatasync, close
+    read    ReadItems -> each tensor's ranges read once (the whole tensor where any holding wants it
+            whole) -> runs of adjacent bytes, read straight into place where their places follow on
+            in one storage, else into a buffer of their own (at most ``MAX_RUN_BYTES``) and copied
+            -> preadv; then the copies from what was read straight into place (one foreach copy)
+
+Files are opened once each, created where they are not there yet and given their final size by every
+rank that writes into them (no rank truncates what another wrote).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import Callable, Hashable, Iterable, Iterator, Mapping, Sequence, TypeVar
+
+import torch
+
+from collgrad.checkpoint.plan import SETTER, WHOLE, Held, Ranges, ReadItem, WriteItem
+from collgrad.checkpoint.safetensors import Stored
+from collgrad.core.buffers import Pieces, adjacent_view
+from collgrad.errors import CollgradError
+
+__all__ = [
+    "Memory",
+    "Writer",
+    "write",
+    "Reader",
+    "LoadPlan",
+    "Run",
+    "Copy",
+    "Target",
+    "load_plan",
+    "read",
+    "reads",
+    "joined_runs",
+    "with_moves",
+    "bytes_of",
+    "remove_all",
+    "MAX_RUN_BYTES",
+]
+
+#: the most one ``os.pwrite`` or ``os.preadv`` moves on Linux
+_MOST = 0x7FFFF000
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Where one source's holdings lie, as ``Held`` indexes them: per layout group its local buffer
+    (``Pieces`` of a partitioned group, a tensor per parameter of a replicated one), the tensors it
+    holds whole outside the layout, and (SETTER) a setter taking a parameter's index and whole values."""
+
+    groups: Sequence[Pieces | Sequence[torch.Tensor]] = ()
+    whole: Sequence[torch.Tensor] = ()
+    setter: Callable[[int, torch.Tensor], None] | None = None
+
+    def views(self, held: Held, numel: int) -> Iterator[tuple[torch.Tensor, int]]:
+        """The ``numel`` elements ``held`` places, as views of this memory, each with its first element
+        among them (a fragment may lie across pieces). Not for SETTER."""
+        if held.group == WHOLE or held.param >= 0:
+            tensor = self.whole[held.param] if held.group == WHOLE else self._tensors(held.group)[held.param]
+            if held.offset == 0 and numel == tensor.numel():
+                yield tensor, 0  # as it is (any shape): a read copies into it, a write flattens a copy
+            else:
+                yield tensor.reshape(-1)[held.offset : held.offset + numel], 0
+            return
+        buffer = self.groups[held.group]
+        assert isinstance(buffer, Pieces)
+        yield from buffer.spans(held.offset, numel)
+
+    def _tensors(self, group: int) -> Sequence[torch.Tensor]:
+        found = self.groups[group]
+        assert not isinstance(found, Pieces)
+        return found
+
+
+def _file_runs(ranges: Ranges, at: int, numel: int) -> Iterator[tuple[int, int, int]]:
+    """Elements ``[at, at + numel)`` of ``ranges`` (in their order) as runs of the tensor: (its first
+    element in the tensor, its first among the ``numel``, elements). Pure."""
+    if ranges.rows == 1:
+        yield ranges.start + at, 0, numel
+        return
+    done = 0
+    while done < numel:
+        k, within = divmod(at + done, ranges.length)
+        n = min(ranges.length - within, numel - done)
+        yield ranges.start + k * ranges.stride + within, done, n
+        done += n
+
+
+class Writer:
+    """Byte ranges written at their offsets into files of known size (several ranks may fill one file
+    together): each file opened once and given its final size, every write counted; a write may wait
+    to be joined with the next where their bytes and values follow on. A failure is kept in ``error``
+    (later writes skipped), never raised. ``finish`` flushes every file to the disk and closes it;
+    ``remove`` takes away the files this rank opened (after a failure anywhere). Local."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self.opened: list[str] = []
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+        #: a write waiting to be joined with the next: (path, size, offset, values)
+        self._held: tuple[str, int, int, torch.Tensor] | None = None
+
+    def write(self, path: str, size: int, offset: int, values: torch.Tensor, dtype: torch.dtype, kept: bool) -> None:
+        """``values`` (any elements, flattened) written as ``dtype`` at byte ``offset`` of ``path``, a file
+        of ``size`` bytes. ``kept``: the caller keeps ``values`` as they are until the next write (a
+        module's own weight, a mapped file; not a stream's bucket, which the next bucket overwrites):
+        only then may a write wait to be joined with the next."""
+        if self.error is not None:
+            return
+        try:
+            data = values.detach().reshape(-1)
+            copied = data.device.type != "cpu" or data.dtype != dtype or not data.is_contiguous()
+            if copied:
+                data = data.to("cpu", dtype).contiguous()
+            if not data.numel():
+                return
+            held = self._held
+            if held is not None:
+                joined = follows_on((held[0], held[2], held[3]), path, offset, data)
+                if joined is not None:
+                    self._held = (path, size, held[2], joined)
+                    return
+                self._let_go()
+            if kept or copied:
+                self._held = (path, size, offset, data)
+            else:
+                self._pwrite(path, size, offset, bytes_of(data))
+        except Exception as error:  # noqa: BLE001 - told to every rank by the caller
+            self.error = error
+
+    def write_bytes(self, path: str, size: int, offset: int, data: bytes) -> None:
+        """``data`` at byte ``offset`` of ``path`` (a header)."""
+        if self.error is None:
+            self._let_go()
+            self._pwrite(path, size, offset, memoryview(data))
+
+    def _let_go(self) -> None:
+        """The write held for joining, written."""
+        if self._held is not None:
+            path, size, offset, data = self._held
+            self._held = None
+            self._pwrite(path, size, offset, bytes_of(data))
+
+    def _pwrite(self, path: str, size: int, offset: int, data: memoryview) -> None:
+        try:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                self.opened.append(path)
+                os.ftruncate(fd, size)  # the same size on every rank: nothing written is cut
+            write_all(fd, data, offset)
+            self.bytes_written += len(data)
+            if _WRITEBACK is not None and len(data) >= 1 << 20:
+                _WRITEBACK(fd, offset, len(data))  # on its way to the disk now: less for finish() to wait for
+        except OSError as error:
+            self.error = error
+
+    def finish(self) -> None:
+        """Every file this rank wrote flushed to the disk (its data and size: fdatasync) and closed."""
+        if self.error is None:
+            try:
+                self._let_go()
+            except Exception as error:  # noqa: BLE001 - told to every rank by the caller
+                self.error = error
+        self._held = None
+        for fd in self._fds.values():
+            try:
+                if self.error is None:
+                    os.fdatasync(fd)
+            except OSError as error:
+                self.error = error
+            finally:
+                os.close(fd)
+        self._fds.clear()
+
+    def remove(self) -> None:
+        """Every file this rank opened removed (closed first)."""
+        self._held = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        remove_all(self.opened)
+        self.opened.clear()
+
+
+def write(
+    writer: Writer,
+    items: Iterable[WriteItem],
+    memory: Sequence[Memory],
+    headers: Mapping[str, bytes],
+    path_of: Callable[[str], str],
+    after: Callable[[WriteItem], None] | None = None,
+) -> None:
+    """Every item's bytes written into the file ``path_of(item.file)``: a header from ``headers`` (by
+    file), values from the memory its ``held`` names, each run at its offset; ``after(item)`` once it
+    is handed to the writer. Failures are kept in ``writer.error``. Local."""
+    with torch.no_grad():
+        for item in items:
+            if writer.error is not None:
+                return
+            path = path_of(item.file)
+            if item.held is None:
+                writer.write_bytes(path, item.size, 0, headers[item.file])
+            else:
+                size, base = item.dtype.itemsize, item.offset - item.ranges.start * item.dtype.itemsize
+                for view, at in memory[item.held.source].views(item.held, item.ranges.numel):
+                    flat = view.reshape(-1)
+                    for first, lo, n in _file_runs(item.ranges, at, flat.numel()):
+                        writer.write(path, item.size, base + first * size, flat[lo : lo + n], item.dtype, kept=True)
+            if after is not None:
+                after(item)
+
+
+def follows_on(
+    before: tuple[Hashable, int, torch.Tensor], file: Hashable, offset: int, data: torch.Tensor
+) -> torch.Tensor | None:
+    """``before`` (a write waiting: its file, byte offset and values) and ``data`` (to write at ``offset``
+    of ``file``) as one write's values: one view of both, where ``data``'s bytes follow ``before``'s in
+    the file and in memory; else None. What joins a run of writes into one (the weights' flat buffer,
+    ZeRO's flat partitions). Local."""
+    held_file, at, values = before
+    if held_file != file or at + values.nbytes != offset:
+        return None
+    return adjacent_view([values, data])
+
+
+def write_all(fd: int, data: memoryview, offset: int) -> None:
+    """``data`` written to the open file ``fd`` at byte ``offset``, however many calls that takes. OSError
+    where the disk refuses it."""
+    while len(data):
+        done = os.pwrite(fd, data[:_MOST], offset)
+        data, offset = data[done:], offset + done
+
+
+def _writeback() -> Callable[[int, int, int], object] | None:
+    """Linux's ``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)``: start writing a range of a
+    file to the disk and return at once (Python's ``os`` has no binding), so that a save's flush at
+    the end waits for what is still in flight instead of for every byte; None elsewhere (the flush
+    then does it all)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
+    return lambda fd, offset, nbytes: call(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE
+
+
+_WRITEBACK = _writeback()
+
+
+def bytes_of(data: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, as they lie (no copy): writable, and holding the tensor's storage
+    while it lives (reads land in the tensor itself)."""
+    assert data.is_contiguous() and data.device.type == "cpu"
+    return memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def remove_all(paths: Iterable[str]) -> None:
+    """Each of ``paths`` removed where it is there to remove (cleaning up: a file already gone, or one
+    that cannot be removed, is left to the error that made the caller clean up). Local."""
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def _pread_into(fd: int, file: str, offset: int, view: memoryview) -> int:
+    """``view`` filled from the open ``file`` (``fd``) at byte ``offset``; returns the bytes read. OSError
+    where the file ends early or reading fails."""
+    nbytes, done = len(view), 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done : done + min(nbytes - done, _MOST)]], offset + done)
+        if got == 0:
+            raise OSError(f"{file} ends at byte {offset + done}, inside a tensor")
+        done += got
+    return nbytes
+
+
+class Reader:
+    """Ranges of a checkpoint's files read straight into memory, each file opened once; counts the bytes
+    read. Use it as a context manager (or ``close`` it). Local."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self.bytes_read = 0
+
+    def read(self, stored: Stored, lo: int, numel: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[lo, lo + numel)`` of ``stored`` (flat, row-major, in its dtype), read into ``into``
+        (contiguous, CPU, of that dtype and size) or a new buffer; OSError where the file ends early or
+        reading fails."""
+        out = torch.empty(numel, dtype=stored.dtype) if into is None else into.view(-1)
+        assert out.numel() == numel and out.dtype == stored.dtype
+        self.read_at(stored.file, stored.byte_offset(lo), out)
+        return out
+
+    def read_at(self, file: str, offset: int, out: torch.Tensor | memoryview) -> None:
+        """``out``'s bytes (a contiguous CPU tensor, or its ``bytes_of``) read from ``file`` at byte
+        ``offset``: a range the checked headers of ``file`` place inside it. OSError where the file
+        ends early or reading fails."""
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = self._fds[file] = os.open(file, os.O_RDONLY)
+        self.bytes_read += _pread_into(fd, file, offset, bytes_of(out) if isinstance(out, torch.Tensor) else out)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Target:
+    """One place a range of a tensor goes: elements ``[at, at + numel)`` of it (flat) into ``dest``, a
+    view of where this rank keeps them (any shape of ``numel`` elements; converted on the copy), or,
+    where no view can be had (an optimizer collgrad does not read), through ``put`` (DeepSpeed's setter)."""
+
+    at: int
+    numel: int
+    dest: torch.Tensor | None = None
+    put: Callable[[torch.Tensor], None] | None = None
+
+    def write(self, values: torch.Tensor) -> None:
+        """Put ``values`` (1-D, contiguous: this target's elements) in place."""
+        if self.dest is not None:
+            self.dest.copy_(values if self.dest.dim() == 1 else values.view(self.dest.shape))
+        else:
+            assert self.put is not None
+            self.put(values)
+
+    def takes(self, dtype: torch.dtype, lo: int, numel: int) -> bool:
+        """A read of ``[lo, lo + numel)`` of a tensor stored as ``dtype`` can land in ``dest`` itself: the
+        same range, dtype and a contiguous CPU view (then the others copy from it)."""
+        dest = self.dest
+        return (
+            dest is not None
+            and (self.at, self.numel) == (lo, numel)
+            and dest.dtype == dtype
+            and dest.device.type == "cpu"
+            and dest.is_contiguous()
+        )
+
+
+def reads(targets: Sequence[tuple[int, int]], numel: int) -> tuple[tuple[int, int], ...]:
+    """The ranges to read of a tensor of ``numel`` elements for ``targets`` (first element, elements):
+    the whole tensor once where any target wants it whole, else each distinct range once. Pure."""
+    if any(lo == 0 and n == numel for lo, n in targets):
+        return ((0, numel),)
+    return tuple(sorted(set(targets)))
+
+
+_T = TypeVar("_T")
+
+#: The most bytes of ranges read together into a buffer of their own (ranges read straight into place
+#: are joined without a bound: they take no memory).
+MAX_RUN_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Elements ``[at, at + target.numel)`` of a run put in place by ``target``."""
+
+    at: int
+    target: Target
+
+
+@dataclass(frozen=True)
+class Run:
+    """Adjacent byte ranges of one file, read with one call: ``nbytes`` at ``offset``, ``numel`` elements
+    of ``dtype``, straight into ``dest`` where the first place each range goes lies right after the
+    previous one's in one storage (a flat view over all of them), else into a buffer of its own; then
+    ``copies`` put the run's elements where else they go. ``dest``: flat."""
+
+    file: str
+    offset: int
+    numel: int
+    dtype: torch.dtype
+    dest: torch.Tensor | None
+    copies: tuple[Copy, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @functools.cached_property
+    def into(self) -> memoryview | None:
+        """``dest``'s bytes, worked out once per run (a kept plan reads into the same ones again)."""
+        return bytes_of(self.dest) if self.dest is not None else None
+
+
+def load_plan(items: Sequence[ReadItem], memory: Sequence[Memory], kept: dict[Hashable, object] | None) -> LoadPlan:
+    """``items`` resolved against ``memory``: every place each range goes, each stored tensor's ranges
+    read once (straight into the first place that can take it where one can), joined into runs.
+    ``kept``: a scratch of the model's where the plan is kept for the next load of the same items
+    into the same memory (its views keep that memory alive, so an address that matches is the same
+    storage). Local."""
+    key = _memory_key(items, memory) if kept is not None else None
+    found = kept.get("load plan") if kept is not None else None
+    if key is not None and isinstance(found, tuple) and found[0] == key:
+        plan: LoadPlan = found[1]
+        return plan
+    targets: dict[tuple[str, int, torch.dtype, int], list[Target]] = {}
+    for item in items:
+        numel = math.prod(item.shape)
+        start = item.offset - item.ranges.start * item.dtype.itemsize
+        into = targets.setdefault((item.file, start, item.dtype, numel), [])
+        into.extend(_targets(item, memory[item.held.source]))
+    single = []
+    for (file, start, dtype, numel), wanted in targets.items():
+        for lo, n in reads([(w.at, w.numel) for w in wanted], numel):
+            covered = [w for w in wanted if lo <= w.at and w.at + w.numel <= lo + n]
+            direct = next((w for w in covered if w.takes(dtype, lo, n)), None)  # straight into place
+            copies = tuple(Copy(w.at - lo, w) for w in covered if w is not direct)
+            dest = None if direct is None or direct.dest is None else direct.dest.view(-1)  # contiguous
+            single.append(Run(file, start + lo * dtype.itemsize, n, dtype, dest, copies))
+    plan = with_moves(joined_runs(single))
+    if key is not None and kept is not None:
+        kept["load plan"] = (key, plan)
+    return plan
+
+
+def _targets(item: ReadItem, memory: Memory) -> Iterator[Target]:
+    """The places ``item``'s elements go: views of ``memory`` (a strided item's runs each their own), or
+    the setter (a parameter whole)."""
+    held = item.held
+    if held.group == SETTER:
+        setter, param, shape = memory.setter, held.param, item.shape
+        assert setter is not None
+
+        def put(values: torch.Tensor) -> None:
+            setter(param, values.reshape(shape))
+
+        yield Target(item.ranges.start, item.ranges.numel, put=put)
+        return
+    for view, at in memory.views(held, item.ranges.numel):
+        if item.ranges.rows == 1:
+            yield Target(item.ranges.start + at, view.numel(), view)
+            continue
+        flat = view.reshape(-1)  # a strided item's memory: a contiguous local shard
+        for first, lo, n in _file_runs(item.ranges, at, view.numel()):
+            yield Target(first, n, flat[lo : lo + n])
+
+
+def _memory_key(items: Sequence[ReadItem], memory: Sequence[Memory]) -> tuple[object, ...] | None:
+    """What a resolved plan depends on: the items, and the address, size and dtype of every tensor of
+    the memory they go to. None where a setter takes any (not kept)."""
+    parts: list[object] = [tuple(items)]
+    for one in memory:
+        if one.setter is not None:
+            return None
+        for buffer in one.groups:
+            tensors = buffer.given if isinstance(buffer, Pieces) else buffer
+            parts.append(tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
+        parts.append(tuple((t.data_ptr(), t.numel(), t.dtype) for t in one.whole))
+    return tuple(parts)
+
+
+def read(plan: LoadPlan) -> tuple[int, BaseException | None]:
+    """``plan``'s reads and copies done on this rank: the bytes read, and the error that stopped them (an
+    I/O error, a setter's), for the caller to agree on. Local."""
+    reader = Reader()
+    error: BaseException | None = None
+    try:
+        with torch.no_grad():
+            for run in plan.runs:
+                if run.into is not None:  # straight into place
+                    reader.read_at(run.file, run.offset, run.into)
+                    continue
+                buffer = torch.empty(run.numel, dtype=run.dtype)
+                reader.read_at(run.file, run.offset, buffer)
+                for copy in run.copies:
+                    copy.target.write(buffer[copy.at : copy.at + copy.target.numel])
+                del buffer  # one read buffer at a time
+            plan.move()
+    except (OSError, CollgradError) as caught:
+        error = caught
+    finally:
+        reader.close()
+    return reader.bytes_read, error
+
+
+def joined_runs(runs: Iterable[Run]) -> list[Run]:
+    """``runs`` in file order, each joined with the next where its bytes follow in the file and its
+    elements in memory (``_joined``). Pure."""
+    return _folded(sorted(runs, key=lambda r: (r.file, r.offset)), _joined)
+
+
+def _folded(items: Iterable[_T], together: Callable[[_T, _T], _T | None]) -> list[_T]:
+    """``items`` in order, each made one with the one before it where ``together`` can (else None). Pure."""
+    out: list[_T] = []
+    for item in items:
+        merged = together(out[-1], item) if out else None
+        if merged is not None:
+            out[-1] = merged
+        else:
+            out.append(item)
+    return out
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A load's reads and, once they are all done, the copies from where they were read straight into
+    place to where else those elements go (``moves``: values, target), adjacent ones made one."""
+
+    runs: tuple[Run, ...]
+    moves: tuple[tuple[torch.Tensor, Target], ...]
+
+    @functools.cached_property
+    def _batched(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, Target]]]:
+        """The moves into views on the device of their values, as two lists for one foreach copy (flat
+        views), and the rest (setters, another device) one by one."""
+        into, values, rest = [], [], []
+        for v, target in self.moves:
+            dest = target.dest
+            if dest is not None and dest.device == v.device and dest.is_contiguous():
+                into.append(dest.view(-1))
+                values.append(v)
+            else:
+                rest.append((v, target))
+        return into, values, rest
+
+    def move(self) -> None:
+        """Every move done: one foreach copy for those it can take, the rest one by one. Local."""
+        into, values, rest = self._batched
+        if into:
+            torch._foreach_copy_(into, values)  # one call, not one per tensor (converting dtypes as copy_)
+        for v, target in rest:
+            target.write(v)
+
+
+def with_moves(runs: Iterable[Run]) -> LoadPlan:
+    """``runs`` with the copies of those read straight into place moved after every read (their values
+    stay where they were read: each place is written once), each joined with the next where both its
+    values and its target follow in one storage (ZeRO-3's weight partitions, one flat buffer, into the
+    fp32 partition, another: one copy). The copies of a run read into a buffer of its own stay with it,
+    joined the same way by storage. Pure."""
+    kept: list[Run] = []
+    moves: list[tuple[torch.Tensor, Target]] = []
+    for run in runs:
+        if run.dest is None:
+            copies = _folded(sorted(run.copies, key=lambda c: (_place(c.target.dest)[0], c.at)), _copied_together)
+            kept.append(replace(run, copies=tuple(copies)))
+            continue
+        moves.extend((run.dest[c.at : c.at + c.target.numel], c.target) for c in run.copies)
+        kept.append(replace(run, copies=()))
+    joined = _folded(sorted(moves, key=lambda m: _place(m[1].dest)), _moved_together)
+    return LoadPlan(tuple(kept), tuple(joined))
+
+
+def _moved_together(
+    first: tuple[torch.Tensor, Target], then: tuple[torch.Tensor, Target]
+) -> tuple[torch.Tensor, Target] | None:
+    """Two moves as one, where ``then``'s values follow ``first``'s and its place follows ``first``'s,
+    each in one storage; else None."""
+    (first_values, first_target), (then_values, then_target) = first, then
+    if first_target.dest is None or then_target.dest is None:
+        return None
+    values, dest = adjacent_view([first_values, then_values]), adjacent_view([first_target.dest, then_target.dest])
+    if values is None or dest is None:
+        return None
+    return values, Target(first_target.at, dest.numel(), dest)
+
+
+def _place(dest: torch.Tensor | None) -> tuple[int, int]:
+    """Where ``dest`` lies (its storage, its offset in it): ordering by it puts neighbours side by side."""
+    return (dest.untyped_storage().data_ptr(), int(dest.storage_offset())) if dest is not None else (-1, 0)
+
+
+def _joined(first: Run, then: Run) -> Run | None:
+    """``first`` and ``then`` as one run, where ``then``'s bytes follow ``first``'s in the same file and
+    either both are read straight into place, ``then``'s right after ``first``'s in one storage, or
+    both into buffers of their own, together at most ``MAX_RUN_BYTES``; else None. Pure."""
+    if (first.file, first.dtype, first.offset + first.nbytes) != (then.file, then.dtype, then.offset):
+        return None
+    if first.dest is not None and then.dest is not None:
+        dest = adjacent_view([first.dest, then.dest])
+        if dest is None:
+            return None
+    elif first.dest is None and then.dest is None:
+        if first.nbytes + then.nbytes > MAX_RUN_BYTES:
+            return None
+        dest = None
+    else:
+        return None
+    moved = tuple(Copy(first.numel + c.at, c.target) for c in then.copies)
+    return Run(first.file, first.offset, first.numel + then.numel, first.dtype, dest, first.copies + moved)
+
+
+def _copied_together(first: Copy, then: Copy) -> Copy | None:
+    """Two copies out of one run's buffer as one, where ``then``'s elements follow ``first``'s in the
+    run and its place follows ``first``'s in one storage; else None."""
+    a, b = first.target.dest, then.target.dest
+    if first.at + first.target.numel != then.at or a is None or b is None:
+        return None
+    dest = adjacent_view([a, b])
+    return Copy(first.at, Target(first.target.at, dest.numel(), dest)) if dest is not None else None

@@ -1,0 +1,758 @@
+"""``save_training_state`` / ``load_training_state``: the whole training state in one checkpoint that does
+not depend on the world size, the ZeRO stage or the framework that wrote it, each rank writing and
+reading only the ranges it holds. The directory is a Hugging Face model directory:
+
+    directory/
+      model.safetensors.index.json              the module's weights, as from_pretrained loads them
+      model-<gen>-00001-of-0000N.safetensors    ... every parameter (frozen ones too) and persistent buffer
+      (config.json, tokenizer files: the user's, beside them)
+      training_state/                           where no loader of a model directory looks
+        manifest.json                           what is where, the rest as JSON (manifest.py): the commit
+        fp32-<gen>-00001-of-0000N.safetensors   the fp32 master weights of the trainable parameters
+        optimizer-<k>-<gen>-00001-of-....       each per-element optimizer state (exp_avg, ...), by key
+
+Every tensor is whole in its file, as ``save_full_model`` writes it, so any layout can take it back;
+``from_pretrained``, PyTorch DCP's ``HuggingFaceStorageReader`` and a glob of ``*.safetensors`` all read
+exactly the module's weights (temporaries and files being removed are hidden and named otherwise).
+
+save   check: every rank opens the sources (weights, masters, each state), reads what is not per
+         element, and writes a probe file -> agreement 1: arguments, those values the same on every
+         rank, the save's generation (rank 0's)
+       shared: every rank sees every probe -> agreement 2 (else rank 0 writes it all, streamed to it)
+       plan: the files laid out from the layouts (every rank the same); this rank's write items: the
+         fragments it holds, its turn of what every rank holds whole, rank 0 the headers (plan.py)
+       write: each item at its offset of the file's temporary; fsync -> agreement 3 (a failure
+         anywhere: the new files removed, the old checkpoint intact)
+       commit: rank 0 renames the files, the index, then the manifest into place (the manifest last:
+         it is the checkpoint), removes the files of the previous one -> agreement 4
+load   check: manifest, headers and index (untrusted), names, shapes, param groups and states
+         against the model; optimizer states created where it never stepped -> agreement 1 (a refusal:
+         those states removed again, nothing else touched)
+       plan + read: each rank its own ranges (plan.py's read items, storage.py) -> agreement 2
+       then the rest: step counts, hyperparameters, the LR scheduler, the framework's counters
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from collgrad import _compat
+from collgrad.backends.agreement import stable_hash
+from collgrad.checkpoint import commit, storage
+from collgrad.checkpoint.agree import agree_outcome
+from collgrad.checkpoint.manifest import (
+    MANIFEST_NAME,
+    STATE_DIR,
+    Manifest,
+    ParamGroup,
+    encode,
+    manifest_path,
+    read_manifest,
+)
+from collgrad.checkpoint.match import Opened, held, listed, opened, persistent_buffers, refuse_unmatched
+from collgrad.checkpoint.plan import Files, lay_out, read_items, write_items
+from collgrad.checkpoint.safetensors import (
+    INDEX_NAME,
+    Checkpoint,
+    Entry,
+    Stored,
+    index_json,
+    is_weights_file,
+    open_mapped,
+    refused,
+)
+from collgrad.checkpoint.save import DEFAULT_MAX_SHARD_BYTES, checked_shard_bytes
+from collgrad.core.dispatch import Dispatcher
+from collgrad.errors import CollgradError, InvalidArgumentError
+from collgrad.state import adapters
+from collgrad.state.adapters.base import OptimizerView, create_states
+from collgrad.state.call import OpenCall
+from collgrad.state.kinds import FP32, WEIGHTS, OptimizerState
+from collgrad.state.layout import Partitioning
+from collgrad.state.model_cache import Context
+from collgrad.state.read import FullStateStream
+from collgrad.state.record import StateRecord
+
+__all__ = [
+    "save_training_state",
+    "load_training_state",
+    "SavedTrainingState",
+    "LoadedTrainingState",
+    "file_names",
+    "weights_index",
+    "put_in_place",
+]
+
+
+@dataclass(frozen=True)
+class SavedTrainingState:
+    """What ``save_training_state`` wrote: the directory, every file of the checkpoint (the manifest
+    last), its generation, the tensors and bytes of tensor data in it, the bytes this rank wrote, and
+    the seconds the call took on this rank."""
+
+    directory: str
+    files: tuple[str, ...]
+    generation: str
+    tensors: int
+    bytes: int
+    bytes_written: int
+    seconds: float
+    #: the ranks did not share the directory: rank 0 wrote every tensor, streamed to it
+    streamed: bool = False
+    #: what each stream did (where the ranks do not share the directory, or DeepSpeed's accessors read a kind)
+    records: tuple[StateRecord, ...] = ()
+
+
+@dataclass(frozen=True)
+class LoadedTrainingState:
+    """What ``load_training_state`` did on this rank: the files it read, the tensors and optimizer states
+    it loaded, the bytes of data and headers it read, whether it created the optimizer's states (an
+    optimizer that had never stepped), the seconds it took, and with ``strict=False`` what did not match."""
+
+    directory: str
+    files: tuple[str, ...]
+    tensors: int
+    states: tuple[str, ...]
+    bytes_read: int
+    header_bytes: int
+    created_states: bool
+    seconds: float
+    missing_keys: tuple[str, ...] = ()
+    unexpected_keys: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------------------------- what it holds
+
+
+@dataclass
+class _Held:
+    """A model's training state as this rank holds it: each kind opened (file stem, kind, source, this
+    rank's view), the persistent buffers, and what is not a tensor of the model's shape."""
+
+    sources: list[Opened]
+    buffers: list[tuple[str, torch.Tensor]]
+    keys: tuple[str, ...]
+    param_groups: tuple[ParamGroup, ...]
+    param_states: dict[str, dict[str, Any]]
+    lr_scheduler: dict[str, Any] | None
+    counters: dict[str, int | float]
+
+
+def _per_element(held: Mapping[str, Any], holder: torch.Tensor) -> list[str]:
+    """The keys of ``held`` (one holder's optimizer state) with one value per element of it."""
+    return sorted(k for k, v in held.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == holder.shape)
+
+
+def _state_keys(view: OptimizerView) -> tuple[str, ...]:
+    """The per-element state keys the optimizer holds, the same for every holder (or none at all: it
+    never stepped); InvalidArgumentError (this rank) where they differ."""
+    found = {id(h): _per_element(view.optimizer.state.get(h) or {}, h) for h in view.distinct_holders()}
+    kinds = {tuple(keys) for keys in found.values()}
+    if len(kinds) > 1:
+        names = {tuple(found[id(h)]): n for n, h in view.holders.items()}
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: the optimizer holds different per-element states for different parameters "
+            f"({'; '.join(f'{n}: {list(k)}' for k, n in names.items())}): step every parameter before saving"
+        )
+    return next(iter(kinds), ())
+
+
+def _scalars(view: OptimizerView, keys: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Every trainable parameter's optimizer state that is not per element (``step``, ...), by name."""
+    out = {}
+    for name, holder in view.holders.items():
+        held = view.optimizer.state.get(holder) or {}
+        out[name] = {k: v for k, v in held.items() if k not in keys}
+    return out
+
+
+def _groups(view: OptimizerView) -> tuple[ParamGroup, ...]:
+    names: list[list[str]] = [[] for _ in view.optimizer.param_groups]
+    for name, index in view.groups.items():
+        names[index].append(name)
+    return tuple(
+        ParamGroup(tuple(n), {k: v for k, v in g.items() if k != "params"})
+        for n, g in zip(names, view.optimizer.param_groups)
+    )
+
+
+def _held(ctx: Context, model: adapters.Model, optimizer: Any, lr_scheduler: Any) -> _Held:
+    """What a save writes, as this rank holds it. Local."""
+    view = model.optimizer_view(optimizer)
+    keys = _state_keys(view)
+    trainable = list(view.holders)
+    sources = [opened(ctx, model, "model", WEIGHTS, optimizer), opened(ctx, model, "fp32", FP32, optimizer, trainable)]
+    for k, key in enumerate(keys):
+        sources.append(opened(ctx, model, f"optimizer-{k}", OptimizerState(key), optimizer, trainable))
+    if keys and any(one.source.accessor is not None for one in sources):
+        view.linked()  # DeepSpeed's accessors read the states through links a checkpoint save may have dropped
+    scheduler = model.lr_scheduler(lr_scheduler)
+    state = None if scheduler is None else scheduler.state_dict()
+    buffers = list(persistent_buffers(model.module))
+    return _Held(sources, buffers, keys, _groups(view), _scalars(view, keys), state, model.counters())
+
+
+def _entries_of(held: _Held) -> dict[str, list[Entry]]:
+    """Each file stem's tensors as this rank's sources lay them out (the same on every rank): each
+    layout's order, the dtype it is held in; the module's persistent buffers after its weights."""
+    out: dict[str, list[Entry]] = {}
+    for one in held.sources:
+        entries = out[one.stem] = []
+        for group, buffer in zip(one.source.layout.groups, one.local.buffers):
+            for k, slot in enumerate(group.params):
+                if one.source.accessor is not None:  # DeepSpeed's accessors return fp32 (masters, their states)
+                    dtype = torch.float32
+                else:
+                    dtype = buffer[k].dtype if isinstance(buffer, list) else group.wire_dtype
+                entries.append(Entry(slot.name, slot.shape, dtype))
+    out["model"] += [Entry(n, tuple(b.shape), b.dtype) for n, b in held.buffers]
+    return out
+
+
+def file_names(generation: str, stems: Iterable[str]) -> dict[str, str]:
+    """The name of each stem's files in a training state of ``generation`` (``lay_out``'s ``name``): the
+    module's weights in the directory, the rest in ``STATE_DIR``. Pure."""
+    return {
+        stem: f"{'' if stem == 'model' else STATE_DIR + '/'}{stem}-{generation}-{{k:05d}}-of-{{n:05d}}.safetensors"
+        for stem in stems
+    }
+
+
+# -------------------------------------------------------------------------------------------------- save
+
+
+def save_training_state(
+    model: object,
+    directory: str | os.PathLike[str],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dispatcher: Dispatcher | None = None,
+) -> SavedTrainingState:
+    """Save ``model``'s whole training state to ``directory``: the module's weights in the layout
+    ``from_pretrained`` loads (every parameter, frozen ones too, and the persistent buffers; add a
+    config beside them), the fp32 master weights, every per-element state the optimizer holds under
+    its own keys (``exp_avg``, ``momentum_buffer``, any), its other states (step counts) and param
+    groups' hyperparameters, the LR scheduler's ``state_dict()`` and the framework's counters (a
+    DeepSpeed engine's steps and samples, its fp16 loss scaler); tensors as safetensors, the rest in
+    ``training_state/manifest.json``. The directory is a model directory: the weights at its top, the
+    rest in ``training_state/``, where no loader of a model directory looks. ``load_training_state``
+    resumes it at any world size, ZeRO stage or framework.
+
+    ``model``: a DeepSpeed engine (or the module it wraps: its own optimizer and scheduler are saved), an
+    FSDP2 root or a plain module (pass ``optimizer`` and ``lr_scheduler``).
+
+    Each rank writes the ranges it holds straight to their final offsets in the shared files (what
+    every rank holds whole, the ranks share); no collective carries any state, only four small
+    agreements. Where the ranks do not share ``directory`` (found out at the start: each looks for the
+    others' probe files), rank 0 writes the whole checkpoint into its own, every partitioned kind
+    streamed to it one bucket at a time (as ``save_full_model`` does). A state that is not per
+    element must be the same on every rank, or the save is refused. Never half a checkpoint: the new
+    files carry a new generation in their names, flushed to the disk before the manifest (the
+    checkpoint) is renamed into place; a failure on any rank raises on every rank and leaves the
+    previous checkpoint in ``directory`` as it was.
+
+    When and where: on every rank of the model's data-parallel group, with the same arguments, outside
+    ``forward()``/``step()``. Returns a ``SavedTrainingState``.
+    """
+    start = time.perf_counter()
+    ctx = Context.of(dispatcher)
+    path = os.fspath(directory)
+    resolved, error, group, me = adapters.enter(model)
+    ranks = list(_compat.group_ranks(group)) if group is not None else [me]
+    held_: _Held | None = None
+    fingerprint = 0
+    try:
+        if resolved is not None:
+            checked_shard_bytes(max_shard_bytes)
+            held_ = _held(ctx, resolved, optimizer, lr_scheduler)
+            fingerprint = stable_hash(_shared_json(held_))
+            commit.probe(path, me)
+            if me == ranks[0]:  # the first rank writes into it whether or not the others share it
+                os.makedirs(os.path.join(path, STATE_DIR), exist_ok=True)
+    except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
+        error = caught
+    timeout = ctx.dispatcher.timeout
+    rows = _agree(
+        group,
+        me,
+        error,
+        "check the model and make the directory",
+        timeout,
+        arguments=stable_hash((path, max_shard_bytes)),
+        extra=(fingerprint, secrets.randbits(62)),
+    )
+    assert resolved is not None and held_ is not None  # else an agreement raised
+    if len({row[2] for row in rows}) > 1:
+        commit.unprobe(path, me)
+        raise InvalidArgumentError(
+            f"rank {me}: the optimizer's states that are not per element (its step counts), its param groups, "
+            "the LR scheduler's state or the framework's counters differ between the ranks: a training state holds "
+            "them once, so they must be the same on every rank"
+        )
+    generation = f"{rows[0][3]:016x}"
+    rows = _agree(group, me, None, "look for the others' files", timeout, extra=(int(commit.sees(path, ranks)),))
+    commit.unprobe(path, me)
+    shared = all(row[2] for row in rows)
+    index, world = ranks.index(me), len(ranks)
+    entries = _entries_of(held_)
+    files = lay_out(entries, max_shard_bytes, file_names(generation, entries))
+    manifest = _manifest(resolved, held_, files, generation, world)
+    writer = storage.Writer()
+    renames: list[tuple[str, str]] = []
+    records: list[StateRecord] = []
+    try:
+        if shared:  # each rank its own ranges, straight from its memory
+            readable = [one for one in held_.sources if one.source.accessor is None]
+            holdings, memory = held(readable, held_.buffers)
+            headers = {file: shard.header for named in files.shards.values() for file, shard in named}
+            items = write_items(files, holdings, index, world)
+            storage.write(writer, items, memory, headers, lambda file: _temporary(path, file))
+        # each rank's directory its own: rank 0 writes every tensor as the streams bring it; else only
+        # what DeepSpeed's accessors read (BF16_Optimizer's masters and states, NVMe-swapped ZeRO-3)
+        entrance = adapters.Entrance(resolved, None, group, me)
+        records = _stream(ctx, entrance, held_, files, path, index == 0, optimizer, writer, every=not shared)
+        writer.finish()
+        if index == 0 and writer.error is None:
+            renames = [(_temporary(path, f), os.path.join(path, f)) for f in files.names()]
+            renames.append(weights_index(path, files))
+            renames.append(commit.write_small(manifest_path(path), manifest.to_json()))
+    except (OSError, InvalidArgumentError) as caught:  # a value JSON cannot hold: found on every rank alike
+        writer.error = caught
+    try:
+        _agree(group, me, writer.error, "write its part of the files", timeout)
+    except CollgradError:
+        commit.discard(writer, renames)
+        raise
+    error = None
+    if index == 0:
+        try:
+            put_in_place(path, renames)
+        except OSError as caught:
+            error = caught
+    _agree(group, me, error, "put the checkpoint in place", timeout)
+    return SavedTrainingState(
+        path,
+        (*files.names(), INDEX_NAME, MANIFEST_NAME),
+        generation,
+        len(files.placed),
+        files.data_bytes(),
+        writer.bytes_written,
+        time.perf_counter() - start,
+        not shared,
+        tuple(records),
+    )
+
+
+def _temporary(path: str, file: str) -> str:
+    return commit.temporary(os.path.join(path, file))
+
+
+def weights_index(path: str, files: Files) -> tuple[str, str]:
+    """The index of the module's weights written under its temporary name, flushed: (temporary, final)."""
+    body = index_json(files.mapped("model"), files.data_bytes("model"))
+    return commit.write_small(os.path.join(path, INDEX_NAME), body)
+
+
+def put_in_place(path: str, renames: Sequence[tuple[str, str]]) -> None:
+    """A written training state committed (commit.py): its files, the index, then the manifest renamed
+    into place; then the files of earlier checkpoints in ``path`` removed (an earlier training state's,
+    an earlier ``save_pretrained``'s or ``save_full_model``'s weights, which ``from_pretrained`` or a glob
+    would read beside these) and temporaries a killed save left. OSError where the file system refuses."""
+    commit.commit(renames, [(path, _earlier_weights), (os.path.join(path, STATE_DIR), _earlier_state)])
+
+
+def _earlier_weights(name: str) -> bool:
+    return is_weights_file(name) or name.endswith(commit.TEMPORARY)
+
+
+def _earlier_state(name: str) -> bool:
+    return name.endswith(".safetensors") or name.endswith(commit.TEMPORARY)
+
+
+def _stream(
+    ctx: Context,
+    entrance: adapters.Entrance,
+    held: _Held,
+    files: Files,
+    path: str,
+    writing: bool,
+    optimizer: Any,
+    writer: storage.Writer,
+    every: bool,
+) -> list[StateRecord]:
+    """Tensors written whole by one rank (``writing``) as streams bring them: ``every`` one, headers
+    included, where the ranks do not share the directory, else only the kinds read through DeepSpeed's
+    accessors. A kind partitioned among the ranks streamed to every rank a bucket at a time (one
+    collective per bucket), what every rank holds whole written as it is. Collective: every rank takes
+    part in every stream, whatever fails (failures are kept in ``writer.error``). Returns the streams'
+    records."""
+    streams: list[FullStateStream] = []
+    if writing and every:
+        for named in files.shards.values():
+            for file, shard in named:
+                writer.write_bytes(_temporary(path, file), shard.size, 0, shard.header)
+    for one in held.sources:
+        source = one.source
+        if not every and source.accessor is None:
+            continue
+        whole = source.accessor is None and all(g.kind is Partitioning.REPLICATED for g in source.layout.groups)
+        tensors: Iterable[tuple[str, torch.Tensor]]
+        if whole:
+            tensors = [
+                (s.name, b[k])
+                for g, b in zip(source.layout.groups, one.local.buffers)
+                for k, s in enumerate(g.params)
+                if isinstance(b, list)
+            ]
+        else:
+            call = OpenCall(
+                entrance,
+                name=f"save_training_state:{one.stem}",
+                streaming=True,
+                kind=one.kind,
+                params=list(source.params),
+                dispatcher=ctx.dispatcher,
+                optimizer=optimizer,
+                models=ctx.models,
+            )
+            stream = FullStateStream(call, copy=False)  # each valid until the next: written at once
+            tensors = stream
+            streams.append(stream)
+        for name, tensor in itertools.chain(tensors, held.buffers if one.stem == "model" and every else ()):
+            if writing:
+                place = files.placed[(one.stem, name)]
+                writer.write(_temporary(path, place.file), place.size, place.offset, tensor, place.entry.dtype, False)
+    return [stream.record() for stream in streams]  # once consumed: what each sent
+
+
+def _agree(
+    group: ProcessGroup | None,
+    me: int,
+    error: BaseException | None,
+    what: str,
+    timeout_s: float,
+    arguments: int = 0,
+    extra: Sequence[int] = (),
+) -> list[list[int]]:
+    """One phase of a save agreed by every rank (``agree_outcome``): returns every rank's row."""
+    compared = "arguments (directory, max_shard_bytes)"
+    return agree_outcome(
+        group,
+        me,
+        error,
+        call="save_training_state",
+        what=what,
+        timeout_s=timeout_s,
+        arguments=arguments,
+        compared=compared,
+        extra=extra,
+    )
+
+
+def _shared_json(held: _Held) -> bytes:
+    """What every rank must hold the same, as the manifest writes it (a value JSON cannot hold raises
+    here, on the rank that holds it)."""
+    probe = Manifest("", {}, {}, {}, {}, held.param_groups, held.param_states, held.lr_scheduler, held.counters)
+    return probe.to_json()
+
+
+def _manifest(model: adapters.Model, held: _Held, files: Files, generation: str, world: int) -> Manifest:
+    layout = next(one.source.layout.variant for one in held.sources if one.stem == "fp32")
+    saved_by = {"framework": model.framework, "layout": layout, "world_size": world}
+    return Manifest(
+        generation,
+        saved_by,
+        files.mapped("model"),
+        files.mapped("fp32"),
+        {key: files.mapped(f"optimizer-{k}") for k, key in enumerate(held.keys)},
+        held.param_groups,
+        held.param_states,
+        held.lr_scheduler,
+        held.counters,
+    )
+
+
+# -------------------------------------------------------------------------------------------------- load
+
+
+def load_training_state(
+    model: object,
+    directory: str | os.PathLike[str],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any = None,
+    strict: bool = True,
+    dispatcher: Dispatcher | None = None,
+) -> LoadedTrainingState:
+    """Resume ``model`` from the training state ``save_training_state`` wrote to ``directory``, whatever
+    world size, ZeRO stage or framework wrote it: every fp32 master weight, per-element optimizer state
+    and step count bitwise the saved one, the module's weights the masters in the module's dtype (frozen
+    parameters and buffers as saved), the param groups' hyperparameters, the LR scheduler's state and
+    the framework's counters as saved. An optimizer that has never stepped is given its states first,
+    as its first step would make them.
+
+    Each rank reads only the ranges it holds (load.py's plan); no collective carries any state. Files are
+    untrusted: the manifest, every header and every file name are checked, and the checkpoint against
+    the model (names, shapes, param groups, the optimizer's state keys), before any state changes; a
+    refusal on any rank raises on every rank and leaves the model and optimizer as they were.
+    ``strict=False``: parameters on one side only are left out and named in the result (shapes must
+    still match, and the optimizer's keys).
+
+    When and where: on every rank of the model's data-parallel group, with the same arguments, outside
+    ``forward()``/``step()``. Returns a ``LoadedTrainingState``.
+    """
+    start = time.perf_counter()
+    ctx = Context.of(dispatcher)
+    path = os.fspath(directory)
+    resolved, error, group, me = adapters.enter(model)
+    undo: Callable[[], None] | None = None
+    manifest: Manifest | None = None
+    matched: _Matched | None = None
+    view: OptimizerView | None = None
+    scheduler = None
+    header_bytes = 0
+    try:
+        if resolved is not None:
+            manifest = read_manifest(path)
+            checkpoints = _checkpoints(path, manifest)
+            header_bytes = sum(c.header_bytes for c in checkpoints.values())
+            view = resolved.optimizer_view(optimizer)
+            scheduler = resolved.lr_scheduler(lr_scheduler)
+            _check_rest(path, manifest, scheduler, strict)
+            if manifest.optimizer:
+                undo = create_states(view)
+            matched = _match(ctx, resolved, view, optimizer, manifest, checkpoints, strict)
+    except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
+        error = caught
+    timeout = ctx.dispatcher.timeout
+    try:
+        agree_outcome(
+            group,
+            me,
+            error,
+            call="load_training_state",
+            what="check the training state against the model",
+            timeout_s=timeout,
+            arguments=stable_hash((path, strict, None if matched is None else matched.seen)),
+            compared="arguments or checkpoints (directory, strict; or the files' names, dtypes and shapes)",
+        )
+    except CollgradError:
+        if undo is not None:
+            undo()
+        raise
+    assert manifest is not None and matched is not None and view is not None and resolved is not None
+    holdings, memory = held(matched.sources, matched.buffers, loading=True)
+    plan = storage.load_plan(read_items(matched.stored, holdings), memory, matched.sources[0].source.scratch)
+    bytes_read, error = storage.read(plan)
+    what = "read its part of the training state"
+    agree_outcome(group, me, error, call="load_training_state", what=what, timeout_s=timeout)
+    _apply(resolved, view, scheduler, manifest, matched)
+    files = sorted({s.file for s in matched.stored.values()})
+    return LoadedTrainingState(
+        path,
+        tuple(files),
+        matched.tensors,
+        tuple(manifest.optimizer),
+        bytes_read,
+        header_bytes,
+        undo is not None,
+        time.perf_counter() - start,
+        matched.missing,
+        matched.unexpected,
+    )
+
+
+@dataclass
+class _Matched:
+    """A checkpoint matched with the model on this rank: the sources a load writes (the module's
+    weights first), the stored tensor each of their names takes by (stem, name), the buffers, the
+    optimizer's states that are not per element by holder, what every rank compares, and what did not
+    match."""
+
+    sources: list[Opened]
+    stored: dict[tuple[str, str], Stored]
+    buffers: list[tuple[str, torch.Tensor]]
+    tensors: int
+    param_states: list[tuple[torch.Tensor, Mapping[str, Any]]]
+    seen: list[object]
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+
+
+def _checkpoints(path: str, manifest: Manifest) -> dict[str, Checkpoint]:
+    """Every file of the manifest opened, each header checked, by what it holds ("model", "fp32",
+    "optimizer:<key>")."""
+    where = manifest_path(path)
+    out = {"model": open_mapped(path, manifest.weights, where)}
+    if manifest.fp32:
+        out["fp32"] = open_mapped(path, manifest.fp32, where)
+    for key, mapped in manifest.optimizer.items():
+        out[f"optimizer:{key}"] = open_mapped(path, mapped, where)
+    return out
+
+
+def _check_rest(path: str, manifest: Manifest, scheduler: Any, strict: bool) -> None:
+    if strict and (scheduler is None) != (manifest.lr_scheduler is None):
+        has = "holds an LR scheduler's state" if manifest.lr_scheduler is not None else "holds no LR scheduler's state"
+        raise refused(
+            path,
+            f"{has}, and this model {'has' if scheduler is not None else 'has no'} scheduler: pass lr_scheduler= "
+            "(or none), or strict=False",
+        )
+
+
+def _match(
+    ctx: Context,
+    model: adapters.Model,
+    view: OptimizerView,
+    optimizer: Any,
+    manifest: Manifest,
+    checkpoints: Mapping[str, Checkpoint],
+    strict: bool,
+) -> _Matched:
+    """The checkpoint matched with the model: names (trainable ones against the masters, every
+    parameter and buffer against the weights), shapes, the optimizer's per-element keys and param
+    groups; CheckpointError (this rank) for what differs. Opens the sources a load writes. Local."""
+    where = manifest_path(checkpoints["model"].directory)
+    weights = opened(ctx, model, "model", WEIGHTS, optimizer, loading=True)
+    shapes = {slot.name: slot.shape for group in weights.source.layout.groups for slot in group.params}
+    trainable = list(view.holders)
+    buffers = dict(persistent_buffers(model.module))
+    stored_weights = checkpoints["model"].tensors
+    masters = checkpoints["fp32"].tensors if "fp32" in checkpoints else {}
+    missing = [n for n in trainable if n not in masters]
+    missing += [n for n in [*shapes, *buffers] if n not in trainable and n not in stored_weights]
+    unexpected = list(dict.fromkeys([*(n for n in masters if n not in view.holders), *stored_weights]))
+    unexpected = [n for n in unexpected if n not in shapes and n not in buffers]
+    refuse_unmatched(where, missing, unexpected, strict)
+    wrong = [
+        f"{n}: {list(s.shape)} in the checkpoint, {list(shapes[n])} in the model"
+        for found in (stored_weights, masters)
+        for n, s in found.items()
+        if n in shapes and s.shape != shapes[n]
+    ]
+    wrong += [
+        f"{n}: {list(s.shape)} in the checkpoint, {list(b.shape)} in the model"
+        for n, b in buffers.items()
+        if (s := stored_weights.get(n)) is not None and s.shape != tuple(b.shape)
+    ]
+    if wrong:
+        raise refused(where, f"shapes differ from the model's: {listed(wrong)}")
+    # trainable weights from the masters (the module's weights are the masters in its dtype), the rest as saved
+    taken = {
+        n: masters[n] if n in view.holders and n in masters else stored_weights[n]
+        for n in shapes
+        if n in masters or n in stored_weights
+    }
+    sources = [weights]
+    stored = {("model", n): s for n, s in taken.items()}
+    stored.update((("model", n), stored_weights[n]) for n in buffers if n in stored_weights)
+    loaded = [n for n in trainable if n in masters]
+    if FP32 in model.load_kinds() and loaded:
+        sources.append(opened(ctx, model, "fp32", FP32, optimizer, loaded, loading=True))
+        stored.update((("fp32", n), masters[n]) for n in loaded)
+    keys = _state_keys(view)
+    if manifest.optimizer and tuple(sorted(manifest.optimizer)) != keys:
+        raise refused(
+            where,
+            f"holds the optimizer states {sorted(manifest.optimizer)}, the optimizer here {list(keys)}: resume with "
+            "the optimizer that saved it",
+        )
+    for key in manifest.optimizer:
+        found = checkpoints[f"optimizer:{key}"].tensors
+        lacking = [n for n in loaded if n not in found]
+        if lacking:
+            raise refused(where, f"holds no optimizer state {key!r} of {listed(lacking)}")
+        wrong = [n for n in loaded if found[n].shape != shapes[n]]
+        if wrong:
+            raise refused(
+                where,
+                f"its optimizer state {key!r} of {listed(wrong)} is not shaped as the parameter",
+            )
+        stem = f"optimizer:{key}"
+        sources.append(opened(ctx, model, stem, OptimizerState(key), optimizer, loaded, loading=True))
+        stored.update(((stem, n), found[n]) for n in loaded)
+    _check_groups(where, manifest, view)
+    param_states = _param_states(where, manifest, view, loaded)
+    seen: list[object] = [
+        sorted((k, n, str(s.dtype), s.shape, os.path.basename(s.file)) for (k, n), s in stored.items())
+    ]
+    kept = [(n, b) for n, b in buffers.items() if n in stored_weights]
+    tensors = len(taken) + len(kept)
+    return _Matched(sources, stored, kept, tensors, param_states, seen, tuple(missing), tuple(unexpected))
+
+
+def _check_groups(where: str, manifest: Manifest, view: OptimizerView) -> None:
+    """The model's param groups hold the parameters the checkpoint's did, group by group."""
+    mine = _groups(view)
+    if len(mine) != len(manifest.param_groups) or any(
+        set(a.params) != set(b.params) for a, b in zip(mine, manifest.param_groups)
+    ):
+        theirs = [len(g.params) for g in manifest.param_groups]
+        here = [len(g.params) for g in mine]
+        raise refused(
+            where,
+            f"its optimizer's param groups (parameters per group: {theirs}) are not this optimizer's ({here}): "
+            "build the optimizer with the same groups",
+        )
+
+
+def _param_states(
+    where: str, manifest: Manifest, view: OptimizerView, loaded: list[str]
+) -> list[tuple[torch.Tensor, Mapping[str, Any]]]:
+    """Each holder's saved states that are not per element: the same for every parameter it holds
+    (ZeRO keys one state by a group's flat partition), CheckpointError (this rank) otherwise."""
+    out: dict[int, tuple[torch.Tensor, Mapping[str, Any], str]] = {}
+    for name in loaded:
+        holder = view.holders[name]
+        saved = manifest.param_states.get(name, {})
+        kept = out.get(id(holder))
+        if kept is None:
+            out[id(holder)] = (holder, saved, name)
+        elif kept[1] is not saved and _json_of(kept[1]) != _json_of(saved):  # one value read once: the same
+            raise refused(
+                where,
+                f"the optimizer's states of {kept[2]} and {name} ({listed(sorted(saved))}) differ, and this optimizer "
+                "keeps one for both (one ZeRO param group): resume where they were saved apart",
+            )
+    return [(holder, saved) for holder, saved, _ in out.values()]
+
+
+def _json_of(values: Mapping[str, Any]) -> str:
+    return repr(encode(dict(values), "a state"))
+
+
+def _apply(model: adapters.Model, view: OptimizerView, scheduler: Any, manifest: Manifest, matched: _Matched) -> None:
+    """What is not a tensor of the model's shape put back once every range is read: each holder's
+    states that are not per element (step counts: in the dtype and on the device the optimizer keeps
+    them), the hyperparameters, the scheduler's state, the framework's counters. Local."""
+    for holder, saved in matched.param_states:
+        held = view.optimizer.state.setdefault(holder, {})
+        for key, value in saved.items():
+            now = held.get(key)
+            if isinstance(value, torch.Tensor):  # a tensor of its own per holder: optimizers step them in place
+                value = value.to(now.device, now.dtype, copy=True) if isinstance(now, torch.Tensor) else value.clone()
+            held[key] = copy.deepcopy(value) if isinstance(value, (list, dict)) else value
+    for group, kept in zip(view.optimizer.param_groups, manifest.param_groups):
+        for key, value in kept.hyperparameters.items():
+            now = group.get(key)
+            if isinstance(now, torch.Tensor) and isinstance(value, torch.Tensor):
+                now.copy_(value)
+            else:
+                group[key] = value
+    if scheduler is not None and manifest.lr_scheduler is not None:
+        scheduler.load_state_dict(dict(manifest.lr_scheduler))
+    known = model.counters()
+    model.set_counters({k: v for k, v in manifest.counters.items() if k in known})
+    view.linked()
