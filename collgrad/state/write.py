@@ -24,7 +24,7 @@ import functools
 import itertools
 import operator
 from collections.abc import Mapping
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -104,7 +104,11 @@ SAMPLE_BYTES = 4096
 _WEIGHT = 0x5851F42D4C957F2D
 
 
-def sampled_checksum(values: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]]) -> int:
+def sampled_checksum(
+    values: Mapping[str, torch.Tensor],
+    parts: Sequence[tuple[str, int, int]],
+    memo: dict[Hashable, Any] | None = None,
+) -> int:
     """A number that differs, with high probability, when the values differ bit for bit in any sampled
     element of ``parts`` ((name, first element, count) of ``values[name]`` flattened). The sample: of
     each part, its first element and every ``SAMPLE_BYTES // element size``-th one after it; their bits
@@ -113,17 +117,21 @@ def sampled_checksum(values: Mapping[str, torch.Tensor], parts: Sequence[tuple[s
     however the values lie in memory: the same on every rank and device for equal values.
 
     Parts that are views of one buffer (what collgrad's own reads return) are gathered in one indexed
-    read for them all; other parts take a strided view each, concatenated once. Local."""
-    return sampled_checksums(values, (tuple(parts),))[0]
+    read for them all; other parts take a strided view each, concatenated once. ``memo``: see
+    ``sampled_checksums``. Local."""
+    return sampled_checksums(values, (tuple(parts),), memo)[0]
 
 
 def sampled_checksums(
-    values: Mapping[str, torch.Tensor], regions: Sequence[tuple[tuple[str, int, int], ...]]
+    values: Mapping[str, torch.Tensor],
+    regions: Sequence[tuple[tuple[str, int, int], ...]],
+    memo: dict[Hashable, Any] | None = None,
 ) -> list[int]:
     """``sampled_checksum`` of each of ``regions`` (parts each), in one pass over the values: one
     indexed read per buffer the values view for all regions together (a rank's check reads two: its own
-    parts and the next rank's). Local."""
-    names, los, numels, labels = _columns(regions)
+    parts and the next rank's). ``memo``: where the regions' columns are kept between calls (the
+    source's scratch: its regions are the same tuples each call). Local."""
+    names, los, numels, labels = _columns(regions, memo)
     totals = [0] * len(regions)
     if not names:
         return totals
@@ -155,19 +163,18 @@ def sampled_checksums(
 
 _Columns = tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
-#: ``_columns``' answers, by the identity of the regions they were worked out for (held here, so an id
-#: is never another tuple's): a write's regions are the tuples ``Source.reads`` keeps, the same each call.
-_COLUMNS: dict[tuple[int, ...], tuple[tuple[tuple[tuple[str, int, int], ...], ...], _Columns]] = {}
 
-
-def _columns(regions: Sequence[tuple[tuple[str, int, int], ...]]) -> _Columns:
+def _columns(regions: Sequence[tuple[tuple[str, int, int], ...]], memo: dict[Hashable, Any] | None) -> _Columns:
     """The parts of ``regions``, one region after another, as columns: names, first elements, counts,
-    and each part's region. Worked out once for regions passed as the same tuples again (a few passes
-    over every part, ~0.1 ms a write in the ranks, otherwise)."""
+    and each part's region. Kept in ``memo`` for regions passed as the same tuples again, by their
+    identity (held there, so an id is never another tuple's): a few passes over every part, ~0.1 ms a
+    write in the ranks, otherwise."""
+    kept_here = memo.setdefault("checksum columns", {}) if memo is not None else None
     key = tuple(map(id, regions))
-    found = _COLUMNS.get(key)
+    found = kept_here.get(key) if kept_here is not None else None
     if found is not None and all(map(operator.is_, found[0], regions)):
-        return found[1]
+        kept: _Columns = found[1]
+        return kept
     parts = [part for region in regions for part in region]
     columns: _Columns = (
         tuple(map(_name, parts)),
@@ -175,11 +182,11 @@ def _columns(regions: Sequence[tuple[tuple[str, int, int], ...]]) -> _Columns:
         tuple(map(_count, parts)),
         _labels(tuple(map(len, regions))),
     )
-    if all(type(region) is tuple for region in regions) and all(type(part) is tuple for part in parts):
-        # kept only for what cannot change in place
-        if len(_COLUMNS) >= 8:  # a few kinds of state written, each its own regions
-            _COLUMNS.pop(next(iter(_COLUMNS)), None)
-        _COLUMNS[key] = (tuple(regions), columns)
+    # kept only for what cannot change in place
+    if kept_here is not None and all(type(r) is tuple for r in regions) and all(type(p) is tuple for p in parts):
+        if len(kept_here) >= 8:  # a few kinds of state written, each its own regions
+            kept_here.pop(next(iter(kept_here)))
+        kept_here[key] = (tuple(regions), columns)
     return columns
 
 
@@ -433,9 +440,9 @@ def set_full(
                 _compared(source, values, ranks, ranks[(me + 1) % len(ranks)]),
             )
             if there == here:
-                mine = after = sampled_checksum(values, here)
+                mine = after = sampled_checksum(values, here, source.scratch)
             else:
-                mine, after = sampled_checksums(values, (here, there))
+                mine, after = sampled_checksums(values, (here, there), source.scratch)
         return [
             Field(f"names in {argument}=", _names_print(state.key, tuple(values)), shown=False),
             Field(_CHECKSUM, mine, compare=False),

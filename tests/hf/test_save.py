@@ -3,7 +3,8 @@ from a config): ``collgrad.integrations.transformers.save_model(trainer)`` after
 and ``collgrad.integrations.accelerate.save_model(accelerator, model, directory)``. The directories
 load with ``GPT2LMHeadModel.from_pretrained``: weights bitwise those of
 ``_zero3_consolidated_16bit_state_dict()`` (what ``trainer.save_model`` and
-``accelerator.get_state_dict`` write), logits bitwise those of the trained model."""
+``accelerator.get_state_dict`` write), logits bitwise those of the trained model. A training state saved
+there reads as the model's directory to every tool that reads one, and resumes."""
 
 from __future__ import annotations
 
@@ -112,7 +113,9 @@ def _worker(rank, world, root):
         opt.zero_grad()
     directory = os.path.join(root, "accelerate")
     saved["accelerate"] = collgrad_accelerate.save_model(accelerator, model, directory, max_shard_bytes=SHARD).files
-    trained["accelerate"] = _trained(accelerator.deepspeed_engine_wrapped.engine)
+    engine = accelerator.deepspeed_engine_wrapped.engine
+    trained["accelerate"] = _trained(engine)
+    resumed = _training_state(rank, engine, os.path.join(root, "training_state"))
     torch.distributed.barrier()
     if rank != 0:
         return None
@@ -120,7 +123,64 @@ def _worker(rank, world, root):
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
-    return {where: (_compare(os.path.join(root, where), *trained[where]), saved[where]) for where in saved}
+    out = {where: (_compare(os.path.join(root, where), *trained[where]), saved[where]) for where in saved}
+    out["training_state"] = (
+        _read_as_model_directory(os.path.join(root, "training_state"), trained["accelerate"][0]),
+        resumed,
+    )
+    return out
+
+
+def _training_state(rank: int, engine, directory: str) -> bool:
+    """The engine's training state saved (a config beside it, as a user puts one), one more step taken,
+    and the state loaded back from the same directory: every fp32 master and Adam state as saved."""
+    import collgrad
+
+    def held() -> dict:
+        out = {"fp32": collgrad.safe_get_full_model_fp32_params(engine)}
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key] = collgrad.safe_get_full_model_optimizer_states(engine, key)
+        return out
+
+    collgrad.save_training_state(engine, directory, max_shard_bytes=SHARD)
+    if rank == 0:
+        _model().config.save_pretrained(directory)
+    at_save = held()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(99 + rank))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    collgrad.load_training_state(engine, directory)
+    again = held()
+    return all(torch.equal(again[k][n], t) for k in at_save for n, t in at_save[k].items())
+
+
+def _read_as_model_directory(directory: str, consolidated: dict) -> dict:
+    """A training state's directory read as every tool reads a model directory: ``from_pretrained``, PyTorch
+    DCP's ``HuggingFaceStorageReader`` (every ``*.safetensors`` file of the directory) and a glob of
+    ``*.safetensors``; each gets the module's weights (a tied one once, under its first name), nothing else."""
+    import glob
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from transformers import GPT2LMHeadModel
+
+    globbed: dict[str, torch.Tensor] = {}
+    for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        found = load_file(file)
+        assert not set(found) & set(globbed), file  # every tensor once
+        globbed.update(found)
+    via_dcp = {name: torch.empty_like(t) for name, t in globbed.items()}
+    dcp.load(via_dcp, storage_reader=HuggingFaceStorageReader(directory), no_dist=True)
+    loaded = GPT2LMHeadModel.from_pretrained(directory).state_dict()
+    return {
+        "glob names": sorted(globbed),
+        "aliases left out": sorted(set(consolidated) - set(globbed)),
+        "glob": all(torch.equal(t, consolidated[n]) for n, t in globbed.items()),
+        "dcp": all(torch.equal(t, consolidated[n]) for n, t in via_dcp.items()),
+        "from_pretrained": sorted(loaded) == sorted(consolidated)
+        and all(torch.equal(loaded[n], t) for n, t in consolidated.items()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +195,13 @@ def test_from_pretrained_loads_what_was_trained(results, where):
     assert len(files) > 2 and files[-1] == "model.safetensors.index.json"
     assert set(files) <= set(compared["files"]) and "config.json" in compared["files"]
     assert not [f for f in compared["files"] if f.startswith(".")]  # no temporary file left
+
+
+def test_a_training_states_directory_reads_as_the_models_directory_and_still_resumes(results):
+    """from_pretrained, DCP's HuggingFaceStorageReader and a *.safetensors glob of a training state's
+    directory get exactly the module's weights (no fp32 master or optimizer state read as a weight), and
+    the same directory resumes the engine's masters and Adam states bitwise."""
+    read, resumed = results[0]["training_state"]
+    assert read["glob names"] and read["aliases left out"] == ["lm_head.weight"], read
+    assert read["glob"] and read["dcp"] and read["from_pretrained"], read
+    assert resumed

@@ -154,12 +154,14 @@ def test_sampled_checksums_of_regions_passed_again_follow_their_parts():
     g = torch.Generator().manual_seed(5)
     values = {"a": torch.randn(9000, generator=g), "b": torch.randn(5000, generator=g)}
     kept = (("a", 0, 9000), ("b", 0, 5000))
-    first = sampled_checksums(values, (kept,))
-    assert sampled_checksums(values, (kept,)) == first  # from the kept columns
-    assert sampled_checksums(values, ((("a", 0, 9000), ("b", 0, 5000)),)) == first  # equal, other tuples
+    memo: dict = {}
+    first = sampled_checksums(values, (kept,), memo)
+    assert sampled_checksums(values, (kept,), memo) == first and memo  # from the kept columns
+    assert sampled_checksums(values, ((("a", 0, 9000), ("b", 0, 5000)),), memo) == first  # equal, other tuples
     part = ["b", 0, 5000]
     mutable = (("a", 0, 9000), part)
-    assert sampled_checksums(values, (mutable,)) == first  # a part given as a list
+    assert sampled_checksums(values, (mutable,), memo) == first  # a part given as a list
     part[1:] = [1, 4999]  # the same region tuple, one part changed in place
-    assert sampled_checksums(values, (mutable,)) == sampled_checksums(values, ((("a", 0, 9000), ("b", 1, 4999)),))
-    assert sampled_checksums(values, (mutable,)) != first
+    expected = sampled_checksums(values, ((("a", 0, 9000), ("b", 1, 4999)),), memo)
+    assert sampled_checksums(values, (mutable,), memo) == expected
+    assert sampled_checksums(values, (mutable,), memo) != first

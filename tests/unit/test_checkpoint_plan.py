@@ -1,0 +1,213 @@
+"""The checkpoint plan (collgrad/checkpoint/plan.py) without any process group: across all ranks every
+byte of every file written exactly once; each rank's reads exactly what it holds, a slice along
+dimension 1 (a tensor-parallel shard) included; and those strided items moved through storage.py on
+real files, against ``torch.narrow`` and the safetensors library."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from collgrad.checkpoint import commit, storage
+from collgrad.checkpoint.plan import (
+    Held,
+    Holding,
+    Ranges,
+    holdings,
+    lay_out,
+    read_items,
+    write_items,
+)
+from collgrad.checkpoint.safetensors import Entry, Stored, read_header
+from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout
+from tests.groups import sliced_group
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def _flat_group(index: int, shapes: list[tuple[int, ...]], world: int) -> LayoutGroup:
+    """A ZeRO-1/2 group: parameters back to back, padded to 2 * world, cut into world partitions."""
+    slots, offset = [], 0
+    for i, shape in enumerate(shapes):
+        n = math.prod(shape)
+        slots.append(ParamSlot(f"g{index}.p{i}", shape, n, offset, n))
+        offset += n
+    total = -(-offset // (2 * world)) * (2 * world)
+    return LayoutGroup(
+        index,
+        Partitioning.PARTITIONED_FLAT,
+        tuple(range(world)),
+        total // world,
+        torch.float32,
+        torch.float32,
+        tuple(slots),
+    )
+
+
+def _replicated_group(index: int, shapes: list[tuple[int, ...]], world: int) -> LayoutGroup:
+    slots = tuple(ParamSlot(f"g{index}.p{i}", s, math.prod(s), 0, math.prod(s)) for i, s in enumerate(shapes))
+    return LayoutGroup(index, Partitioning.REPLICATED, tuple(range(world)), 0, torch.float32, torch.float32, slots)
+
+
+def _sliced_group(index: int, shapes: list[tuple[int, ...]], world: int) -> LayoutGroup:
+    group = sliced_group([math.prod(s) for s in shapes], world)
+    slots = tuple(
+        ParamSlot(f"g{index}.p{i}", s, p.numel, p.offset, p.slice_numel)
+        for i, (s, p) in enumerate(zip(shapes, group.params))
+    )
+    return LayoutGroup(index, group.kind, group.group_ranks, group.partition_numel, torch.float32, torch.float32, slots)
+
+
+GROUPS = {"flat": _flat_group, "sliced": _sliced_group, "replicated": _replicated_group}
+shapes = st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple), min_size=1, max_size=6)
+
+
+def _layout(kinds: list[str], shape_lists: list[list[tuple[int, ...]]], world: int) -> StateLayout:
+    groups = tuple(GROUPS[k](i, s, world) for i, (k, s) in enumerate(zip(kinds, shape_lists)))
+    return StateLayout("test", groups, tuple(p.name for g in groups for p in g.params))
+
+
+def _entries(layout: StateLayout, buffers: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> list[Entry]:
+    return [Entry(p.name, p.shape, dtype) for g in layout.groups for p in g.params] + [
+        Entry(n, s, torch.float32) for n, s in buffers
+    ]
+
+
+def _bytes_written(files, items) -> dict[str, list[int]]:
+    """How many times each byte of each file is written by ``items``."""
+    counts = {file: [0] * shard.size for named in files.shards.values() for file, shard in named}
+    for item in items:
+        size = item.dtype.itemsize
+        for first, _ in item.ranges.runs():
+            at = item.offset + (first - item.ranges.start) * size
+            for b in range(at, at + item.ranges.length * size):
+                counts[item.file][b] += 1
+    return counts
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(sorted(GROUPS)), shapes), min_size=1, max_size=3),
+    st.integers(1, 4),
+    st.lists(st.lists(st.integers(1, 5), max_size=2).map(tuple), max_size=3),
+    st.sampled_from(DTYPES),
+    st.integers(1, 400),
+    st.booleans(),
+)
+def test_across_the_ranks_every_byte_of_every_file_is_written_once(groups, world, buffer_shapes, dtype, shard, by_file):
+    layout = _layout([k for k, _ in groups], [s for _, s in groups], world)
+    buffers = [(f"b{i}", s) for i, s in enumerate(buffer_shapes)]
+    files = lay_out({"model": _entries(layout, buffers, dtype)}, shard)
+    writers = [k % world for k in range(len(files.names()))] if by_file else None
+    items = []
+    for rank in range(world):
+        held = holdings("model", 0, layout, [rank] * len(layout.groups), buffers)
+        mine = write_items(files, held, rank, world, writers)
+        assert all(item.held is None or item.held.source == 0 for item in mine)
+        items += mine
+    counts = _bytes_written(files, items)
+    assert all(c == 1 for per_file in counts.values() for c in per_file), {f: set(c) for f, c in counts.items()}
+
+
+def _elements(ranges: Ranges) -> list[int]:
+    """The tensor's elements ``ranges`` covers, in their order."""
+    return [first + i for first, _ in ranges.runs() for i in range(ranges.length)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.data())
+def test_a_slice_along_any_dimension_is_the_ranges_narrow_gives(shape, data):
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    lo = data.draw(st.integers(0, shape[dim] - 1))
+    hi = data.draw(st.integers(lo + 1, shape[dim]))
+    ranges = Ranges.slice(shape, dim, lo, hi)
+    expected = torch.arange(math.prod(shape)).reshape(shape).narrow(dim, lo, hi - lo).flatten().tolist()
+    assert _elements(ranges) == expected and ranges.numel == len(expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 5), st.integers(1, 8)), min_size=1, max_size=4),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.sampled_from(DTYPES),
+    st.integers(1, 300),
+)
+def test_each_ranks_reads_are_exactly_what_it_holds_tensor_parallel_shards_included(matrices, tp, dp, dtype, shard):
+    """Tensor-parallel shards (columns: dimension 1) of each matrix, and a data-parallel ZeRO partition of
+    a flat group: every rank's read items cover its holdings, each element once, at the file offset where
+    the checkpoint's header places that element."""
+    shapes_ = [(rows, cols * tp) for rows, cols in matrices]
+    layout = _layout(["flat"], [[(5, 3), (7,)]], dp)
+    entries = [Entry(f"w{i}", s, dtype) for i, s in enumerate(shapes_)] + _entries(layout, [], dtype)
+    files = lay_out({"model": entries}, shard)
+    stored = {
+        ("model", e.name): Stored(place.file, e.dtype, e.shape, place.offset)
+        for (_, _), place in files.placed.items()
+        for e in [place.entry]
+    }
+    for t in range(tp):
+        for d in range(dp):
+            held = [
+                Holding("model", f"w{i}", Ranges.slice(s, 1, t * s[1] // tp, (t + 1) * s[1] // tp), Held(1, -1, i))
+                for i, s in enumerate(shapes_)
+            ]
+            held += holdings("model", 0, layout, [d])
+            items = read_items(stored, held)
+            assert [(i.tensor, i.ranges) for i in items] == [(h.tensor, h.ranges) for h in held]
+            for item in items:
+                found = stored[("model", item.tensor)]
+                size = item.dtype.itemsize
+                for first, _ in item.ranges.runs():  # where each run starts is where the header puts it
+                    at = item.offset + (first - item.ranges.start) * size
+                    assert (at - found.start) // size == first and (at - found.start) % size == 0
+                elements = _elements(item.ranges)
+                assert len(set(elements)) == len(elements) and max(elements) < math.prod(found.shape)
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_tensor_parallel_shards_written_and_read_back_through_storage(tmp_path, tp):
+    """``tp`` holders of column shards write one file together (each its items, one of them the header),
+    which the safetensors library reads whole; then each reads its own shard back through its items."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    whole = {"w0": torch.randn(4, 3 * tp), "w1": torch.randn(2, 5 * tp).to(torch.bfloat16)}
+    entries = [Entry(n, tuple(t.shape), t.dtype) for n, t in whole.items()]
+    files = lay_out({"model": entries}, 10**6)
+    headers = {file: shard.header for file, shard in files.shards["model"]}
+
+    def shards(t: int) -> tuple[list[Holding], list[storage.Memory]]:
+        held, local = [], []
+        for k, (name, tensor) in enumerate(whole.items()):
+            cols = tensor.shape[1] // tp
+            held.append(Holding("model", name, Ranges.slice(tensor.shape, 1, t * cols, (t + 1) * cols), Held(k, -1, 0)))
+            local.append(storage.Memory(whole=[tensor[:, t * cols : (t + 1) * cols].contiguous()]))
+        return held, local
+
+    writer = storage.Writer()
+    for t in range(tp):
+        held, memory = shards(t)
+        items = write_items(files, held, t, tp)
+        storage.write(writer, items, memory, headers, lambda f: os.path.join(tmp_path, f))
+    writer.finish()
+    assert writer.error is None
+    path = os.path.join(tmp_path, "model.safetensors")
+    loaded = safetensors.load_file(path)
+    assert all(torch.equal(loaded[n], t) for n, t in whole.items())
+    tensors, _ = read_header(path)
+    stored = {("model", n): s for n, s in tensors.items()}
+    for t in range(tp):
+        held, memory = shards(t)
+        into = [storage.Memory(whole=[torch.zeros_like(m.whole[0])]) for m in memory]
+        _, error = storage.read(storage.load_plan(read_items(stored, held), into, None))
+        assert error is None
+        assert all(torch.equal(a.whole[0], b.whole[0]) for a, b in zip(into, memory))
+
+
+def test_a_temporary_is_no_file_a_loader_of_the_directory_reads(tmp_path):
+    name = commit.temporary(str(tmp_path / "model-00001-of-00002.safetensors"))
+    assert os.path.basename(name).startswith(".") and not name.endswith(".safetensors")
