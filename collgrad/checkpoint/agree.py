@@ -10,7 +10,7 @@ all-gather over the model's group; then every rank raises together, or all go on
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from torch.distributed import ProcessGroup
 
@@ -18,7 +18,7 @@ from collgrad import _compat
 from collgrad.backends import agreement
 from collgrad.errors import ArgumentMismatchError, CollgradError, RankFailedError
 
-__all__ = ["agree_outcome"]
+__all__ = ["agree_outcome", "Phases"]
 
 
 def agree_outcome(
@@ -60,3 +60,30 @@ def agree_outcome(
             ("arguments",),
         )
     return rows
+
+
+class Phases(NamedTuple):
+    """The phases of one call, each agreed by every rank of ``group`` with ``agree_outcome``: the call's
+    name, what its ``arguments`` hash covers (named when they differ), this rank and the bounded wait."""
+
+    group: ProcessGroup | None
+    me: int
+    call: str
+    compared: str
+    timeout_s: float
+
+    def agree(
+        self, error: BaseException | None, what: str, *, arguments: int = 0, extra: Sequence[int] = ()
+    ) -> list[list[int]]:
+        """Every rank learns whether any failed to ``what`` (``agree_outcome``); returns every rank's row."""
+        return agree_outcome(
+            self.group,
+            self.me,
+            error,
+            call=self.call,
+            what=what,
+            timeout_s=self.timeout_s,
+            arguments=arguments,
+            compared=self.compared,
+            extra=extra,
+        )

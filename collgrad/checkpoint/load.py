@@ -27,7 +27,7 @@ import torch
 
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import storage
-from collgrad.checkpoint.agree import agree_outcome
+from collgrad.checkpoint.agree import Phases
 from collgrad.checkpoint.match import Matched, Opened, held, match, opened, persistent_buffers, refuse_unmatched
 from collgrad.checkpoint.plan import read_items
 from collgrad.checkpoint.safetensors import Checkpoint, open_checkpoint
@@ -103,20 +103,13 @@ def load_full_model(
         error = caught
     # what every rank must share: its arguments, and the checkpoint as it sees it (names, dtypes, shapes)
     seen = None if checked is None else sorted((n, str(s.dtype), s.shape) for n, s in checked.matched.stored.items())
-    agree_outcome(
-        group,
-        me,
-        error,
-        call="load_full_model",
-        what="check the checkpoint against the model",
-        timeout_s=ctx.dispatcher.timeout,
-        arguments=stable_hash((os.fspath(path), strict, names, seen)),
-        compared="arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes)",
-    )
+    compared = "arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes)"
+    phases = Phases(group, me, "load_full_model", compared, ctx.dispatcher.timeout)
+    arguments = stable_hash((os.fspath(path), strict, names, seen))
+    phases.agree(error, "check the checkpoint against the model", arguments=arguments)
     assert checked is not None  # else the agreement raised
     bytes_read, error = storage.read(plan(checked))
-    what = "read its part of the checkpoint"
-    agree_outcome(group, me, error, call="load_full_model", what=what, timeout_s=ctx.dispatcher.timeout)
+    phases.agree(error, "read its part of the checkpoint")
     matched = checked.matched
     files = tuple(sorted({s.file for s in matched.stored.values()}))
     return LoadedModel(

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import commit
-from collgrad.checkpoint.agree import agree_outcome
+from collgrad.checkpoint.agree import Phases
 from collgrad.checkpoint.match import persistent_buffers
 from collgrad.checkpoint.plan import WHOLE, Files, Held, Holding, Ranges, WriteItem, lay_out, write_items
 from collgrad.checkpoint.safetensors import INDEX_NAME, SAFE_DTYPES, Entry, index_json, is_weights_file
@@ -132,11 +132,12 @@ def save_full_model(
     except (OSError, ValueError, TypeError, KeyError) as caught:
         error, writers, names = caught, (0,), None
     arguments = stable_hash((path, str(dtype), max_shard_bytes, writers, names, ranks is None))
-    timeout = ctx.dispatcher.timeout
-    _agree(group, me, error, "check the arguments and make the directory", timeout, arguments)
+    compared = "arguments (directory, dtype, max_shard_bytes, ranks or params)"
+    phases = Phases(group, me, "save_full_model", compared, ctx.dispatcher.timeout)
+    phases.agree(error, "check the arguments and make the directory", arguments=arguments)
     assert resolved is not None  # else the agreement raised
     everyone = list(_compat.group_ranks(group)) if group is not None else [me]
-    rows = _agree(group, me, None, "look for the others' files", timeout, seen=int(commit.sees(path, everyone)))
+    rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, everyone)),))
     commit.unprobe(path, me)
     # every rank sees every rank's probe: they share the writing, each its turn of the bytes
     shared = ranks is None and all(row[2] for row in rows)
@@ -163,7 +164,7 @@ def save_full_model(
             _put(writer, path, mine, tensors, kept=one.whole)
         _put(writer, path, mine, buffers, kept=True)
         writer.finish()
-        _agree(group, me, writer.error, "write its shards", timeout)
+        phases.agree(writer.error, "write its shards")
     except BaseException:
         writer.remove()
         raise
@@ -174,7 +175,7 @@ def save_full_model(
     except OSError as caught:
         error = caught
         writer.remove()
-    _agree(group, me, error, "give its shards their final names", timeout)
+    phases.agree(error, "give its shards their final names")
     finals = files.names() + ((INDEX_NAME,) if len(files.names()) > 1 else ())
     records = tuple(stream.record() for stream in streams)
     seconds = time.perf_counter() - start
@@ -318,29 +319,3 @@ def _earlier(name: str) -> bool:
     would load ``model.safetensors`` before an index), as ``save_pretrained`` removes them; a training
     state's generation-named files are its manifest's, left to it."""
     return is_weights_file(name) and not _GENERATION.match(name)
-
-
-def _agree(
-    group: ProcessGroup | None,
-    me: int,
-    error: BaseException | None,
-    what: str,
-    timeout_s: float,
-    arguments: int = 0,
-    seen: int = 0,
-) -> list[list[int]]:
-    """Every rank learns whether any rank failed to ``what`` (and, with ``arguments``, whether every rank
-    passed the same): this rank raises its own failure, the others RankFailedError naming it. ``seen``:
-    told to the others; returns every rank's row."""
-    compared = "arguments (directory, dtype, max_shard_bytes, ranks or params)"
-    return agree_outcome(
-        group,
-        me,
-        error,
-        call="save_full_model",
-        what=what,
-        timeout_s=timeout_s,
-        arguments=arguments,
-        compared=compared,
-        extra=(seen,),
-    )

@@ -43,12 +43,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
-from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import commit, storage
-from collgrad.checkpoint.agree import agree_outcome
+from collgrad.checkpoint.agree import Phases
 from collgrad.checkpoint.manifest import (
     MANIFEST_NAME,
     STATE_DIR,
@@ -188,17 +187,19 @@ def _groups(view: OptimizerView) -> tuple[ParamGroup, ...]:
 def _held(ctx: Context, model: adapters.Model, optimizer: Any, lr_scheduler: Any) -> _Held:
     """What a save writes, as this rank holds it. Local."""
     view = model.optimizer_view(optimizer)
+    counters = model.counters()
+    scheduler = model.lr_scheduler(lr_scheduler)
     keys = _state_keys(view)
+    groups, scalars = _groups(view), _scalars(view, keys)
+    buffers = list(persistent_buffers(model.module))
     trainable = list(view.holders)
     sources = [opened(ctx, model, "model", WEIGHTS, optimizer), opened(ctx, model, "fp32", FP32, optimizer, trainable)]
     for k, key in enumerate(keys):
         sources.append(opened(ctx, model, f"optimizer-{k}", OptimizerState(key), optimizer, trainable))
     if keys and any(one.source.accessor is not None for one in sources):
         view.linked()  # DeepSpeed's accessors read the states through links a checkpoint save may have dropped
-    scheduler = model.lr_scheduler(lr_scheduler)
     state = None if scheduler is None else scheduler.state_dict()
-    buffers = list(persistent_buffers(model.module))
-    return _Held(sources, buffers, keys, _groups(view), _scalars(view, keys), state, model.counters())
+    return _Held(sources, buffers, keys, groups, scalars, state, counters)
 
 
 def _entries_of(held: _Held) -> dict[str, list[Entry]]:
@@ -282,16 +283,10 @@ def save_training_state(
                 os.makedirs(os.path.join(path, STATE_DIR), exist_ok=True)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
-    timeout = ctx.dispatcher.timeout
-    rows = _agree(
-        group,
-        me,
-        error,
-        "check the model and make the directory",
-        timeout,
-        arguments=stable_hash((path, max_shard_bytes)),
-        extra=(fingerprint, secrets.randbits(62)),
-    )
+    phases = Phases(group, me, "save_training_state", "arguments (directory, max_shard_bytes)", ctx.dispatcher.timeout)
+    arguments = stable_hash((path, max_shard_bytes))
+    what = "check the model and make the directory"
+    rows = phases.agree(error, what, arguments=arguments, extra=(fingerprint, secrets.randbits(62)))
     assert resolved is not None and held_ is not None  # else an agreement raised
     if len({row[2] for row in rows}) > 1:
         commit.unprobe(path, me)
@@ -301,7 +296,7 @@ def save_training_state(
             "them once, so they must be the same on every rank"
         )
     generation = f"{rows[0][3]:016x}"
-    rows = _agree(group, me, None, "look for the others' files", timeout, extra=(int(commit.sees(path, ranks)),))
+    rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, ranks)),))
     commit.unprobe(path, me)
     shared = all(row[2] for row in rows)
     index, world = ranks.index(me), len(ranks)
@@ -330,7 +325,7 @@ def save_training_state(
     except (OSError, InvalidArgumentError) as caught:  # a value JSON cannot hold: found on every rank alike
         writer.error = caught
     try:
-        _agree(group, me, writer.error, "write its part of the files", timeout)
+        phases.agree(writer.error, "write its part of the files")
     except CollgradError:
         commit.discard(writer, renames)
         raise
@@ -340,7 +335,7 @@ def save_training_state(
             put_in_place(path, renames)
         except OSError as caught:
             error = caught
-    _agree(group, me, error, "put the checkpoint in place", timeout)
+    phases.agree(error, "put the checkpoint in place")
     return SavedTrainingState(
         path,
         (*files.names(), INDEX_NAME, MANIFEST_NAME),
@@ -436,30 +431,6 @@ def _stream(
     return [stream.record() for stream in streams]  # once consumed: what each sent
 
 
-def _agree(
-    group: ProcessGroup | None,
-    me: int,
-    error: BaseException | None,
-    what: str,
-    timeout_s: float,
-    arguments: int = 0,
-    extra: Sequence[int] = (),
-) -> list[list[int]]:
-    """One phase of a save agreed by every rank (``agree_outcome``): returns every rank's row."""
-    compared = "arguments (directory, max_shard_bytes)"
-    return agree_outcome(
-        group,
-        me,
-        error,
-        call="save_training_state",
-        what=what,
-        timeout_s=timeout_s,
-        arguments=arguments,
-        compared=compared,
-        extra=extra,
-    )
-
-
 def _shared_json(held: _Held) -> bytes:
     """What every rank must hold the same, as the manifest writes it (a value JSON cannot hold raises
     here, on the rank that holds it)."""
@@ -535,18 +506,11 @@ def load_training_state(
             matched = _match(ctx, resolved, view, optimizer, manifest, checkpoints, strict)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
-    timeout = ctx.dispatcher.timeout
+    compared = "arguments or checkpoints (directory, strict; or the files' names, dtypes and shapes)"
+    phases = Phases(group, me, "load_training_state", compared, ctx.dispatcher.timeout)
     try:
-        agree_outcome(
-            group,
-            me,
-            error,
-            call="load_training_state",
-            what="check the training state against the model",
-            timeout_s=timeout,
-            arguments=stable_hash((path, strict, None if matched is None else matched.seen)),
-            compared="arguments or checkpoints (directory, strict; or the files' names, dtypes and shapes)",
-        )
+        seen = stable_hash((path, strict, None if matched is None else matched.seen))
+        phases.agree(error, "check the training state against the model", arguments=seen)
     except CollgradError:
         if undo is not None:
             undo()
@@ -555,8 +519,7 @@ def load_training_state(
     holdings, memory = held(matched.sources, matched.buffers, loading=True)
     plan = storage.load_plan(read_items(matched.stored, holdings), memory, matched.sources[0].source.scratch)
     bytes_read, error = storage.read(plan)
-    what = "read its part of the training state"
-    agree_outcome(group, me, error, call="load_training_state", what=what, timeout_s=timeout)
+    phases.agree(error, "read its part of the training state")
     _apply(resolved, view, scheduler, manifest, matched)
     files = sorted({s.file for s in matched.stored.values()})
     return LoadedTrainingState(
