@@ -15,6 +15,15 @@ from torch.distributed import ProcessGroup, ReduceOp
 from collgrad.backends.decide import Capabilities
 from collgrad.backends.ops import Op, Primitive
 from collgrad.backends.policy import Policy
+from collgrad.checkpoint.convert import Converted, convert_deepspeed_checkpoint
+from collgrad.checkpoint.load import LoadedModel, load_full_model
+from collgrad.checkpoint.save import SavedModel, save_full_model
+from collgrad.checkpoint.training import (
+    LoadedTrainingState,
+    SavedTrainingState,
+    load_training_state,
+    save_training_state,
+)
 from collgrad.core.dispatch import Dispatcher, default_dispatcher
 from collgrad.core.record import BucketRecord, CallRecord
 from collgrad.errors import (
@@ -34,39 +43,19 @@ from collgrad.errors import (
     RankFailedError,
     UnknownParameterError,
 )
-from collgrad.checkpoint import (
-    Converted,
-    LoadedModel,
-    LoadedTrainingState,
-    SavedModel,
-    SavedTrainingState,
-    convert_deepspeed_checkpoint,
-    load_full_model,
-    load_training_state,
-    save_full_model,
-    save_training_state,
-)
-from collgrad.state import (
-    FullGrads,
-    FullState,
-    FullStateStream,
-    GradStat,
-    GradStats,
-    PreStepHook,
-    StateRecord,
+from collgrad.state.hook import PreStepHook, register_pre_step_hook
+from collgrad.state.read import FullGrads, FullState, FullStateStream, iter_full_model_grads, safe_get_full_model_grads
+from collgrad.state.record import StateRecord
+from collgrad.state.state import (
     iter_full_model_fp32_params,
-    iter_full_model_grads,
     iter_full_model_optimizer_states,
-    register_pre_step_hook,
     safe_get_full_model_fp32_params,
-    safe_get_full_model_grad_stats,
-    safe_get_full_model_grads,
     safe_get_full_model_optimizer_states,
     safe_set_full_model_fp32_params,
-    safe_set_full_model_grads,
     safe_set_full_model_optimizer_states,
-    safe_update_full_model_grads,
 )
+from collgrad.state.stats import GradStat, GradStats, safe_get_full_model_grad_stats
+from collgrad.state.write import safe_set_full_model_grads, safe_update_full_model_grads
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,6 @@
 """Checkpoints: everything that reads or writes a checkpoint file, above ``collgrad.state`` (which never
-imports it) and below the public API. See docs/design.md.
+imports it) and below the public API (collgrad/__init__.py: this package only holds the modules). See
+docs/design.md.
 
 safetensors.py   the format both ways: headers laid out for a save, read back as untrusted input
 manifest.py      a training state's manifest: what is where, the rest as JSON (never a pickle)
@@ -13,26 +14,3 @@ load.py          load_full_model             |  each job: check -> plan -> execu
 training.py      save/load_training_state    |  top to bottom in its file
 convert.py       convert_deepspeed_checkpoint (deepspeed_checkpoint.py: DeepSpeed's files, untrusted) /
 """
-
-from collgrad.checkpoint.convert import Converted, convert_deepspeed_checkpoint
-from collgrad.checkpoint.load import LoadedModel, load_full_model
-from collgrad.checkpoint.save import SavedModel, save_full_model
-from collgrad.checkpoint.training import (
-    LoadedTrainingState,
-    SavedTrainingState,
-    load_training_state,
-    save_training_state,
-)
-
-__all__ = [
-    "save_full_model",
-    "load_full_model",
-    "save_training_state",
-    "load_training_state",
-    "convert_deepspeed_checkpoint",
-    "SavedModel",
-    "LoadedModel",
-    "SavedTrainingState",
-    "LoadedTrainingState",
-    "Converted",
-]

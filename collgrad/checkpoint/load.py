@@ -43,18 +43,17 @@ __all__ = ["load_full_model", "LoadedModel", "Checked", "check", "plan"]
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """What ``load_full_model`` did, on this rank."""
+    """What ``load_full_model`` did on this rank: the checkpoint's path and the files it read, how many of
+    its tensors it loaded (a tied weight once), the bytes of tensor data this rank read and of headers
+    and index, the seconds it took; with ``strict=False`` the model's keys the checkpoint lacks and the
+    checkpoint's keys the model lacks."""
 
     path: str
     files: tuple[str, ...]
-    #: tensors of the checkpoint loaded (a tied weight once)
     tensors: int
-    #: data bytes this rank read (headers apart)
     bytes_read: int
-    #: header and index bytes this rank read
     header_bytes: int
     seconds: float
-    #: ``strict=False``: the model's keys the checkpoint lacks, and the checkpoint's the model lacks
     missing_keys: tuple[str, ...] = ()
     unexpected_keys: tuple[str, ...] = ()
 

@@ -48,6 +48,7 @@ from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import commit, storage
 from collgrad.checkpoint.agree import Phases
+from collgrad.checkpoint.load import LoadedModel
 from collgrad.checkpoint.manifest import (
     MANIFEST_NAME,
     STATE_DIR,
@@ -112,21 +113,18 @@ class SavedTrainingState:
 
 
 @dataclass(frozen=True)
-class LoadedTrainingState:
-    """What ``load_training_state`` did on this rank: the files it read, the tensors and optimizer states
-    it loaded, the bytes of data and headers it read, whether it created the optimizer's states (an
-    optimizer that had never stepped), the seconds it took, and with ``strict=False`` what did not match."""
+class LoadedTrainingState(LoadedModel):
+    """What ``load_training_state`` did on this rank: what ``load_full_model`` tells (``path``: the
+    directory; the files it read, the tensors, the bytes of data and headers, the seconds, with
+    ``strict=False`` what did not match), and the optimizer states it loaded by key and whether it
+    created them (an optimizer that had never stepped)."""
 
-    directory: str
-    files: tuple[str, ...]
-    tensors: int
-    states: tuple[str, ...]
-    bytes_read: int
-    header_bytes: int
-    created_states: bool
-    seconds: float
-    missing_keys: tuple[str, ...] = ()
-    unexpected_keys: tuple[str, ...] = ()
+    states: tuple[str, ...] = ()
+    created_states: bool = False
+
+    @property
+    def directory(self) -> str:
+        return self.path
 
 
 # --------------------------------------------------------------------------------------------- what it holds
@@ -522,18 +520,10 @@ def load_training_state(
     phases.agree(error, "read its part of the training state")
     _apply(resolved, view, scheduler, manifest, matched)
     files = sorted({s.file for s in matched.stored.values()})
-    return LoadedTrainingState(
-        path,
-        tuple(files),
-        matched.tensors,
-        tuple(manifest.optimizer),
-        bytes_read,
-        header_bytes,
-        undo is not None,
-        time.perf_counter() - start,
-        matched.missing,
-        matched.unexpected,
-    )
+    seconds = time.perf_counter() - start
+    missing, unexpected = matched.missing, matched.unexpected
+    loaded = (path, tuple(files), matched.tensors, bytes_read, header_bytes, seconds, missing, unexpected)
+    return LoadedTrainingState(*loaded, states=tuple(manifest.optimizer), created_states=undo is not None)
 
 
 @dataclass

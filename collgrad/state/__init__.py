@@ -1,5 +1,6 @@
 """The partitioned training state in memory, model-wide: kinds -> layout -> adapters -> call -> plan ->
-execute. Nothing here touches a file: checkpoints are collgrad.checkpoint's, which builds on this.
+execute. Nothing here touches a file: checkpoints are collgrad.checkpoint's, which builds on this. The
+public functions are collgrad's (collgrad/__init__.py); this package only holds their modules.
 
 kinds.py         the kinds of state as typed values: GRAD, FP32, WEIGHTS, OptimizerState(key)
 layout.py        pure: which flat range of which parameter each rank holds, for any kind (frozen data)
@@ -23,46 +24,3 @@ stats.py         safe_get_full_model_grad_stats: per-parameter statistics withou
 hook.py          register_pre_step_hook: a function run inside DeepSpeed's fused step(), where they are valid
 record.py        what a call did
 """
-
-from collgrad.state.hook import PreStepHook, register_pre_step_hook
-from collgrad.state.kinds import FP32, GRAD, WEIGHTS, OptimizerState, StateKind
-from collgrad.state.read import FullGrads, FullState, FullStateStream, iter_full_model_grads, safe_get_full_model_grads
-from collgrad.state.record import GroupRecord, StateRecord
-from collgrad.state.state import (
-    iter_full_model_fp32_params,
-    iter_full_model_optimizer_states,
-    safe_get_full_model_fp32_params,
-    safe_get_full_model_optimizer_states,
-    safe_set_full_model_fp32_params,
-    safe_set_full_model_optimizer_states,
-)
-from collgrad.state.stats import GradStat, GradStats, safe_get_full_model_grad_stats
-from collgrad.state.write import safe_set_full_model_grads, safe_update_full_model_grads
-
-__all__ = [
-    "safe_get_full_model_grads",
-    "iter_full_model_grads",
-    "safe_set_full_model_grads",
-    "safe_update_full_model_grads",
-    "safe_get_full_model_grad_stats",
-    "register_pre_step_hook",
-    "safe_get_full_model_fp32_params",
-    "iter_full_model_fp32_params",
-    "safe_set_full_model_fp32_params",
-    "safe_get_full_model_optimizer_states",
-    "iter_full_model_optimizer_states",
-    "safe_set_full_model_optimizer_states",
-    "FullState",
-    "FullGrads",
-    "FullStateStream",
-    "StateRecord",
-    "GroupRecord",
-    "GradStats",
-    "GradStat",
-    "PreStepHook",
-    "StateKind",
-    "OptimizerState",
-    "GRAD",
-    "FP32",
-    "WEIGHTS",
-]

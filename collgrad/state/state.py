@@ -57,18 +57,9 @@ def safe_get_full_model_fp32_params(
     outside ``step()`` (no backward is needed). Invalid or different arguments raise on every rank
     together before any value moves. Nothing is modified; the values are fresh tensors.
     """
-    call = _open(
-        model,
-        "safe_get_full_model_fp32_params",
-        FP32,
-        streaming=False,
-        params=params,
-        bucket_bytes=bucket_bytes,
-        plan=plan,
-        policy=policy,
-        dispatcher=dispatcher,
+    return collected(
+        _open(model, "safe_get_full_model_fp32_params", FP32, False, params, bucket_bytes, plan, policy, dispatcher)
     )
-    return collected(call)
 
 
 def iter_full_model_fp32_params(
@@ -83,18 +74,9 @@ def iter_full_model_fp32_params(
     """The same fp32 master weights as ``safe_get_full_model_fp32_params``, as ``(name, tensor)`` pairs
     streamed one bucket of whole parameters at a time (collgrad holds about two buckets). Same calling
     rules, plus: every rank must consume the whole iteration (each bucket is a collective)."""
-    call = _open(
-        model,
-        "iter_full_model_fp32_params",
-        FP32,
-        streaming=True,
-        params=params,
-        bucket_bytes=bucket_bytes,
-        plan=plan,
-        policy=policy,
-        dispatcher=dispatcher,
+    return FullStateStream(
+        _open(model, "iter_full_model_fp32_params", FP32, True, params, bucket_bytes, plan, policy, dispatcher)
     )
-    return FullStateStream(call)
 
 
 def safe_get_full_model_optimizer_states(
@@ -119,21 +101,8 @@ def safe_get_full_model_optimizer_states(
     which keys it holds. Same calling rules as ``safe_get_full_model_fp32_params``; torch optimizers
     create their states in their first ``step()``.
     """
-    kind = OptimizerState(key)
-    name = "safe_get_full_model_optimizer_states"
-    call = _open(
-        model,
-        name,
-        kind,
-        streaming=False,
-        optimizer=optimizer,
-        params=params,
-        bucket_bytes=bucket_bytes,
-        plan=plan,
-        policy=policy,
-        dispatcher=dispatcher,
-    )
-    return collected(call)
+    name, kind = "safe_get_full_model_optimizer_states", OptimizerState(key)
+    return collected(_open(model, name, kind, False, params, bucket_bytes, plan, policy, dispatcher, optimizer))
 
 
 def iter_full_model_optimizer_states(
@@ -149,21 +118,8 @@ def iter_full_model_optimizer_states(
 ) -> FullStateStream:
     """The same states as ``safe_get_full_model_optimizer_states``, streamed one bucket of whole
     parameters at a time; every rank must consume the whole iteration."""
-    kind = OptimizerState(key)
-    name = "iter_full_model_optimizer_states"
-    call = _open(
-        model,
-        name,
-        kind,
-        streaming=True,
-        optimizer=optimizer,
-        params=params,
-        bucket_bytes=bucket_bytes,
-        plan=plan,
-        policy=policy,
-        dispatcher=dispatcher,
-    )
-    return FullStateStream(call)
+    name, kind = "iter_full_model_optimizer_states", OptimizerState(key)
+    return FullStateStream(_open(model, name, kind, True, params, bucket_bytes, plan, policy, dispatcher, optimizer))
 
 
 def safe_set_full_model_fp32_params(
@@ -216,7 +172,6 @@ def _open(
     model: object,
     name: str,
     kind: StateKind,
-    *,
     streaming: bool,
     params: Iterable[str | torch.Tensor] | None,
     bucket_bytes: int | None,
