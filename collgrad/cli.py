@@ -141,9 +141,9 @@ class _Bar:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from collgrad.errors import CollgradError
     from collgrad.checkpoint.convert import convert_deepspeed_checkpoint
     from collgrad.checkpoint.save import DEFAULT_MAX_SHARD_BYTES
+    from collgrad.errors import CollgradError
 
     try:
         done = convert_deepspeed_checkpoint(

@@ -37,6 +37,7 @@ from collgrad.bench.setting import (
     setter_loop,
 )
 from collgrad.bench.state_calls import STATE_METHODS
+from collgrad.core.dispatch import default_dispatcher
 from collgrad.state.adapters.base import copy_all
 from collgrad.state.call import FIELDS, OpenCall, source_of
 
@@ -154,7 +155,7 @@ def _raw_write(s: Setting) -> Call:
     before the calls (under fp16 scaled once there). Not done: the argument check, the checksum, the plan,
     the views made per call, the writes of groups every rank holds whole and what a source refreshes after
     a write (offload's norms). What a write that agrees before it copies cannot go below."""
-    source, _ = source_of(s.subject.engine)
+    source, _ = source_of(s.subject.engine, dispatcher=default_dispatcher())
     local = source.read()
     with torch.no_grad():
         targets, sources = source.prepare_write(local, s.full, local.loss_scale)

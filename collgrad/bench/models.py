@@ -1,8 +1,9 @@
 """The model measured, and the engine it runs in: a DeepSpeed ZeRO engine or an FSDP2 ``fully_shard``.
 
-This is the benchmark's one door to the framework adapters (``collgrad.state.adapters.deepspeed`` and
-``...fsdp2``, imported lazily here and nowhere else in the bench), so DeepSpeed is imported only on
-ranks that build a DeepSpeed engine, after ``DS_ACCELERATOR`` is in their environment.
+The frameworks are built through ``frameworks.py`` (the benchmark's one module that imports deepspeed
+and FSDP2) and DeepSpeed's own accessors reached through its adapter (imported lazily here), so
+DeepSpeed is imported only on ranks that build a DeepSpeed engine, after ``DS_ACCELERATOR`` is in their
+environment.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from collgrad import _compat
+from collgrad.bench import frameworks
 from collgrad.bench.config import BenchConfig, deepspeed_config
 
 __all__ = ["VectorModel", "GPT2Model", "MODELS", "build_model", "Subject", "build_subject", "accelerator_device"]
@@ -196,7 +198,7 @@ def _deepspeed(cfg: BenchConfig) -> Subject:
     from collgrad.state.adapters import deepspeed as ds  # the adapter: collgrad's one door to DeepSpeed
 
     model = build_model(cfg)
-    engine = ds.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-4), deepspeed_config(cfg))
+    engine = frameworks.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-4), deepspeed_config(cfg))
     x = model.example(torch.Generator().manual_seed(dist.get_rank())).to(engine.device)
     if x.is_floating_point():
         x = x.to(next(engine.module.parameters()).dtype)
@@ -245,11 +247,10 @@ def _set_weight(gathered: Any, p: nn.Parameter, value: torch.Tensor) -> None:
 
 def _fsdp2(cfg: BenchConfig) -> Subject:
     """The same synthetic model sharded with ``fully_shard`` over every rank, after one backward."""
-    from collgrad.state.adapters import fsdp2  # collgrad's one door to FSDP2
 
     device = accelerator_device()
     plain = build_model(cfg).to(device)
-    model = fsdp2.shard_whole(plain, device.type, dist.get_world_size())
+    model = frameworks.shard_whole(plain, device.type, dist.get_world_size())
     x = plain.example(torch.Generator().manual_seed(dist.get_rank())).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=1e-4)
@@ -284,7 +285,7 @@ def _fsdp2(cfg: BenchConfig) -> Subject:
         full_grad=full_tensor,
         full_fp32=full_weight,
         full_state=full_state,
-        consolidate=lambda: fsdp2.full_state_dict(model),
+        consolidate=lambda: frameworks.full_state_dict(model),
         optimizer_obj=optimizer,
     )
 

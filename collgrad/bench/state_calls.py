@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 import collgrad
+from collgrad.bench import frameworks
+from collgrad.bench.frameworks import read_all, read_plan, write_safetensors
 from collgrad.bench.setting import (
     DS,
     FSDP2,
@@ -25,9 +27,7 @@ from collgrad.bench.setting import (
     of_result,
     setter_loop,
 )
-from collgrad.state.files import open_checkpoint, read_all
-from collgrad.state.load import read_plan
-from collgrad.state.shards import write_safetensors
+from collgrad.checkpoint.safetensors import open_checkpoint
 
 __all__ = ["STATE_METHODS"]
 
@@ -213,10 +213,8 @@ def _transformers_zero3_load(s: Setting) -> Call:
 def _broadcast_load(s: Setting) -> Call:
     """FSDP2's own loading from rank 0 (Accelerate's ``cpu_ram_efficient_loading``): rank 0 reads the
     checkpoint, ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``."""
-    from collgrad.state.adapters import fsdp2
-
     model, path = s.subject.engine, s.checkpoint()  # written on every rank at binding (collective)
-    return lambda: fsdp2.load_full_state_dict(model, _whole_on(path, "first") if dist.get_rank() == 0 else {})
+    return lambda: frameworks.load_full_state_dict(model, _whole_on(path, "first") if dist.get_rank() == 0 else {})
 
 
 def _of_loaded(s: Setting, call: Call) -> Reading:
@@ -245,9 +243,7 @@ def _framework_save(s: Setting) -> Call:
 def _framework_saver(s: Setting) -> Callable[[str], Any]:
     sub = s.subject
     if sub.source == "fsdp2":
-        from collgrad.state.adapters import fsdp2
-
-        return lambda path: fsdp2.dcp_save(sub.engine, sub.optimizer_obj, path)
+        return lambda path: frameworks.dcp_save(sub.engine, sub.optimizer_obj, path)
     return lambda path: sub.engine.save_checkpoint(path)
 
 
@@ -286,9 +282,7 @@ def _framework_load(s: Setting) -> Call:
     sub = s.subject
     path = s.resumable(sub.source, _framework_saver(s))
     if sub.source == "fsdp2":
-        from collgrad.state.adapters import fsdp2
-
-        return lambda: fsdp2.dcp_load(sub.engine, sub.optimizer_obj, path)
+        return lambda: frameworks.dcp_load(sub.engine, sub.optimizer_obj, path)
     return lambda: sub.engine.load_checkpoint(path)
 
 
@@ -314,9 +308,7 @@ def _convert(s: Setting) -> Call:
 
 def _zero_to_fp32(s: Setting) -> Call:
     """DeepSpeed's ``zero_to_fp32``: the fp32 weights only (no optimizer state), as safetensors."""
-    from collgrad.state.adapters import deepspeed
-
-    return _offline(s, deepspeed.zero_to_fp32)
+    return _offline(s, frameworks.zero_to_fp32)
 
 
 def _of_training_loaded(s: Setting, call: Call) -> Reading:

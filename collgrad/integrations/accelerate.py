@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from collgrad import _compat
+from collgrad.checkpoint.save import SavedModel, save_full_model
 from collgrad.errors import InvalidArgumentError
 from collgrad.state.hook import PreStepHook
 from collgrad.state.hook import register_pre_step_hook as _register
-from collgrad.checkpoint.save import SavedModel, save_full_model
 
 __all__ = ["register_pre_step_hook", "save_model"]
 

@@ -20,9 +20,9 @@ from typing import Any, Callable
 import torch
 from transformers import TrainerCallback
 
+from collgrad.checkpoint.save import SavedModel, save_full_model
 from collgrad.errors import InvalidArgumentError
 from collgrad.state.hook import PreStepHook, register_pre_step_hook
-from collgrad.checkpoint.save import SavedModel, save_full_model
 from collgrad.state.stats import GradStats, safe_get_full_model_grad_stats
 
 __all__ = ["GradStatsCallback", "grad_stats_logs", "save_model", "save_pretrained_files", "load_into_zero3"]

@@ -30,9 +30,9 @@ def _rank(rank: int, world: int, stage: int, source: str) -> tuple[float, float,
 
     import collgrad
     from collgrad.bench.config import BenchConfig
+    from collgrad.bench.frameworks import read_plan
     from collgrad.bench.models import build_subject
-    from collgrad.state.files import RangeReader
-    from collgrad.state.load import read_plan
+    from collgrad.checkpoint.storage import Reader as RangeReader
 
     engine = build_subject(BenchConfig(stage=stage, source=source)).engine
     where = [os.path.join(tempfile.gettempdir(), f"collgrad-profile-load-{os.getpid()}")]

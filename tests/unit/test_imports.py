@@ -1,9 +1,11 @@
 """The dependency rule, enforced: each optional or private dependency is imported in one module only.
 
-deepspeed   collgrad/state/adapters/deepspeed.py (the adapter; the benchmark reaches it through there)
+deepspeed   collgrad/state/adapters/deepspeed.py (the adapter), collgrad/bench/frameworks.py (the
+            benchmark's engines and DeepSpeed's own paths it measures against)
 mpi4py      collgrad/backends/mpi.py
 torch._C    collgrad/_compat.py (private bindings change between torch versions)
-FSDP2       collgrad/state/adapters/fsdp2.py (its internals tell an unreduced micro-step)
+FSDP2       collgrad/state/adapters/fsdp2.py (its internals tell an unreduced micro-step),
+            collgrad/bench/frameworks.py (the benchmark's fully_shard model and its anchors)
 transformers, accelerate   collgrad/integrations/transformers.py (accelerate: read by attribute only)
 """
 
@@ -17,10 +19,10 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "collgrad"
 
 HOMES = {
-    "deepspeed": {"state/adapters/deepspeed.py"},
+    "deepspeed": {"state/adapters/deepspeed.py", "bench/frameworks.py"},
     "mpi4py": {"backends/mpi.py"},
     "torch._C": {"_compat.py"},
-    "torch.distributed.fsdp": {"state/adapters/fsdp2.py"},
+    "torch.distributed.fsdp": {"state/adapters/fsdp2.py", "bench/frameworks.py"},
     "transformers": {"integrations/transformers.py"},
     "accelerate": set(),
 }
@@ -64,7 +66,7 @@ def test_the_rule_sees_imports_inside_functions_and_from_imports(tmp_path):
 #: Lower layers first; a module may import its own layer and the ones below it, never one above.
 #: ``errors`` and ``_compat`` sit below all three; the top level (``collgrad/__init__``, cli, launch,
 #: bench, integrations) may import any of them.
-LAYERS = ("backends", "core", "state")
+LAYERS = ("backends", "core", "state", "checkpoint")
 BASE = {"collgrad.errors", "collgrad._compat"}
 
 
@@ -119,7 +121,8 @@ def test_layers_import_downwards_only():
             theirs = _layer(target)
             if theirs is None or theirs > mine:
                 wrong.append(f"{module} -> {target}")
-    assert not wrong, "imports against the layering (backends <- core <- state):\n" + "\n".join(sorted(wrong))
+    layering = " <- ".join(LAYERS)
+    assert not wrong, f"imports against the layering ({layering}):\n" + "\n".join(sorted(wrong))
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

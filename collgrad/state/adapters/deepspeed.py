@@ -85,7 +85,6 @@ __all__ = [
     "own_grad",
     "full_numel",
     "DeepSpeedEngine",
-    "initialize",
     "safe_get_full_grad",
     "safe_set_full_grad",
     "safe_get_full_fp32_param",
@@ -115,13 +114,6 @@ except ImportError:  # a 0.19 release without it: the engine imports what it nee
 # collective op), a compiler check per op (~0.4 s). Asked here, a forkserver's ranks inherit the answer;
 # any other process that builds an engine asks it anyway.
 deepspeed.ops.__compatible_ops__  # noqa: B018
-
-
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> DeepSpeedEngine:
-    """``deepspeed.initialize`` for collgrad's own tools (the benchmark), so that they too reach
-    DeepSpeed only through this module. Collective: every rank of the job calls it."""
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    return engine
 
 
 def find_engine(model: Any) -> DeepSpeedEngine | None:
@@ -925,12 +917,3 @@ class _Zero3Weights(_EngineSource):
             pieces.append(Pieces(parts))
         self.scratch["read"] = (held, pieces)
         return LocalGrads(Problem.OK, pieces)
-
-
-def zero_to_fp32(checkpoint_dir: str, out_dir: str) -> None:
-    """DeepSpeed's own offline export of a ``save_checkpoint`` directory (the benchmark's anchor for
-    ``convert``): ``zero_to_fp32.py``'s ``convert_zero_checkpoint_to_state_dict``, its fp32 weights as
-    safetensors. Local: one process."""
-    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
-
-    convert_zero_checkpoint_to_state_dict(checkpoint_dir, out_dir, safe_serialization=True)

@@ -34,8 +34,7 @@ from typing import Any, Callable, ClassVar, Hashable, Iterable, Iterator, Sequen
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from collgrad import _compat
@@ -59,11 +58,6 @@ from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLay
 __all__ = [
     "adapt_sharded",
     "FSDP2Model",
-    "shard_whole",
-    "full_state_dict",
-    "load_full_state_dict",
-    "dcp_save",
-    "dcp_load",
 ]
 
 
@@ -290,53 +284,3 @@ class FSDP2Model(Model):
     def open(self, params: Iterable[object] | None = None, kind: StateKind = GRAD, optimizer: Any = None) -> Source:
         named = select(self.module, params, trainable=kind != WEIGHTS)
         return FSDP2Source(self.module, named, kind, optimizer)
-
-
-def shard_whole(model: nn.Module, device_type: str, world: int) -> nn.Module:
-    """``model`` sharded with ``fully_shard`` as one unit over all ``world`` ranks (the benchmark's
-    model; it reaches FSDP2 through here, as it reaches DeepSpeed through the adapter)."""
-    fully_shard(model, mesh=init_device_mesh(device_type, (world,)))
-    return model
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """FSDP2's own consolidation, as users save today (the benchmark's anchor): every parameter gathered
-    whole, one at a time, onto rank 0's CPU (``get_model_state_dict(full_state_dict=True,
-    cpu_offload=True)``; the other ranks get an empty dict). Collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state: dict[str, Any] = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    return state
-
-
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """FSDP2's own loading of a whole state dict held by rank 0 (the benchmark's anchor, Accelerate's
-    ``cpu_ram_efficient_loading``): ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``,
-    every parameter broadcast from rank 0 and each rank keeping its shard. Collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    set_model_state_dict(model, dict(state), options=options)
-
-
-def dcp_save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-    """PyTorch's own checkpoint of the training state (the benchmark's anchor): ``dcp.save`` of
-    ``get_state_dict(model, optimizer)``, each rank its shards of every tensor. Collective."""
-    from torch.distributed.checkpoint import state_dict_saver
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    weights, states = get_state_dict(model, optimizer)
-    state_dict_saver.save({"model": weights, "optimizer": states}, checkpoint_id=path)
-
-
-def dcp_load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-    """``dcp_save``'s checkpoint resumed as PyTorch documents it: ``dcp.load`` into ``get_state_dict``'s
-    tensors, then ``set_state_dict``. Collective."""
-    from torch.distributed.checkpoint import state_dict_loader
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    weights, states = get_state_dict(model, optimizer)
-    state_dict_loader.load({"model": weights, "optimizer": states}, checkpoint_id=path)  # into them, in place
-    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=states)
