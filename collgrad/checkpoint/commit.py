@@ -60,19 +60,24 @@ def write_small(final: str, body: bytes) -> tuple[str, str]:
     return path, final
 
 
-def commit(renames: Sequence[tuple[str, str]], sweep: Iterable[tuple[str, Callable[[str], bool]]]) -> None:
+def commit(
+    renames: Sequence[tuple[str, str]],
+    sweep: Iterable[tuple[str, Callable[[str], bool]]],
+    keep: Iterable[str] = (),
+) -> None:
     """A written checkpoint put in place: each (temporary, final) of ``renames`` renamed over what was
     there, in order (the one that makes the checkpoint last), every directory they lie in flushed;
     then in each (directory, stale) of ``sweep`` the files that ``stale(name)`` calls an earlier save's
-    and that no rename put there, and any ``STALE`` file left, renamed aside now (a save right after
-    may write a file of its name) and removed in the background. OSError where the file system refuses."""
+    and that are not this checkpoint's (a rename's final, or one of ``keep``: paths other ranks put in
+    place), and any ``STALE`` file left, renamed aside now (a save right after may write a file of its
+    name) and removed in the background. OSError where the file system refuses."""
     doomed: list[str] = []
     for path, final in renames:
         doomed += _linked_aside(final)
         os.replace(path, final)
     for directory in dict.fromkeys(os.path.dirname(final) for _, final in renames):
         _sync_directory(directory)
-    kept = {os.path.abspath(final) for _, final in renames}
+    kept = {os.path.abspath(final) for _, final in renames} | {os.path.abspath(path) for path in keep}
     for directory, stale in sweep:
         for name in sorted(os.listdir(directory)):
             path = os.path.join(directory, name)

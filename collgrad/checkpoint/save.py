@@ -3,7 +3,7 @@ streamed bucket by bucket into safetensors shards, never the whole model in one 
 
     check    arguments; the sources of what is written opened; a probe file in the directory
              -> agree (arguments the same everywhere)                      (one small all-gather)
-             -> agree: which ranks see every probe (they share the directory)  (one small all-gather)
+             -> without ``ranks``, agree: do all see every probe (they share the directory)  (another)
     plan     the shards laid out from the layouts (plan.py: the same on every rank); this rank's
              write items: where the ranks share the directory, its turn of every shard's bytes (a
              contiguous run of them), the first rank the headers; else shard k's rank (``ranks``) all
@@ -128,7 +128,8 @@ def save_full_model(
             names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
             buffers = list(persistent_buffers(resolved.module)) if names is None else []
             wanted, entries = _wanted(ctx, resolved, dtype, names, buffers)
-            _probe(path, me, me in writers)
+            if ranks is None or me in writers:
+                _probe(path, me, me in writers)
     except (OSError, ValueError, TypeError, KeyError) as caught:
         error, writers, names = caught, (0,), None
     arguments = stable_hash((path, str(dtype), max_shard_bytes, writers, names, ranks is None))
@@ -137,10 +138,11 @@ def save_full_model(
     phases.agree(error, "check the arguments and make the directory", arguments=arguments)
     assert resolved is not None  # else the agreement raised
     everyone = list(_compat.group_ranks(group)) if group is not None else [me]
-    rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, everyone)),))
+    shared = False
+    if ranks is None:  # every rank sees every rank's probe: they share the writing, each its turn of the bytes
+        rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, everyone)),))
+        shared = all(row[2] for row in rows)
     commit.unprobe(path, me)
-    # every rank sees every rank's probe: they share the writing, each its turn of the bytes
-    shared = ranks is None and all(row[2] for row in rows)
     files = lay_out({"model": entries}, max_shard_bytes)
     everything = [Holding("model", e.name, Ranges(0, e.numel), Held(0, WHOLE, k), True) for k, e in enumerate(entries)]
     by_file = None if shared else [writers[k % len(writers)] for k in range(len(files.names()))]
@@ -310,7 +312,8 @@ def _commit(path: str, files: Files, items: Sequence[WriteItem], first: bool, sh
         final = os.path.join(path, INDEX_NAME)
         renames.append(commit.write_small(final, index_json(files.mapped("model"), files.data_bytes())))
         here.append(INDEX_NAME)
-    commit.commit(renames, [(path, _earlier)] if first else [])
+    every = [os.path.join(path, f) for f in files.names()]  # other writers' shards: never swept
+    commit.commit(renames, [(path, _earlier)] if first else [], keep=every)
     return here
 
 
