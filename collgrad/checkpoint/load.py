@@ -28,7 +28,17 @@ import torch
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import storage
 from collgrad.checkpoint.agree import Phases
-from collgrad.checkpoint.match import Matched, Opened, held, match, opened, persistent_buffers, refuse_unmatched
+from collgrad.checkpoint.match import (
+    Matched,
+    Opened,
+    held,
+    match,
+    memory,
+    opened,
+    persistent_buffers,
+    plan_key,
+    refuse_unmatched,
+)
 from collgrad.checkpoint.plan import read_items
 from collgrad.checkpoint.safetensors import Checkpoint, open_checkpoint
 from collgrad.core.dispatch import Dispatcher
@@ -157,10 +167,15 @@ def check(
 
 def plan(checked: Checked) -> storage.LoadPlan:
     """This rank's reads: its holdings of each source as read items (plan.py, pure), resolved against its
-    memory (kept with the first source for the next load of the same items into the same memory). Local."""
-    holdings, memory = held(checked.sources, checked.buffers, loading=True)
-    stored = {(one.stem, n): s for one in checked.sources for n, s in checked.matched.stored.items()}
-    return storage.load_plan(read_items(stored, holdings), memory, checked.sources[0].source.scratch)
+    memory; kept with the first source for the next load of the same checkpoint into the same memory
+    (then neither is worked out again). Local."""
+    sources, buffers = checked.sources, checked.buffers
+    stored = {(one.stem, n): s for one in sources for n, s in checked.matched.stored.items()}
+    key = (tuple(stored.items()), plan_key(sources, buffers))
+    into = memory(sources, buffers, loading=True)
+    return storage.load_plan(
+        into, lambda: read_items(stored, held(sources, buffers, loading=True)), sources[0].source.scratch, key
+    )
 
 
 def _matched(

@@ -2,8 +2,8 @@
 
     opened(ctx, model, kind, ...)   one kind of the model's state opened (its source, this rank's view
                                     of it), checked to be readable here
-    held(sources, buffers)          what this rank holds, as the plan's holdings (data) and the memory
-                                    behind them (storage.py resolves one against the other)
+    held(sources, buffers)          what this rank holds, as the plan's holdings (data); memory(...):
+                                    the memory behind them (storage.py resolves one against the other)
     match(...)                      a checkpoint's tensors against the model's names and shapes: a tied
                                     weight under any of its names, a shape that differs refused, keys on
                                     one side only named (``refuse_unmatched``: with strict, refused)
@@ -30,7 +30,18 @@ from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in
 from collgrad.state.kinds import StateKind
 from collgrad.state.model_cache import Context
 
-__all__ = ["Opened", "opened", "held", "persistent_buffers", "Matched", "match", "refuse_unmatched", "listed"]
+__all__ = [
+    "Opened",
+    "opened",
+    "held",
+    "memory",
+    "plan_key",
+    "persistent_buffers",
+    "Matched",
+    "match",
+    "refuse_unmatched",
+    "listed",
+]
 
 
 @dataclass(frozen=True)
@@ -75,26 +86,52 @@ def opened(
 
 def held(
     sources: Sequence[Opened], buffers: Sequence[tuple[str, torch.Tensor]], *, loading: bool = False
-) -> tuple[list[Holding], list[Memory]]:
-    """What this rank holds of ``sources`` (and of ``buffers``, with the first: the module's weights),
-    as the plan's holdings and, by the same indexes, the memory behind them. ``loading``: with what it
-    holds whole besides (ZeRO-3's persistent parameters, which a load writes too) and the setters of
-    sources collgrad reads only through DeepSpeed's accessors. Local."""
+) -> list[Holding]:
+    """What this rank holds of ``sources`` (and of ``buffers``, with the first: the module's weights), as
+    the plan's holdings; ``memory`` gives the memory behind them, by the same indexes. ``loading``: with
+    what it holds whole besides (ZeRO-3's persistent parameters, which a load writes too), and through
+    its setter what collgrad reads only through DeepSpeed's accessors. Local."""
     out: list[Holding] = []
-    memory: list[Memory] = []
     for k, one in enumerate(sources):
         source = one.source
-        whole = [(n, tuple(b.shape)) for n, b in buffers] if k == 0 else []
-        tensors = [b for _, b in buffers] if k == 0 else []
-        if loading:
-            extra = source.held_whole()
-            whole = [(n, tuple(t.shape)) for n, t in extra.items()] + whole
-            tensors = list(extra.values()) + tensors
+        whole = tuple((n, tuple(t.shape)) for n, t in _whole(source, buffers if k == 0 else (), loading))
         setter = loading and source.accessor_set is not None
-        ranks = [rank_in(group) for group in source.layout.groups]
-        out += holdings(one.stem, k, source.layout, ranks, whole, setter=setter)
-        memory.append(Memory(one.local.buffers, tensors, _setter(source) if setter else None))
-    return out, memory
+        # a pure function of the source's layout and this rank: kept with the source (a save or load
+        # asks it again of the same layout each time)
+        key = ("holdings", one.stem, k, whole, setter)
+        found = source.scratch.get(key)
+        if found is None or found[0] is not source.layout:
+            ranks = [rank_in(group) for group in source.layout.groups]
+            found = source.scratch[key] = (source.layout, holdings(one.stem, k, source.layout, ranks, whole, setter))
+        out += found[1]
+    return out
+
+
+def memory(
+    sources: Sequence[Opened], buffers: Sequence[tuple[str, torch.Tensor]], *, loading: bool = False
+) -> list[Memory]:
+    """The memory behind ``held``'s holdings, by the same indexes: each source's local buffers, the
+    tensors it holds whole, its setter. Local."""
+    out = []
+    for k, one in enumerate(sources):
+        tensors = [t for _, t in _whole(one.source, buffers if k == 0 else (), loading)]
+        setter = _setter(one.source) if loading and one.source.accessor_set is not None else None
+        out.append(Memory(one.local.buffers, tensors, setter))
+    return out
+
+
+def _whole(
+    source: Source, buffers: Sequence[tuple[str, torch.Tensor]], loading: bool
+) -> list[tuple[str, torch.Tensor]]:
+    """What a source holds whole outside its layout: with ``loading``, ZeRO-3's persistent parameters;
+    then ``buffers``."""
+    return [*(source.held_whole().items() if loading else ()), *buffers]
+
+
+def plan_key(sources: Sequence[Opened], buffers: Sequence[tuple[str, torch.Tensor]]) -> tuple[object, ...]:
+    """What ``held``'s holdings depend on beyond the memory's addresses: each source's stem and layout
+    (frozen; the same object while the source is kept) and the buffers' names. Local."""
+    return (tuple((one.stem, one.source.layout) for one in sources), tuple(n for n, _ in buffers))
 
 
 def _setter(source: Source) -> Any:

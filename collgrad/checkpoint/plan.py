@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Hashable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -188,18 +188,33 @@ class Files:
 
 
 def lay_out(
-    entries: Mapping[str, Sequence[Entry]], max_shard_bytes: int, name: Mapping[str, str] | None = None
+    entries: Mapping[str, Sequence[Entry]],
+    max_shard_bytes: int,
+    name: Mapping[str, str] | None = None,
+    memo: dict[Hashable, Any] | None = None,
 ) -> Files:
     """Every file of a save and the place of every tensor in it, from each kind's tensors in order,
     each kind cut into shards of at most ``max_shard_bytes``: the same on every rank. ``name[kind]``:
     the format of its files' names, given ``{k}`` (1-based) and ``{n}`` (how many), default
-    ``save_pretrained``'s (``model.safetensors`` alone, else ``model-00001-of-00002.safetensors``). Pure."""
+    ``save_pretrained``'s (``model.safetensors`` alone, else ``model-00001-of-00002.safetensors``).
+    ``memo``: where the shards cut for the same tensors are kept between saves (a model's scratch: their
+    headers' JSON is most of the work). Pure but for ``memo``."""
     shards: dict[str, tuple[tuple[str, Shard], ...]] = {}
     placed: dict[tuple[str, str], Placed] = {}
+    kept: dict[tuple[tuple[Entry, ...], int], tuple[Shard, ...]] = {}
+    if memo is not None:
+        kept = memo.setdefault("cut shards", {})
     for kind, listed in entries.items():
         if not listed:
             continue
-        cut = cut_shards(tuple(listed), max_shard_bytes)
+        key = (tuple(listed), max_shard_bytes)
+        cut = kept.get(key)
+        if cut is None:
+            cut = cut_shards(*key)
+            if memo is not None:
+                if len(kept) >= 8:  # a few kinds of state, each its own tensors
+                    kept.pop(next(iter(kept)))
+                kept[key] = cut
         pattern = (name or {}).get(kind) or ("model.safetensors" if len(cut) == 1 else _PRETRAINED)
         named = tuple((pattern.format(k=k + 1, n=len(cut)), s) for k, s in enumerate(cut))
         shards[kind] = named

@@ -74,9 +74,9 @@ SAFE_DTYPES = {
 }
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of the checkpoint: its name, shape and dtype as written."""
+class Entry(NamedTuple):
+    """One tensor of the checkpoint: its name, shape and dtype as written. A tuple: a save's plan hashes
+    and compares thousands (the cut shards kept for the next save of the same tensors) at C speed."""
 
     name: str
     shape: tuple[int, ...]

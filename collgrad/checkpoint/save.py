@@ -143,7 +143,7 @@ def save_full_model(
         rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, everyone)),))
         shared = all(row[2] for row in rows)
     commit.unprobe(path, me)
-    files = lay_out({"model": entries}, max_shard_bytes)
+    files = lay_out({"model": entries}, max_shard_bytes, memo=wanted[0].source.scratch)
     everything = [Holding("model", e.name, Ranges(0, e.numel), Held(0, WHOLE, k), True) for k, e in enumerate(entries)]
     by_file = None if shared else [writers[k % len(writers)] for k in range(len(files.names()))]
     index = everyone.index(me) if shared else me

@@ -65,19 +65,18 @@ class Memory:
     whole: Sequence[torch.Tensor] = ()
     setter: Callable[[int, torch.Tensor], None] | None = None
 
-    def views(self, held: Held, numel: int) -> Iterator[tuple[torch.Tensor, int]]:
+    def views(self, held: Held, numel: int) -> Sequence[tuple[torch.Tensor, int]]:
         """The ``numel`` elements ``held`` places, as views of this memory, each with its first element
         among them (a fragment may lie across pieces). Not for SETTER."""
         if held.group == WHOLE or held.param >= 0:
             tensor = self.whole[held.param] if held.group == WHOLE else self._tensors(held.group)[held.param]
             if held.offset == 0 and numel == tensor.numel():
-                yield tensor, 0  # as it is (any shape): a read copies into it, a write flattens a copy
-            else:
-                yield tensor.reshape(-1)[held.offset : held.offset + numel], 0
-            return
+                return ((tensor, 0),)  # as it is (any shape): a read copies into it, a write flattens it
+            flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
+            return ((flat[held.offset : held.offset + numel], 0),)
         buffer = self.groups[held.group]
         assert isinstance(buffer, Pieces)
-        yield from buffer.spans(held.offset, numel)
+        return tuple(buffer.spans(held.offset, numel))
 
     def _tensors(self, group: int) -> Sequence[torch.Tensor]:
         found = self.groups[group]
@@ -122,7 +121,9 @@ class Writer:
         if self.error is not None:
             return
         try:
-            data = values.detach().reshape(-1)
+            data = values.reshape(-1) if values.dim() != 1 else values
+            if data.requires_grad:  # a parameter itself (a replicated group's)
+                data = data.detach()
             copied = data.device.type != "cpu" or data.dtype != dtype or not data.is_contiguous()
             if copied:
                 data = data.to("cpu", dtype).contiguous()
@@ -208,14 +209,21 @@ def write(
     """Every item's bytes written into the file ``path_of(item.file)``: a header from ``headers`` (by
     file), values from the memory its ``held`` names, each run at its offset; ``after(item)`` once it
     is handed to the writer. Failures are kept in ``writer.error``. Local."""
+    paths: dict[str, str] = {}
     with torch.no_grad():
         for item in items:
             if writer.error is not None:
                 return
-            path = path_of(item.file)
+            path = paths.get(item.file)
+            if path is None:
+                path = paths[item.file] = path_of(item.file)
             if item.held is None:
                 writer.write_bytes(path, item.size, 0, headers[item.file])
-            else:
+            elif item.ranges.rows == 1:  # one run: each view at its place
+                size = item.dtype.itemsize
+                for view, at in memory[item.held.source].views(item.held, item.ranges.numel):
+                    writer.write(path, item.size, item.offset + at * size, view, item.dtype, kept=True)
+            else:  # a strided item: each view cut where its elements leave a run
                 size, base = item.dtype.itemsize, item.offset - item.ranges.start * item.dtype.itemsize
                 for view, at in memory[item.held.source].views(item.held, item.ranges.numel):
                     flat = view.reshape(-1)
@@ -411,19 +419,24 @@ class Run:
         return bytes_of(self.dest) if self.dest is not None else None
 
 
-def load_plan(items: Sequence[ReadItem], memory: Sequence[Memory], kept: dict[Hashable, object] | None) -> LoadPlan:
-    """``items`` resolved against ``memory``: every place each range goes, each stored tensor's ranges
-    read once (straight into the first place that can take it where one can), joined into runs.
-    ``kept``: a scratch of the model's where the plan is kept for the next load of the same items
-    into the same memory (its views keep that memory alive, so an address that matches is the same
-    storage). Local."""
-    key = _memory_key(items, memory) if kept is not None else None
+def load_plan(
+    memory: Sequence[Memory],
+    items: Callable[[], Sequence[ReadItem]],
+    kept: dict[Hashable, object] | None = None,
+    key: Hashable = None,
+) -> LoadPlan:
+    """The read items ``items()`` gives resolved against ``memory``: every place each range goes, each
+    stored tensor's ranges read once (straight into the first place that can take it where one can),
+    joined into runs. ``kept``: a scratch of the model's where the plan is kept for the next load
+    whose items depend on the same ``key`` and go into the same memory (its views keep that memory
+    alive, so an address that matches is the same storage): then ``items`` is not called. Local."""
+    full = (key, _memory_key(memory)) if kept is not None else None
     found = kept.get("load plan") if kept is not None else None
-    if key is not None and isinstance(found, tuple) and found[0] == key:
+    if full is not None and full[1] is not None and isinstance(found, tuple) and found[0] == full:
         plan: LoadPlan = found[1]
         return plan
     targets: dict[tuple[str, int, torch.dtype, int], list[Target]] = {}
-    for item in items:
+    for item in items():
         numel = math.prod(item.shape)
         start = item.offset - item.ranges.start * item.dtype.itemsize
         into = targets.setdefault((item.file, start, item.dtype, numel), [])
@@ -437,8 +450,8 @@ def load_plan(items: Sequence[ReadItem], memory: Sequence[Memory], kept: dict[Ha
             dest = None if direct is None or direct.dest is None else direct.dest.view(-1)  # contiguous
             single.append(Run(file, start + lo * dtype.itemsize, n, dtype, dest, copies))
     plan = with_moves(joined_runs(single))
-    if key is not None and kept is not None:
-        kept["load plan"] = (key, plan)
+    if kept is not None and full is not None and full[1] is not None:
+        kept["load plan"] = (full, plan)
     return plan
 
 
@@ -464,10 +477,10 @@ def _targets(item: ReadItem, memory: Memory) -> Iterator[Target]:
             yield Target(first, n, flat[lo : lo + n])
 
 
-def _memory_key(items: Sequence[ReadItem], memory: Sequence[Memory]) -> tuple[object, ...] | None:
-    """What a resolved plan depends on: the items, and the address, size and dtype of every tensor of
-    the memory they go to. None where a setter takes any (not kept)."""
-    parts: list[object] = [tuple(items)]
+def _memory_key(memory: Sequence[Memory]) -> tuple[object, ...] | None:
+    """The address, size and dtype of every tensor of ``memory``; None where a setter takes any (a plan
+    through it is not kept)."""
+    parts: list[object] = []
     for one in memory:
         if one.setter is not None:
             return None

@@ -58,7 +58,16 @@ from collgrad.checkpoint.manifest import (
     manifest_path,
     read_manifest,
 )
-from collgrad.checkpoint.match import Opened, held, listed, opened, persistent_buffers, refuse_unmatched
+from collgrad.checkpoint.match import (
+    Opened,
+    held,
+    listed,
+    memory,
+    opened,
+    persistent_buffers,
+    plan_key,
+    refuse_unmatched,
+)
 from collgrad.checkpoint.plan import Files, lay_out, read_items, write_items
 from collgrad.checkpoint.safetensors import (
     INDEX_NAME,
@@ -299,7 +308,7 @@ def save_training_state(
     shared = all(row[2] for row in rows)
     index, world = ranks.index(me), len(ranks)
     entries = _entries_of(held_)
-    files = lay_out(entries, max_shard_bytes, file_names(generation, entries))
+    files = lay_out(entries, max_shard_bytes, file_names(generation, entries), held_.sources[0].source.scratch)
     manifest = _manifest(resolved, held_, files, generation, world)
     writer = storage.Writer()
     renames: list[tuple[str, str]] = []
@@ -307,10 +316,9 @@ def save_training_state(
     try:
         if shared:  # each rank its own ranges, straight from its memory
             readable = [one for one in held_.sources if one.source.accessor is None]
-            holdings, memory = held(readable, held_.buffers)
+            items = write_items(files, held(readable, held_.buffers), index, world)
             headers = {file: shard.header for named in files.shards.values() for file, shard in named}
-            items = write_items(files, holdings, index, world)
-            storage.write(writer, items, memory, headers, lambda file: _temporary(path, file))
+            storage.write(writer, items, memory(readable, held_.buffers), headers, lambda f: _temporary(path, f))
         # each rank's directory its own: rank 0 writes every tensor as the streams bring it; else only
         # what DeepSpeed's accessors read (BF16_Optimizer's masters and states, NVMe-swapped ZeRO-3)
         entrance = adapters.Entrance(resolved, None, group, me)
@@ -514,9 +522,11 @@ def load_training_state(
             undo()
         raise
     assert manifest is not None and matched is not None and view is not None and resolved is not None
-    holdings, memory = held(matched.sources, matched.buffers, loading=True)
-    plan = storage.load_plan(read_items(matched.stored, holdings), memory, matched.sources[0].source.scratch)
-    bytes_read, error = storage.read(plan)
+    sources, buffers = matched.sources, matched.buffers
+    key = (tuple(matched.stored.items()), plan_key(sources, buffers))
+    into = memory(sources, buffers, loading=True)
+    items = lambda: read_items(matched.stored, held(sources, buffers, loading=True))  # noqa: E731
+    bytes_read, error = storage.read(storage.load_plan(into, items, sources[0].source.scratch, key))
     phases.agree(error, "read its part of the training state")
     _apply(resolved, view, scheduler, manifest, matched)
     files = sorted({s.file for s in matched.stored.values()})

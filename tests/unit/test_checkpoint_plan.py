@@ -203,7 +203,8 @@ def test_tensor_parallel_shards_written_and_read_back_through_storage(tmp_path, 
     for t in range(tp):
         held, memory = shards(t)
         into = [storage.Memory(whole=[torch.zeros_like(m.whole[0])]) for m in memory]
-        _, error = storage.read(storage.load_plan(read_items(stored, held), into, None))
+        items = read_items(stored, held)
+        _, error = storage.read(storage.load_plan(into, lambda items=items: items))
         assert error is None
         assert all(torch.equal(a.whole[0], b.whole[0]) for a, b in zip(into, memory))
 
