@@ -28,18 +28,7 @@ import torch
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import storage
 from collgrad.checkpoint.agree import Phases
-from collgrad.checkpoint.match import (
-    Matched,
-    Opened,
-    held,
-    match,
-    memory,
-    opened,
-    persistent_buffers,
-    plan_key,
-    refuse_unmatched,
-)
-from collgrad.checkpoint.plan import read_items
+from collgrad.checkpoint.match import Matched, Opened, match, opened, persistent_buffers, reads, refuse_unmatched
 from collgrad.checkpoint.safetensors import Checkpoint, open_checkpoint
 from collgrad.core.dispatch import Dispatcher
 from collgrad.errors import CollgradError
@@ -166,16 +155,10 @@ def check(
 
 
 def plan(checked: Checked) -> storage.LoadPlan:
-    """This rank's reads: its holdings of each source as read items (plan.py, pure), resolved against its
-    memory; kept with the first source for the next load of the same checkpoint into the same memory
-    (then neither is worked out again). Local."""
-    sources, buffers = checked.sources, checked.buffers
-    stored = {(one.stem, n): s for one in sources for n, s in checked.matched.stored.items()}
-    key = (tuple(stored.items()), plan_key(sources, buffers))
-    into = memory(sources, buffers, loading=True)
-    return storage.load_plan(
-        into, lambda: read_items(stored, held(sources, buffers, loading=True)), sources[0].source.scratch, key
-    )
+    """This rank's reads (match.py's ``reads``): its holdings of each source as read items, resolved
+    against its memory, kept for the next load alike. Local."""
+    stored = {(one.stem, n): s for one in checked.sources for n, s in checked.matched.stored.items()}
+    return reads(checked.sources, checked.buffers, stored)
 
 
 def _matched(

@@ -3,7 +3,8 @@
     opened(ctx, model, kind, ...)   one kind of the model's state opened (its source, this rank's view
                                     of it), checked to be readable here
     held(sources, buffers)          what this rank holds, as the plan's holdings (data); memory(...):
-                                    the memory behind them (storage.py resolves one against the other)
+                                    the memory behind them (storage.py resolves one against the other);
+                                    reads(...): a load's plan of them, kept for the next load alike
     match(...)                      a checkpoint's tensors against the model's names and shapes: a tied
                                     weight under any of its names, a shape that differs refused, keys on
                                     one side only named (``refuse_unmatched``: with strict, refused)
@@ -21,9 +22,9 @@ import torch
 from torch import nn
 
 from collgrad import _compat
-from collgrad.checkpoint.plan import Holding, holdings
+from collgrad.checkpoint.plan import Holding, holdings, read_items
 from collgrad.checkpoint.safetensors import Stored, refused
-from collgrad.checkpoint.storage import Memory
+from collgrad.checkpoint.storage import LoadPlan, Memory, load_plan
 from collgrad.errors import InvalidArgumentError, LayoutChangedError
 from collgrad.state import adapters
 from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in
@@ -35,7 +36,7 @@ __all__ = [
     "opened",
     "held",
     "memory",
-    "plan_key",
+    "reads",
     "persistent_buffers",
     "Matched",
     "match",
@@ -128,10 +129,19 @@ def _whole(
     return [*(source.held_whole().items() if loading else ()), *buffers]
 
 
-def plan_key(sources: Sequence[Opened], buffers: Sequence[tuple[str, torch.Tensor]]) -> tuple[object, ...]:
-    """What ``held``'s holdings depend on beyond the memory's addresses: each source's stem and layout
-    (frozen; the same object while the source is kept) and the buffers' names. Local."""
-    return (tuple((one.stem, one.source.layout) for one in sources), tuple(n for n, _ in buffers))
+def reads(
+    sources: Sequence[Opened], buffers: Sequence[tuple[str, torch.Tensor]], stored: Mapping[tuple[str, str], Stored]
+) -> LoadPlan:
+    """This rank's reads of ``stored`` (by (stem, name)) into ``sources`` and ``buffers`` (with the first):
+    its holdings as read items (plan.py, pure), resolved against its memory (storage.py); kept with the
+    first source for the next load of the same tensors into the same layouts and memory (then neither
+    is worked out again). Local."""
+    into = memory(sources, buffers, loading=True)
+    # what the items depend on beyond the memory's addresses: the stored tensors, each source's stem and
+    # layout (frozen: the same object while the source is kept), the buffers' names
+    key = (tuple(stored.items()), tuple((one.stem, one.source.layout) for one in sources), tuple(n for n, _ in buffers))
+    items = lambda: read_items(stored, held(sources, buffers, loading=True))  # noqa: E731
+    return load_plan(into, items, sources[0].source.scratch, key)
 
 
 def _setter(source: Source) -> Any:

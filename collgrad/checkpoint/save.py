@@ -143,19 +143,17 @@ def save_full_model(
         rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, everyone)),))
         shared = all(row[2] for row in rows)
     commit.unprobe(path, me)
-    files = lay_out({"model": entries}, max_shard_bytes, memo=wanted[0].source.scratch)
-    everything = [Holding("model", e.name, Ranges(0, e.numel), Held(0, WHOLE, k), True) for k, e in enumerate(entries)]
-    by_file = None if shared else [writers[k % len(writers)] for k in range(len(files.names()))]
     index = everyone.index(me) if shared else me
-    items = write_items(files, everything, index, len(everyone), by_file)
+    files, items = _plan(entries, max_shard_bytes, index, len(everyone), None if shared else writers, wanted)
     mine = {item.tensor: item for item in items if item.held is not None}
+    into = {file: commit.temporary(os.path.join(path, file)) for file in files.names()}
     writer = Writer()
     streams: list[FullStateStream] = []
     try:
         headers = {file: shard.header for file, shard in files.shards["model"]}
         for item in items:
             if item.held is None:
-                writer.write_bytes(commit.temporary(os.path.join(path, item.file)), item.size, 0, headers[item.file])
+                writer.write_bytes(into[item.file], item.size, 0, headers[item.file])
         for one in wanted:  # every tensor, whole, as held, in the layout's order
             tensors: Iterable[tuple[str, torch.Tensor]]
             if one.whole:
@@ -163,8 +161,8 @@ def save_full_model(
             else:  # one bucket at a time
                 streams.append(_stream(resolved, group, me, one, bucket_bytes, ctx))
                 tensors = streams[-1]
-            _put(writer, path, mine, tensors, kept=one.whole)
-        _put(writer, path, mine, buffers, kept=True)
+            _put(writer, into, mine, tensors, kept=one.whole)
+        _put(writer, into, mine, buffers, kept=True)
         writer.finish()
         phases.agree(writer.error, "write its shards")
     except BaseException:
@@ -285,11 +283,42 @@ def _stream(
     return FullStateStream(call, copy=False)
 
 
+def _plan(
+    entries: list[Entry],
+    max_shard_bytes: int,
+    index: int,
+    world: int,
+    writers: tuple[int, ...] | None,
+    wanted: list[_Wanted],
+) -> tuple[Files, list[WriteItem]]:
+    """The shards laid out, and what rank ``index`` of ``world`` writes of them: every rank holds every
+    tensor whole (the streams bring them), so its turn of them (plan.py), or with ``writers`` the files
+    that are its own (shard k by ``writers[k % len(writers)]``). Kept with the model for the next save
+    of the same tensors alike (a pure function of these arguments). Local."""
+    scratch = wanted[0].source.scratch
+    key = ("save_full_model plan", tuple(entries), max_shard_bytes, index, world, writers)
+    found = scratch.get("save_full_model plan")
+    if isinstance(found, tuple) and found[0] == key:
+        kept: tuple[Files, list[WriteItem]] = found[1]
+        return kept
+    files = lay_out({"model": entries}, max_shard_bytes, memo=scratch)
+    everything = [Holding("model", e.name, Ranges(0, e.numel), Held(0, WHOLE, k), True) for k, e in enumerate(entries)]
+    by_file = None if writers is None else [writers[k % len(writers)] for k in range(len(files.names()))]
+    planned = (files, write_items(files, everything, index, world, by_file))
+    scratch["save_full_model plan"] = (key, planned)
+    return planned
+
+
 def _put(
-    writer: Writer, path: str, mine: dict[str, WriteItem], tensors: Iterable[tuple[str, torch.Tensor]], kept: bool
+    writer: Writer,
+    into: dict[str, str],
+    mine: dict[str, WriteItem],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    kept: bool,
 ) -> None:
-    """Each of ``tensors`` (name, whole value) this rank writes (``mine``) written at its place. Every rank
-    goes through every tensor (a stream's collectives), whatever fails: failures stay in ``writer``."""
+    """Each of ``tensors`` (name, whole value) this rank writes (``mine``) written at its place in its
+    file's temporary (``into``). Every rank goes through every tensor (a stream's collectives), whatever
+    fails: failures stay in ``writer``."""
     for name, tensor in tensors:
         item = mine.get(name)
         if item is not None:
@@ -297,8 +326,7 @@ def _put(
                 writer.error = writer.error or InvalidArgumentError(
                     f"rank {_compat.rank()}: {name} has {tensor.numel()} elements, not {item.ranges.numel}"
                 )
-            target = commit.temporary(os.path.join(path, item.file))
-            writer.write(target, item.size, item.offset, tensor, item.dtype, kept)
+            writer.write(into[item.file], item.size, item.offset, tensor, item.dtype, kept)
 
 
 def _commit(path: str, files: Files, items: Sequence[WriteItem], first: bool, shared: bool) -> list[str]:

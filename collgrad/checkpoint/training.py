@@ -62,13 +62,14 @@ from collgrad.checkpoint.match import (
     Opened,
     held,
     listed,
+    match,
     memory,
     opened,
     persistent_buffers,
-    plan_key,
+    reads,
     refuse_unmatched,
 )
-from collgrad.checkpoint.plan import Files, lay_out, read_items, write_items
+from collgrad.checkpoint.plan import Files, lay_out, write_items
 from collgrad.checkpoint.safetensors import (
     INDEX_NAME,
     Checkpoint,
@@ -522,11 +523,7 @@ def load_training_state(
             undo()
         raise
     assert manifest is not None and matched is not None and view is not None and resolved is not None
-    sources, buffers = matched.sources, matched.buffers
-    key = (tuple(matched.stored.items()), plan_key(sources, buffers))
-    into = memory(sources, buffers, loading=True)
-    items = lambda: read_items(matched.stored, held(sources, buffers, loading=True))  # noqa: E731
-    bytes_read, error = storage.read(storage.load_plan(into, items, sources[0].source.scratch, key))
+    bytes_read, error = storage.read(reads(matched.sources, matched.buffers, matched.stored))
     phases.agree(error, "read its part of the training state")
     _apply(resolved, view, scheduler, manifest, matched)
     files = sorted({s.file for s in matched.stored.values()})
@@ -594,24 +591,14 @@ def _match(
     buffers = dict(persistent_buffers(model.module))
     stored_weights = checkpoints["model"].tensors
     masters = checkpoints["fp32"].tensors if "fp32" in checkpoints else {}
-    missing = [n for n in trainable if n not in masters]
-    missing += [n for n in [*shapes, *buffers] if n not in trainable and n not in stored_weights]
-    unexpected = list(dict.fromkeys([*(n for n in masters if n not in view.holders), *stored_weights]))
-    unexpected = [n for n in unexpected if n not in shapes and n not in buffers]
+    # the one match (match.py), twice: the trainable parameters against the masters, every parameter
+    # and buffer against the weights (a trainable one is taken from its master where there is one)
+    known = [*shapes, *buffers]
+    in_masters = match(where, {n: shapes[n] for n in trainable}, masters, others=known)
+    in_weights = match(where, {**shapes, **{n: tuple(b.shape) for n, b in buffers.items()}}, stored_weights)
+    missing = [*in_masters.missing, *(n for n in in_weights.missing if n not in view.holders)]
+    unexpected = list(dict.fromkeys([*in_masters.unexpected, *in_weights.unexpected]))
     refuse_unmatched(where, missing, unexpected, strict)
-    wrong = [
-        f"{n}: {list(s.shape)} in the checkpoint, {list(shapes[n])} in the model"
-        for found in (stored_weights, masters)
-        for n, s in found.items()
-        if n in shapes and s.shape != shapes[n]
-    ]
-    wrong += [
-        f"{n}: {list(s.shape)} in the checkpoint, {list(b.shape)} in the model"
-        for n, b in buffers.items()
-        if (s := stored_weights.get(n)) is not None and s.shape != tuple(b.shape)
-    ]
-    if wrong:
-        raise refused(where, f"shapes differ from the model's: {listed(wrong)}")
     # trainable weights from the masters (the module's weights are the masters in its dtype), the rest as saved
     taken = {
         n: masters[n] if n in view.holders and n in masters else stored_weights[n]
