@@ -77,21 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
     """The main run's configuration from the parsed options. Pure."""
-    return BenchConfig(
-        stage=args.stage,
-        source=args.source,
-        dtype=args.dtype,
-        offload=args.offload,
-        model=args.model,
-        tensors=args.tensors,
-        elements=args.elements,
-        scale=args.scale,
-        shard_mb=args.shard_mb,
-        bucket_mb=args.bucket_mb,
-        reps=args.reps,
-        pairs=args.pairs,
-        methods=tuple(m for m in args.methods.split(",") if m),
-    )
+    given = {name: getattr(args, name) for name in _GIVEN}
+    return BenchConfig(**given, methods=tuple(m for m in args.methods.split(",") if m))
+
+
+#: The options that are the configuration's fields as they are (``--methods`` is split).
+_GIVEN = ("stage", "source", "dtype", "offload", "model", "tensors", "elements", "scale", "shard_mb", "bucket_mb")
+_GIVEN += ("reps", "pairs")
 
 
 def launched(env: Mapping[str, str]) -> bool:

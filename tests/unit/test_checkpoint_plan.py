@@ -25,28 +25,13 @@ from collgrad.checkpoint.plan import (
 )
 from collgrad.checkpoint.safetensors import Entry, Stored, read_header
 from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout
-from tests.groups import sliced_group
+from tests.groups import flat_group, sliced_group
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
 def _flat_group(index: int, shapes: list[tuple[int, ...]], world: int) -> LayoutGroup:
-    """A ZeRO-1/2 group: parameters back to back, padded to 2 * world, cut into world partitions."""
-    slots, offset = [], 0
-    for i, shape in enumerate(shapes):
-        n = math.prod(shape)
-        slots.append(ParamSlot(f"g{index}.p{i}", shape, n, offset, n))
-        offset += n
-    total = -(-offset // (2 * world)) * (2 * world)
-    return LayoutGroup(
-        index,
-        Partitioning.PARTITIONED_FLAT,
-        tuple(range(world)),
-        total // world,
-        torch.float32,
-        torch.float32,
-        tuple(slots),
-    )
+    return flat_group(shapes, world, index, prefix=f"g{index}.")
 
 
 def _replicated_group(index: int, shapes: list[tuple[int, ...]], world: int) -> LayoutGroup:

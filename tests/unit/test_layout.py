@@ -2,36 +2,17 @@
 
 from __future__ import annotations
 
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, owned_fragments
-from tests.groups import sliced_group
-
-
-def _flat_group(sizes, world):
-    """A ZeRO-1/2 group as DeepSpeed lays it out: parameters back to back, padded to 2 * world."""
-    slots, offset = [], 0
-    for i, n in enumerate(sizes):
-        slots.append(ParamSlot(f"p{i}", (n,), n, offset, n))
-        offset += n
-    total = -(-offset // (2 * world)) * (2 * world)
-    return LayoutGroup(
-        0,
-        Partitioning.PARTITIONED_FLAT,
-        tuple(range(world)),
-        total // world,
-        torch.float32,
-        torch.float32,
-        tuple(slots),
-    )
+from collgrad.state.layout import owned_fragments
+from tests.groups import flat_group, sliced_group
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=12), st.integers(1, 5), st.sampled_from(["flat", "per_param"]))
 def test_every_element_is_owned_by_exactly_one_rank(sizes, world, kind):
-    group = (_flat_group if kind == "flat" else sliced_group)(sizes, world)
+    group = (flat_group if kind == "flat" else sliced_group)(sizes, world)
     seen = [[0] * n for n in sizes]
     for rank in range(world):
         for frag in owned_fragments(group, rank):
@@ -42,7 +23,7 @@ def test_every_element_is_owned_by_exactly_one_rank(sizes, world, kind):
 
 
 def test_a_parameter_owned_entirely_by_another_rank_has_no_fragment_here():
-    group = _flat_group([35, 7, 21, 3, 3, 3, 27, 9, 9, 1], 2)  # DeepSpeed's test model: 118 -> 120, P = 60
+    group = flat_group([35, 7, 21, 3, 3, 3, 27, 9, 9, 1], 2)  # DeepSpeed's test model: 118 -> 120, P = 60
     rank0 = {f.param for f in owned_fragments(group, 0)}
     rank1 = {f.param for f in owned_fragments(group, 1)}
     assert rank0 == {0, 1, 2} and 0 not in rank1 and 2 in rank1  # l1.weight straddles the edge
