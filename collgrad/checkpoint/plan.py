@@ -262,31 +262,34 @@ def write_items(
     world: int,
     writers: Sequence[int] | None = None,
 ) -> list[WriteItem]:
-    """What rank ``index`` of ``world`` writes of ``files`` holding ``held``: every fragment it holds,
-    its turn of what every rank holds (``replica``), and (index 0) every header. ``writers``: the index
-    of the one rank that writes each file (in ``files.names()`` order) instead: that rank its file's
-    header and every replica in it. Over all ranks, every byte of every file once. Pure."""
-    out: list[WriteItem] = []
-    names = files.names()
-    writer = dict(zip(names, writers)) if writers is not None else {}
+    """What rank ``index`` of ``world`` writes of ``files`` holding ``held``: every fragment it holds, and
+    its turn of what every rank has alike (the ``replica`` holdings in the files' byte order, a
+    contiguous run of their bytes per rank; each header with its file's first bytes). ``writers``:
+    the index of the one rank that writes each file (in ``files.names()`` order) instead: that rank its
+    file's header and every replica in it. Headers first. Over all ranks, every byte of every file
+    once. Pure."""
+    order = {file: k for k, file in enumerate(files.names())}
+    alike: list[tuple[int, int, WriteItem]] = []  # (file, offset, item) of what every rank has
     for kind, named in files.shards.items():
         for file, shard in named:
-            if writer.get(file, 0) == index:
-                size = len(shard.header)
-                out.append(WriteItem(file, shard.size, 0, torch.uint8, kind, "", Ranges(0, size), None))
-    replicas: list[tuple[Placed, Holding]] = []
+            header = Ranges(0, len(shard.header))
+            alike.append((order[file], 0, WriteItem(file, shard.size, 0, torch.uint8, kind, "", header, None)))
+    fragments: list[WriteItem] = []
     for holding in held:
         place = files.placed[(holding.kind, holding.tensor)]
+        item = _item(place, holding)
         if holding.replica:
-            replicas.append((place, holding))
+            alike.append((order[place.file], place.offset, item))
         else:
-            out.append(_item(place, holding))
+            fragments.append(item)
     if writers is not None:
-        out.extend(_item(place, holding) for place, holding in replicas if writer[place.file] == index)
+        mine = [item for f, _, item in alike if writers[f] == index]
     else:
-        for k in turns([p.entry.nbytes for p, _ in replicas], index, world):
-            out.append(_item(*replicas[k]))
-    return out
+        alike.sort(key=lambda a: (a[0], a[1]))
+        # turns by the replicas' bytes: a header (counted as none) goes with the first bytes of its file
+        sizes = [0 if a[2].held is None else a[2].ranges.numel * a[2].dtype.itemsize for a in alike]
+        mine = [alike[k][2] for k in turns(sizes, index, world)]
+    return [item for item in mine if item.held is None] + fragments + [item for item in mine if item.held is not None]
 
 
 def _item(place: Placed, holding: Holding) -> WriteItem:
