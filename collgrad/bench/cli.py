@@ -82,8 +82,9 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 
 
 #: The options that are the configuration's fields as they are (``--methods`` is split).
-_GIVEN = ("stage", "source", "dtype", "offload", "model", "tensors", "elements", "scale", "shard_mb", "bucket_mb")
-_GIVEN += ("reps", "pairs")
+_GIVEN: tuple[str, ...] = tuple(
+    "stage source dtype offload model tensors elements scale shard_mb bucket_mb reps pairs".split()
+)
 
 
 def launched(env: Mapping[str, str]) -> bool:
