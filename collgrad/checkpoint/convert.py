@@ -94,9 +94,10 @@ def convert_deepspeed_checkpoint(
     renames: list[tuple[str, str]] = []
     try:
         os.makedirs(os.path.join(path, STATE_DIR), exist_ok=True)
-        headers = {file: shard.header for named in files.shards.values() for file, shard in named}
-        items = [item for item in write_items(files, holdings, 0, 1)]
-        storage.write(writer, items, memory, headers, lambda f: commit.temporary(os.path.join(path, f)), written)
+        items = write_items(files, holdings, 0, 1)
+        storage.write(
+            writer, items, memory, files.headers(), lambda f: commit.temporary(os.path.join(path, f)), written
+        )
         writer.finish()
         if writer.error is not None:
             raise writer.error

@@ -34,7 +34,7 @@ from typing import Any, Hashable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
-from collgrad.checkpoint.safetensors import Entry, Shard, Stored, cut_shards
+from collgrad.checkpoint.safetensors import Entry, Shard, Stored, cut_shards, shard_name
 from collgrad.state.layout import LayoutGroup, Partitioning, StateLayout, owned_fragments
 
 __all__ = [
@@ -72,11 +72,6 @@ class Ranges(NamedTuple):
         """Each run as (its first element in the tensor, its first among these ranges' elements)."""
         for k in range(self.rows):
             yield self.start + k * self.stride, k * self.length
-
-    @staticmethod
-    def flat(start: int, numel: int) -> Ranges:
-        """Elements ``[start, start + numel)``."""
-        return Ranges(start, numel)
 
     @staticmethod
     def slice(shape: Sequence[int], dim: int, lo: int, hi: int) -> Ranges:
@@ -186,6 +181,10 @@ class Files:
         """Every file, in order."""
         return tuple(file for named in self.shards.values() for file, _ in named)
 
+    def headers(self) -> dict[str, bytes]:
+        """Every file's header (its length and JSON, padded), by file."""
+        return {file: shard.header for named in self.shards.values() for file, shard in named}
+
 
 def lay_out(
     entries: Mapping[str, Sequence[Entry]],
@@ -215,16 +214,16 @@ def lay_out(
                 if len(kept) >= 8:  # a few kinds of state, each its own tensors
                     kept.pop(next(iter(kept)))
                 kept[key] = cut
-        pattern = (name or {}).get(kind) or ("model.safetensors" if len(cut) == 1 else _PRETRAINED)
-        named = tuple((pattern.format(k=k + 1, n=len(cut)), s) for k, s in enumerate(cut))
+        pattern = (name or {}).get(kind)
+        count = len(cut)
+        named = tuple(
+            (pattern.format(k=k + 1, n=count) if pattern else shard_name(k, count), s) for k, s in enumerate(cut)
+        )
         shards[kind] = named
         for file, shard in named:
             for entry, offset in zip(shard.entries, shard.offsets):
                 placed[(kind, entry.name)] = Placed(file, shard.size, offset, entry)
     return Files(shards, placed)
-
-
-_PRETRAINED = "model-{k:05d}-of-{n:05d}.safetensors"
 
 
 class WriteItem(NamedTuple):

@@ -150,7 +150,7 @@ def save_full_model(
     writer = Writer()
     streams: list[FullStateStream] = []
     try:
-        headers = {file: shard.header for file, shard in files.shards["model"]}
+        headers = files.headers()
         for item in items:
             if item.held is None:
                 writer.write_bytes(into[item.file], item.size, 0, headers[item.file])
@@ -171,7 +171,7 @@ def save_full_model(
     here: list[str] = []
     error = None
     try:
-        here = _commit(path, files, items, index == 0 if shared else me == writers[0], shared)
+        here = _commit(path, files, items, into, index == 0 if shared else me == writers[0], shared)
     except OSError as caught:
         error = caught
         writer.remove()
@@ -329,13 +329,15 @@ def _put(
             writer.write(into[item.file], item.size, item.offset, tensor, item.dtype, kept)
 
 
-def _commit(path: str, files: Files, items: Sequence[WriteItem], first: bool, shared: bool) -> list[str]:
+def _commit(
+    path: str, files: Files, items: Sequence[WriteItem], into: dict[str, str], first: bool, shared: bool
+) -> list[str]:
     """This rank's shards renamed to their final names (where the ranks share the writing: every shard,
     by the first rank), and by the first the index added and an earlier save's weights files removed:
     the files this rank put in place. OSError where the file system refuses."""
     written = dict.fromkeys(item.file for item in items)
     here = [f for f in files.names() if (first if shared else f in written)]
-    renames = [(commit.temporary(os.path.join(path, f)), os.path.join(path, f)) for f in here]
+    renames = [(into[f], os.path.join(path, f)) for f in here]  # each file's temporary, as written
     if first and len(files.names()) > 1:
         final = os.path.join(path, INDEX_NAME)
         renames.append(commit.write_small(final, index_json(files.mapped("model"), files.data_bytes())))

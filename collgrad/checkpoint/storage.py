@@ -87,9 +87,6 @@ class Memory:
 def _file_runs(ranges: Ranges, at: int, numel: int) -> Iterator[tuple[int, int, int]]:
     """Elements ``[at, at + numel)`` of ``ranges`` (in their order) as runs of the tensor: (its first
     element in the tensor, its first among the ``numel``, elements). Pure."""
-    if ranges.rows == 1:
-        yield ranges.start + at, 0, numel
-        return
     done = 0
     while done < numel:
         k, within = divmod(at + done, ranges.length)
@@ -430,9 +427,10 @@ def load_plan(
     joined into runs. ``kept``: a scratch of the model's where the plan is kept for the next load
     whose items depend on the same ``key`` and go into the same memory (its views keep that memory
     alive, so an address that matches is the same storage): then ``items`` is not called. Local."""
-    full = (key, _memory_key(memory)) if kept is not None else None
-    found = kept.get("load plan") if kept is not None else None
-    if full is not None and full[1] is not None and isinstance(found, tuple) and found[0] == full:
+    addresses = _memory_key(memory) if kept is not None else None
+    full = (key, addresses) if addresses is not None else None  # None: nothing is kept
+    found = kept.get("load plan") if kept is not None and full is not None else None
+    if isinstance(found, tuple) and found[0] == full:
         plan: LoadPlan = found[1]
         return plan
     targets: dict[tuple[str, int, torch.dtype, int], list[Target]] = {}
@@ -450,7 +448,7 @@ def load_plan(
             dest = None if direct is None or direct.dest is None else direct.dest.view(-1)  # contiguous
             single.append(Run(file, start + lo * dtype.itemsize, n, dtype, dest, copies))
     plan = with_moves(joined_runs(single))
-    if kept is not None and full is not None and full[1] is not None:
+    if kept is not None and full is not None:
         kept["load plan"] = (full, plan)
     return plan
 

@@ -318,8 +318,9 @@ def save_training_state(
         if shared:  # each rank its own ranges, straight from its memory
             readable = [one for one in held_.sources if one.source.accessor is None]
             items = write_items(files, held(readable, held_.buffers), index, world)
-            headers = {file: shard.header for named in files.shards.values() for file, shard in named}
-            storage.write(writer, items, memory(readable, held_.buffers), headers, lambda f: _temporary(path, f))
+            storage.write(
+                writer, items, memory(readable, held_.buffers), files.headers(), lambda f: _temporary(path, f)
+            )
         # each rank's directory its own: rank 0 writes every tensor as the streams bring it; else only
         # what DeepSpeed's accessors read (BF16_Optimizer's masters and states, NVMe-swapped ZeRO-3)
         entrance = adapters.Entrance(resolved, None, group, me)
