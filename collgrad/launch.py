@@ -203,7 +203,12 @@ def _entry(
         # torch.distributed imports FileStore from torch._C without re-exporting it (no "as", no __all__), so
         # mypy's strict no-implicit-reexport rejects the public spelling; torch._C is _compat's alone.
         store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        _rendezvous(
+            store,
+            rank,
+            world,
+            lambda prefixed: dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world),
+        )
         try:
             value = fn(rank, world, *args)
         finally:
@@ -211,6 +216,44 @@ def _entry(
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
+
+
+#: How many times the ranks of one run try to form their group before the run fails.
+_RENDEZVOUS_ATTEMPTS = 3
+
+
+def _rendezvous(store: dist.Store, rank: int, world: int, init: Callable[[dist.Store], None]) -> None:
+    """Form the default group with ``init`` through ``store``; where any rank's attempt failed, every rank
+    tries again together, under a fresh prefix of the store. Called by every rank of a run, once.
+
+    Gloo's connectFullMesh over loopback has failed here, rarely, with every rank alive ("Connection
+    closed by peer" while two test workers' runs were forming groups at once): a setup failure of the
+    host's sockets, not of the job, so it is retried rather than failing the run. Each rank records its
+    attempt's outcome in the store and waits for every rank's, so that all of them retry or none does:
+    a rank whose group formed while another's did not destroys its own before the next attempt.
+    """
+    failed: list[int] = []
+    error: RuntimeError | None = None
+    for attempt in range(_RENDEZVOUS_ATTEMPTS):
+        error = None
+        try:
+            init(dist.PrefixStore(f"attempt{attempt}", store))
+        except RuntimeError as exc:  # DistBackendError and Gloo's own errors are RuntimeErrors
+            error = exc
+        keys = [f"outcome{attempt}/{r}" for r in range(world)]
+        store.set(keys[rank], "failed" if error else "ok")
+        store.wait(keys)
+        failed = [r for r, key in enumerate(keys) if store.get(key) != b"ok"]
+        if not failed:
+            return
+        if error is None:
+            dist.destroy_process_group()
+    if error is not None:
+        raise error
+    raise RuntimeError(
+        f"rank {rank}: the ranks could not form their process group in {_RENDEZVOUS_ATTEMPTS} attempts; "
+        f"rank(s) {failed} failed the last (their tracebacks say why)"
+    )
 
 
 #: After a rank died without a word, how long the others get to finish (or report) before they are killed.

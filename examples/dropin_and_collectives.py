@@ -14,6 +14,7 @@ deepspeed launcher on GPUs (drop the local launcher at the bottom).
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -91,9 +92,14 @@ def train(rank: int, world: int) -> list[str]:
     return log
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from collgrad.launch import run_local
 
     for line in run_local(train, 2)[0]:
         print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -8,6 +8,7 @@ The same three calls work unchanged under torchrun / the deepspeed launcher on G
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -54,9 +55,14 @@ def train(rank: int, world: int) -> list[str]:
     return log
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from collgrad.launch import run_local
 
     for line in run_local(train, 2)[0]:
         print(line)
+
+
+if __name__ == "__main__":
+    main()

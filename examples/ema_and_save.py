@@ -71,12 +71,12 @@ def train(rank: int, world: int, out: str, steps: int, check: bool) -> str | Non
     return report
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="ema-model")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--check", action="store_true", help="also keep the EMA of the gathered weights, compare")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from collgrad.launch import run_local
 

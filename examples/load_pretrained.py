@@ -74,10 +74,10 @@ def _digest(logits: torch.Tensor) -> str:
     return logits.float().contiguous().numpy().tobytes().hex()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpt2-tiny")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 

@@ -132,10 +132,10 @@ def under_fsdp2(rank: int, world: int, out: str) -> list[float]:
     return losses
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from transformers import AutoModelForCausalLM
 

@@ -81,7 +81,7 @@ def plot(logs: list[dict[str, float]], path: str) -> None:
     fig.savefig(path, dpi=90, bbox_inches="tight")
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -90,10 +90,14 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--png", default="grad_norms.png")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         logs = run_local(train, 2, opts.steps, tmp, timeout=900)[0]
     for h in logs[:: max(1, len(logs) // 8)]:
         print(f"step {h['step']}: loss {h['loss']:.3f}, global norm {h['grad_norm/global']:.4f}")
     plot(logs, opts.png)
     print(f"wrote {opts.png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -4,14 +4,22 @@ one of them alone while the others have finished. Under a single process the ord
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import pytest
 
+# The examples import as modules (tests.harness.run_example): on the path before any rank server starts,
+# since each process's server takes its path from this process's at its start (collgrad.launch).
+EXAMPLES = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+if EXAMPLES not in sys.path:
+    sys.path.append(EXAMPLES)
+
 #: The files that take longest (each tens of seconds on two cores: they run the examples and the
-#: benchmark as users do, or wait out bounded waits), longest first; the others follow as collected.
+#: benchmark, or wait out bounded waits), longest first; the others follow as collected.
 LONGEST = (
     "tests/hf/test_example.py",
     "tests/deepspeed/test_bench.py",
-    "tests/deepspeed/test_examples.py",
     "tests/fsdp/test_bench_fsdp2.py",
     "tests/ranks/test_bounded_waits.py",
 )

@@ -6,35 +6,26 @@ asserted here."""
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 from collgrad.bench.config import BenchConfig
 from collgrad.bench.report import NOT_COUNTED
 from collgrad.launch import run_local
 from tests.bench_observed import FSDP2_ROWS, observe
+from tests.harness import run_cli
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROWS = FSDP2_ROWS
 
 
 def test_bench_fsdp2_runs_and_reports_every_method(tmp_path):
     out = tmp_path / "bench.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     # the default model (GPT-2-shaped): two blocks of 12 tensors, embeddings and a final norm
     args = ["--source", "fsdp2", "--tensors", "28", "--elements", "30000", "--reps", "2", "--pairs", "3"]
-    args += ["--json", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "collgrad", "bench", *args], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    stdout = run_cli("bench", *args, "--json", str(out))
     report = json.loads(out.read_text())
     assert list(report["methods"]) == ROWS
     assert report["source"] == "fsdp2" and report["ratios"]["loop"] == "full_tensor_loop"
-    assert "FSDP2 fully_shard" in proc.stdout and "full_tensor_loop / collgrad" in proc.stdout
-    assert "full_tensor_norm_loop / collgrad_stats" in proc.stdout
+    assert "FSDP2 fully_shard" in stdout and "full_tensor_loop / collgrad" in stdout
+    assert "full_tensor_norm_loop / collgrad_stats" in stdout
 
 
 def test_each_row_reports_what_torch_received():

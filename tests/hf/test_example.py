@@ -11,33 +11,13 @@ import pytest
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'collgrad[hf]')")
 
-import os
-import pathlib
-import subprocess
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _run(tmp_path, script: str, *args: str) -> str:
-    """``examples/<script>`` run as a user runs it (CPU ranks); its standard output."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+from tests.harness import run_example
 
 
 def test_trainer_grad_norms_example_writes_its_chart(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install 'collgrad[plot]')")
     png = tmp_path / "norms.png"
-    stdout = _run(tmp_path, "trainer_grad_norms.py", "--steps", "3", "--png", str(png))
+    stdout = run_example("trainer_grad_norms", "--steps", "3", "--png", str(png))
     steps = [line for line in stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3 and all("global norm" in line for line in steps)
     assert png.stat().st_size > 10_000
@@ -45,13 +25,13 @@ def test_trainer_grad_norms_example_writes_its_chart(tmp_path):
 
 def test_ema_example_saves_a_model_transformers_loads(tmp_path):
     out = tmp_path / "ema"
-    stdout = _run(tmp_path, "ema_and_save.py", "--out", str(out), "--steps", "3", "--check")
+    stdout = run_example("ema_and_save", "--out", str(out), "--steps", "3", "--check")
     assert "from_pretrained loads the EMA model: True; equal to the EMA of the gathered weights: True" in stdout
     assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
 
 
 def test_load_pretrained_example_loads_each_rank_its_own_bytes(tmp_path):
-    stdout = _run(tmp_path, "load_pretrained.py", "--out", str(tmp_path / "gpt2-tiny"))
+    stdout = run_example("load_pretrained", "--out", str(tmp_path / "gpt2-tiny"))
     lines = stdout.splitlines()
     total = int(next(line for line in lines if line.startswith("save_pretrained wrote")).split()[-2])
     read = [int(line.split()[4]) for line in lines if " rank " in line and "read" in line]
@@ -61,7 +41,7 @@ def test_load_pretrained_example_loads_each_rank_its_own_bytes(tmp_path):
 
 
 def test_resume_anywhere_example_resumes_at_another_world_size_stage_and_framework(tmp_path):
-    stdout = _run(tmp_path, "resume_anywhere.py", "--out", str(tmp_path / "run"))
+    stdout = run_example("resume_anywhere", "--out", str(tmp_path / "run"))
     assert "ZeRO-3, 3 ranks: fp32 masters and Adam states equal to the saved: True" in stdout, stdout
     assert "as the uninterrupted run's: True" in stdout, stdout
     assert "logits equal to the model's at the save: True" in stdout, stdout
