@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
+from torch._C._distributed_c10d import PrefixStore as PrefixStore  # re-exported: launch's rendezvous
 from torch._C._distributed_c10d import Store as Store  # re-exported: the type of default_store()
 from torch.distributed import ProcessGroup, ReduceOp
 

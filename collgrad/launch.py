@@ -222,7 +222,7 @@ def _entry(
 _RENDEZVOUS_ATTEMPTS = 3
 
 
-def _rendezvous(store: dist.Store, rank: int, world: int, init: Callable[[dist.Store], None]) -> None:
+def _rendezvous(store: _compat.Store, rank: int, world: int, init: Callable[[_compat.Store], None]) -> None:
     """Form the default group with ``init`` through ``store``; where any rank's attempt failed, every rank
     tries again together, under a fresh prefix of the store. Called by every rank of a run, once.
 
@@ -237,7 +237,7 @@ def _rendezvous(store: dist.Store, rank: int, world: int, init: Callable[[dist.S
     for attempt in range(_RENDEZVOUS_ATTEMPTS):
         error = None
         try:
-            init(dist.PrefixStore(f"attempt{attempt}", store))
+            init(_compat.PrefixStore(f"attempt{attempt}", store))
         except RuntimeError as exc:  # DistBackendError and Gloo's own errors are RuntimeErrors
             error = exc
         keys = [f"outcome{attempt}/{r}" for r in range(world)]

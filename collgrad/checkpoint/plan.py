@@ -43,6 +43,7 @@ __all__ = [
     "WHOLE",
     "SETTER",
     "Holding",
+    "EVERY_RANK",
     "holdings",
     "Placed",
     "Files",
@@ -103,15 +104,22 @@ class Held(NamedTuple):
     offset: int = 0
 
 
+#: ``Holding.among`` of what every rank of the group holds alike.
+EVERY_RANK = ""
+
+
 class Holding(NamedTuple):
     """Elements ``ranges`` of tensor ``tensor`` of kind ``kind`` (a file stem: ``model``, ``fp32``,
-    ``optimizer-0``), kept at ``held``; ``replica``: every rank of the group holds them alike (one writes)."""
+    ``optimizer-0``), kept at ``held``; ``replica``: the ranks of the set ``among`` (EVERY_RANK: all of
+    the group; another name: a set ``write_items`` is told of, such as the ranks that hold one
+    tensor-parallel shard) hold them alike (one of them writes)."""
 
     kind: str
     tensor: str
     ranges: Ranges
     held: Held
     replica: bool = False
+    among: str = EVERY_RANK
 
 
 def holdings(
@@ -260,34 +268,43 @@ def write_items(
     index: int,
     world: int,
     writers: Sequence[int] | None = None,
+    among: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[WriteItem]:
     """What rank ``index`` of ``world`` writes of ``files`` holding ``held``: every fragment it holds, and
-    its turn of what every rank has alike (the ``replica`` holdings in the files' byte order, a
-    contiguous run of their bytes per rank; each header with its file's first bytes). ``writers``:
-    the index of the one rank that writes each file (in ``files.names()`` order) instead: that rank its
-    file's header and every replica in it. Headers first. Over all ranks, every byte of every file
-    once. Pure."""
+    its turn of what each set of ranks has alike (the ``replica`` holdings of each set in the files'
+    byte order, a contiguous run of their bytes per rank of the set: this rank's index in the set and
+    the set's size are ``among[name]``, in EVERY_RANK ``index`` and ``world``; each header with its
+    file's first bytes of what every rank has). ``writers``: the index of the one rank that writes each
+    file (in ``files.names()`` order) instead: that rank its file's header and every replica in it (every
+    replica then held by every rank). Headers first. Over all ranks, every byte of every file once,
+    where the ranks that hold a set's replicas all compute theirs from the same holdings. Pure."""
     order = {file: k for k, file in enumerate(files.names())}
-    alike: list[tuple[int, int, WriteItem]] = []  # (file, offset, item) of what every rank has
+    sets: dict[str, tuple[int, int]] = {**(among or {}), EVERY_RANK: (index, world)}
+    # (file, offset, item) of what each set of ranks has alike
+    alike: dict[str, list[tuple[int, int, WriteItem]]] = {name: [] for name in sets}
     for kind, named in files.shards.items():
         for file, shard in named:
             header = Ranges(0, len(shard.header))
-            alike.append((order[file], 0, WriteItem(file, shard.size, 0, torch.uint8, kind, "", header, None)))
+            item = WriteItem(file, shard.size, 0, torch.uint8, kind, "", header, None)
+            alike[EVERY_RANK].append((order[file], 0, item))
     fragments: list[WriteItem] = []
     for holding in held:
         place = files.placed[(holding.kind, holding.tensor)]
         item = _item(place, holding)
         if holding.replica:
-            alike.append((order[place.file], place.offset, item))
+            alike[holding.among].append((order[place.file], place.offset, item))
         else:
             fragments.append(item)
-    if writers is not None:
-        mine = [item for f, _, item in alike if writers[f] == index]
-    else:
-        alike.sort(key=lambda a: (a[0], a[1]))
+    mine: list[WriteItem] = []
+    for name, listed in alike.items():
+        if writers is not None:
+            assert name == EVERY_RANK or not listed, "a file's one writer holds what every rank holds only"
+            mine += [item for f, _, item in listed if writers[f] == index]
+            continue
+        listed.sort(key=lambda a: (a[0], a[1]))
         # turns by the replicas' bytes: a header (counted as none) goes with the first bytes of its file
-        sizes = [0 if a[2].held is None else a[2].ranges.numel * a[2].dtype.itemsize for a in alike]
-        mine = [alike[k][2] for k in turns(sizes, index, world)]
+        sizes = [0 if a[2].held is None else a[2].ranges.numel * a[2].dtype.itemsize for a in listed]
+        mine += [listed[k][2] for k in turns(sizes, *sets[name])]
     return [item for item in mine if item.held is None] + fragments + [item for item in mine if item.held is not None]
 
 

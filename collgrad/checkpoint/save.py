@@ -110,7 +110,12 @@ def save_full_model(
     raises on every rank (that rank: CollgradError with the cause; the others: RankFailedError) and
     removes the temporary files.
 
-    When and where: on every rank of the model's data-parallel group, with the same arguments, outside
+    Under tensor parallelism (DeepSpeed AutoTP) every tensor is still written whole, under the unsharded
+    model's names: each shard by one of the ranks that hold it, into its slice of the whole tensor's
+    place (a shard along dimension 1 row by row); the ranks must share the directory.
+
+    When and where: on every rank of the model's data-parallel group (under tensor parallelism, every
+    rank of the model), with the same arguments, outside
     ``step()``. Returns a ``SavedModel``.
     """
     start = time.perf_counter()
@@ -134,15 +139,22 @@ def save_full_model(
         error, writers, names = caught, (0,), None
     arguments = stable_hash((path, str(dtype), max_shard_bytes, writers, names, ranks is None))
     compared = "arguments (directory, dtype, max_shard_bytes, ranks or params)"
-    phases = Phases(group, me, "save_full_model", compared, ctx.dispatcher.timeout)
+    # the ranks that hold a part of the model agree and share the writing; each stream is its own group's
+    everywhere = resolved.model_group if resolved is not None else group
+    phases = Phases(everywhere, me, "save_full_model", compared, ctx.dispatcher.timeout)
     phases.agree(error, "check the arguments and make the directory", arguments=arguments)
     assert resolved is not None  # else the agreement raised
-    everyone = list(_compat.group_ranks(group)) if group is not None else [me]
+    everyone = list(_compat.group_ranks(everywhere)) if everywhere is not None else [me]
     shared = False
     if ranks is None:  # every rank sees every rank's probe: they share the writing, each its turn of the bytes
         rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, everyone)),))
         shared = all(row[2] for row in rows)
     commit.unprobe(path, me)
+    if not shared and any(one.source.splits for one in wanted):  # the same everywhere: agreed above
+        raise InvalidArgumentError(
+            f"rank {me}: the model holds tensor-parallel shards, which their holders write into the whole "
+            f"tensors' places: every rank must see the directory {path} (a shared file system) and ranks be None"
+        )
     index = everyone.index(me) if shared else me
     files, items = _plan(entries, max_shard_bytes, index, len(everyone), None if shared else writers, wanted)
     mine = {item.tensor: item for item in items if item.held is not None}
@@ -227,6 +239,13 @@ class _Wanted:
     source: Source
     whole: bool
 
+    def shard_holders(self) -> tuple[int, int]:
+        """This rank's index among the ranks that hold its tensor-parallel shards (its data-parallel
+        group: the layout's groups, which ZeRO spreads over it) and how many they are."""
+        splits = self.source.splits
+        ranks = next(g.group_ranks for g in self.source.layout.groups if any(s.name in splits for s in g.params))
+        return ranks.index(_compat.rank()), len(ranks)
+
 
 def _wanted(
     ctx: Context,
@@ -252,13 +271,21 @@ def _wanted(
         if not chosen:
             continue
         source = ctx.source(model, kind, None, chosen)[0]
+        unplaced = sorted(source.model_parallel - source.splits.keys())
+        if unplaced:
+            raise InvalidArgumentError(
+                f"rank {_compat.rank()}: {unplaced[0]} is an expert-parallel shard or a tensor-parallel shard that "
+                "is not one slice of its tensor (a fused layer's): save_full_model writes the whole tensors of "
+                "tensor-parallel slices (AutoTP's column and row splits) only; save it with ep_size 1"
+            )
         # ZeRO-1/2, stage 0, a plain module: every rank holds these weights whole
         whole = source.accessor is None and all(g.kind is Partitioning.REPLICATED for g in source.layout.groups)
         wanted.append(_Wanted(kind, chosen, source, whole))
         for group in source.layout.groups:
             for slot in group.params:
                 kept = source.params[slot.name].dtype if kind == WEIGHTS and whole else group.out_dtype
-                entries.append(Entry(slot.name, slot.shape, dtype or kept))
+                split = source.splits.get(slot.name)
+                entries.append(Entry(slot.name, split.whole if split else slot.shape, dtype or kept))
     for name, buffer in buffers:
         written = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
         entries.append(Entry(name, tuple(buffer.shape), written))
@@ -292,21 +319,36 @@ def _plan(
     wanted: list[_Wanted],
 ) -> tuple[Files, list[WriteItem]]:
     """The shards laid out, and what rank ``index`` of ``world`` writes of them: every rank holds every
-    tensor whole (the streams bring them), so its turn of them (plan.py), or with ``writers`` the files
-    that are its own (shard k by ``writers[k % len(writers)]``). Kept with the model for the next save
-    of the same tensors alike (a pure function of these arguments). Local."""
+    tensor whole (the streams bring them), or of a tensor-parallel split its shard's slice of the whole
+    tensor, alike with the other ranks of its data-parallel group; so its turn of what every rank holds
+    and of what its group holds (plan.py), or with ``writers`` the files that are its own (shard k by
+    ``writers[k % len(writers)]``: no split then). Kept with the model for the next save of the same
+    tensors alike (a pure function of these arguments). Local."""
     scratch = wanted[0].source.scratch
-    key = ("save_full_model plan", tuple(entries), max_shard_bytes, index, world, writers)
+    splits = {name: split for one in wanted for name, split in one.source.splits.items()}
+    among = {_SHARD: next(one.shard_holders() for one in wanted if one.source.splits)} if splits else {}
+    key = ("save_full_model plan", tuple(entries), max_shard_bytes, index, world, writers, tuple(splits.items()), among)
     found = scratch.get("save_full_model plan")
     if isinstance(found, tuple) and found[0] == key:
         kept: tuple[Files, list[WriteItem]] = found[1]
         return kept
     files = lay_out({"model": entries}, max_shard_bytes, memo=scratch)
-    everything = [Holding("model", e.name, Ranges(0, e.numel), Held(0, WHOLE, k), True) for k, e in enumerate(entries)]
+    everything = []
+    for k, e in enumerate(entries):
+        split = splits.get(e.name)
+        if split is None:
+            everything.append(Holding("model", e.name, Ranges(0, e.numel), Held(0, WHOLE, k), True))
+        else:
+            ranges = Ranges.slice(e.shape, split.dim, split.lo, split.hi)
+            everything.append(Holding("model", e.name, ranges, Held(0, WHOLE, k), True, _SHARD))
     by_file = None if writers is None else [writers[k % len(writers)] for k in range(len(files.names()))]
-    planned = (files, write_items(files, everything, index, world, by_file))
+    planned = (files, write_items(files, everything, index, world, by_file, among))
     scratch["save_full_model plan"] = (key, planned)
     return planned
+
+
+#: ``Holding.among`` of a tensor-parallel shard: the ranks of its data-parallel group hold it alike.
+_SHARD = "tensor-parallel shard"
 
 
 def _put(
@@ -316,17 +358,28 @@ def _put(
     tensors: Iterable[tuple[str, torch.Tensor]],
     kept: bool,
 ) -> None:
-    """Each of ``tensors`` (name, whole value) this rank writes (``mine``) written at its place in its
-    file's temporary (``into``). Every rank goes through every tensor (a stream's collectives), whatever
-    fails: failures stay in ``writer``."""
+    """Each of ``tensors`` (name, whole value; of a tensor-parallel split, this rank's shard) this rank
+    writes (``mine``) written at its place in its file's temporary (``into``): a shard's slice row by
+    row where it is not one run of the whole tensor. Every rank goes through every tensor (a stream's
+    collectives), whatever fails: failures stay in ``writer``."""
     for name, tensor in tensors:
         item = mine.get(name)
-        if item is not None:
-            if tensor.numel() != item.ranges.numel:
-                writer.error = writer.error or InvalidArgumentError(
-                    f"rank {_compat.rank()}: {name} has {tensor.numel()} elements, not {item.ranges.numel}"
-                )
+        if item is None:
+            continue
+        ranges = item.ranges
+        if tensor.numel() != ranges.numel:
+            writer.error = writer.error or InvalidArgumentError(
+                f"rank {_compat.rank()}: {name} has {tensor.numel()} elements, not {ranges.numel}"
+            )
+            continue
+        if ranges.rows == 1:
             writer.write(into[item.file], item.size, item.offset, tensor, item.dtype, kept)
+            continue
+        flat = tensor.reshape(-1)
+        step = ranges.stride * item.dtype.itemsize
+        for row, (_, first) in enumerate(ranges.runs()):
+            run = flat[first : first + ranges.length]
+            writer.write(into[item.file], item.size, item.offset + row * step, run, item.dtype, kept)
 
 
 def _commit(

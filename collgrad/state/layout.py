@@ -32,6 +32,7 @@ import bisect
 import functools
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,7 @@ from collgrad.backends.ops import ValueEnum
 __all__ = [
     "Partitioning",
     "ParamSlot",
+    "Split",
     "LayoutGroup",
     "StateLayout",
     "Fragment",
@@ -67,6 +69,20 @@ class ParamSlot:
     slice_numel: int
     #: A tensor- or expert-parallel shard: reconstructed across the data-parallel group only.
     model_parallel_shard: bool = False
+
+
+class Split(NamedTuple):
+    """Where this rank's tensor-parallel shard of a parameter lies in the whole tensor: indexes
+    ``[lo, hi)`` of dimension ``dim`` of a tensor of shape ``whole`` (``whole.narrow(dim, lo, hi - lo)``
+    is the shard). The ranks of the parameter's data-parallel group hold the same shard."""
+
+    dim: int
+    whole: tuple[int, ...]
+    lo: int
+    hi: int
+
+    def shard_shape(self) -> tuple[int, ...]:
+        return self.whole[: self.dim] + (self.hi - self.lo,) + self.whole[self.dim + 1 :]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """AutoTP: tensor-parallel shards are reconstructed across the data-parallel group only, stay local
 across tensor-parallel ranks, and are reported as such; written back shard-shaped, and their
-statistics are of the shard. 4 ranks: tensor-parallel 2 x data-parallel 2."""
+statistics are of the shard. ``save_full_model`` writes every tensor whole, each shard by its holders
+into its slice of the whole tensor's place: bitwise the shards all-gathered over the tensor-parallel
+group and joined by hand. 4 ranks: tensor-parallel 2 x data-parallel 2."""
 
 from __future__ import annotations
 
@@ -8,14 +10,53 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
 
+import os
+
 import torch
+import torch.distributed as dist
 
 from tests.harness import run_ranks
 
 TP = 2
+#: TPNet's splits (tests/deepspeed/models.autotp_config): up_proj column-parallel, down_proj row-parallel
+SPLIT_DIMS = {"up_proj.weight": 0, "up_proj.bias": 0, "down_proj.weight": 1}
 
 
-def _worker(rank, world):
+def _joined_by_hand(eng):
+    """Every parameter as the unsharded model has it: the module's weight (ZeRO-3: gathered), an AutoTP
+    shard all-gathered over its tensor-parallel group and joined along its split dimension."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    out = {}
+    for name, param in eng.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+            local = param.detach().clone()
+        if name in SPLIT_DIMS:
+            parts = [torch.empty_like(local) for _ in range(TP)]
+            dist.all_gather(parts, local, group=groups.get_tensor_model_parallel_group())
+            local = torch.cat(parts, SPLIT_DIMS[name])
+        out[name] = local
+    return out
+
+
+def _saved_whole(eng, directory):
+    """Whether ``save_full_model``'s file holds every tensor whole, bitwise as joined by hand."""
+    from safetensors.torch import load_file
+
+    import collgrad
+
+    saved = collgrad.save_full_model(eng, directory)
+    stored = load_file(os.path.join(directory, "model.safetensors"))
+    joined = _joined_by_hand(eng)
+    return {
+        "names": list(stored) == list(joined) and saved.files == ("model.safetensors",),
+        "shapes": {n: tuple(t.shape) for n, t in stored.items()},
+        "unequal": [n for n in joined if not torch.equal(stored[n], joined[n])],
+    }
+
+
+def _worker(rank, world, path):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
     import collgrad
@@ -63,11 +104,12 @@ def _worker(rank, world):
             all(torch.equal(fp32[n], w) and torch.equal(exp_avg[n], m) for (n, _), (w, m) in zip(trainable, theirs))
             and sorted(fp32.model_parallel) == out[stage]["model_parallel"]
         )
+        out[stage]["saved"] = _saved_whole(eng, os.path.join(path, f"zero{stage}"))
     return out
 
 
-def test_autotp_shards_stay_local_read_written_and_counted_per_shard():
-    results = run_ranks(_worker, 4, timeout=600)
+def test_autotp_shards_stay_local_read_written_and_counted_per_shard_and_are_saved_whole(tmp_path):
+    results = run_ranks(_worker, 4, str(tmp_path), timeout=600)
     for rank, res in enumerate(results):
         for stage, entry in res.items():
             assert entry["equal"], (rank, stage)
@@ -80,3 +122,6 @@ def test_autotp_shards_stay_local_read_written_and_counted_per_shard():
             assert entry["stats_model_parallel"] == entry["model_parallel"]
             assert entry["written"], (rank, stage)
             assert entry["state_equal"], (rank, stage)
+            saved = entry["saved"]
+            assert saved["names"] and saved["unequal"] == [], (rank, stage, saved)
+            assert saved["shapes"]["up_proj.weight"] == (8, 7) and saved["shapes"]["down_proj.weight"] == (5, 8)

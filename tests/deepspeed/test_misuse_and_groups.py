@@ -126,17 +126,35 @@ def _moe(rank, world, ep_size, num_experts, stage, dtype):
     }
 
 
-def _moe_both(rank, world, ep_size):
-    return {dtype: _moe(rank, world, ep_size, world, 2, dtype) for dtype in ("fp32", "bf16_acc32")}
+def _moe_both(rank, world, ep_size, path):
+    import collgrad
+
+    out = {dtype: _moe(rank, world, ep_size, world, 2, dtype) for dtype in ("fp32", "bf16_acc32")}
+    from tests.deepspeed import models
+
+    eng = models.moe_engine(models.config(2), ep_size, world)
+    # experts spread over ranks are not written whole yet: refused on every rank, naming one; at ep_size
+    # 1 every expert is whole on every rank and the model saves
+    out["save"] = attempt(lambda: collgrad.save_full_model(eng, path).files)
+    return out
 
 
 @pytest.mark.parametrize("world,ep_size", [(2, 2), (2, 1), (3, 3)])
-def test_moe_expert_parameters_reduced_within_their_expert_data_parallel_group(world, ep_size):
-    for rank, both in enumerate(run_ranks(_moe_both, world, ep_size, timeout=300)):
+def test_moe_expert_parameters_reduced_within_their_expert_data_parallel_group(world, ep_size, tmp_path):
+    results = run_ranks(_moe_both, world, ep_size, str(tmp_path), timeout=300)
+    saves = [both.pop("save") for both in results]
+    if ep_size == 1:
+        assert all(save["error"] is None for save in saves), saves
+    else:
+        assert {save["error"] for save in saves} == {"InvalidArgumentError"}
+        assert all(f"rank {r}: moe.deepspeed_moe.experts" in s["message"] for r, s in enumerate(saves)), saves
+        assert all("is an expert-parallel shard" in s["message"] for s in saves), saves
+    for rank, both in enumerate(results):
         for res in both.values():
             assert res["equal"] and res["state_equal"] == {"fp32": [], "exp_avg": []}, res  # + weights, moments
             assert res["stats_equal"] and res["written"], res  # statistics and writing, per expert group
-            assert res["model_parallel"] and all("experts" in n for n in res["model_parallel"])
+            # at ep_size 1 every expert is whole on every rank: no shard
+            assert bool(res["model_parallel"]) == (ep_size > 1) and all("experts" in n for n in res["model_parallel"])
             expert_groups = [g for g in res["groups"] if g[1] != tuple(range(world))]
             if ep_size == world:  # one expert per rank: its group is the rank alone, nothing to send
                 assert expert_groups == [("local", (rank,), 0, 2)]

@@ -4,7 +4,9 @@ and ``collgrad.integrations.accelerate.save_model(accelerator, model, directory)
 load with ``GPT2LMHeadModel.from_pretrained``: weights bitwise those of
 ``_zero3_consolidated_16bit_state_dict()`` (what ``trainer.save_model`` and
 ``accelerator.get_state_dict`` write), logits bitwise those of the trained model. A training state saved
-there reads as the model's directory to every tool that reads one, and resumes."""
+there reads as the model's directory to every tool that reads one, and resumes. A tiny Llama trained
+under AutoTP (tensor-parallel 2; ZeRO-1 with an untied, vocabulary-parallel head, ZeRO-3 tied) is saved
+whole: ``from_pretrained`` loads every weight unsharded and its logits are the engine's."""
 
 from __future__ import annotations
 
@@ -117,18 +119,78 @@ def _worker(rank, world, root):
     trained["accelerate"] = _trained(engine)
     resumed = _training_state(rank, engine, os.path.join(root, "training_state"))
     torch.distributed.barrier()
-    if rank != 0:
-        return None
     # loaded as a user would after training: outside ZeRO-3's construction context
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
+    autotp = {(stage, tied): _autotp(rank, os.path.join(root, f"autotp{stage}"), stage, tied) for stage, tied in AUTOTP}
+    if rank != 0:
+        return {"autotp": autotp}
     out = {where: (_compare(os.path.join(root, where), *trained[where]), saved[where]) for where in saved}
     out["training_state"] = (
         _read_as_model_directory(os.path.join(root, "training_state"), trained["accelerate"][0]),
         resumed,
     )
+    out["autotp"] = autotp
     return out
+
+
+#: (ZeRO stage, tied embedding and head) of the AutoTP saves
+AUTOTP = ((1, False), (3, True))
+
+
+def _autotp(rank: int, directory: str, stage: int, tied: bool) -> dict:
+    """A tiny Llama (vocabulary 37: the untied head splits 19 + 18) trained one step under AutoTP
+    tensor-parallel 2, saved with ``save_full_model`` and its config, loaded by ``from_pretrained``: its
+    loading report, and whether its logits are this rank's (a vocabulary-parallel head's: its slice of
+    the vocabulary) within fp32 rounding (the sharded forward adds the row-parallel layers' partial sums
+    across the ranks, the whole one in one matrix product)."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import collgrad
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
+    )
+    model = LlamaForCausalLM(config)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), config=ds_config
+    )
+    engine.backward(engine(input_ids=IDS[:1], labels=IDS[:1]).loss)
+    engine.step()
+    engine.eval()
+    with torch.no_grad():
+        mine = engine(input_ids=IDS).logits
+    collgrad.save_full_model(engine, directory)
+    if rank == 0:
+        config.save_pretrained(directory)
+    torch.distributed.barrier()
+    loaded, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    with torch.no_grad():
+        theirs = loaded.eval()(input_ids=IDS).logits
+    if mine.shape[-1] != theirs.shape[-1]:  # a vocabulary-parallel head: this rank's slice of the vocabulary
+        sizes = engine.module.lm_head.weight.ds_autotp_universal_checkpoint_meta["partition_sizes"]
+        theirs = theirs.narrow(-1, sum(sizes[:rank]), sizes[rank])
+    return {
+        "missing": sorted(info["missing_keys"]),
+        "unexpected": sorted(info["unexpected_keys"]),
+        "logits": torch.allclose(mine, theirs, rtol=1e-5, atol=1e-6),
+    }
 
 
 def _training_state(rank: int, engine, directory: str) -> bool:
@@ -205,3 +267,9 @@ def test_a_training_states_directory_reads_as_the_models_directory_and_still_res
     assert read["glob names"] and read["aliases left out"] == ["lm_head.weight"], read
     assert read["glob"] and read["dcp"] and read["from_pretrained"], read
     assert resumed
+
+
+def test_autotp_saves_load_whole_with_from_pretrained(results):
+    for rank, res in enumerate(results):
+        for config, loaded in res["autotp"].items():
+            assert loaded == {"missing": [], "unexpected": [], "logits": True}, (rank, config, loaded)

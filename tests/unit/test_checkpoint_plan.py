@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from collgrad.checkpoint import commit, storage
 from collgrad.checkpoint.plan import (
+    WHOLE,
     Held,
     Holding,
     Ranges,
@@ -95,6 +96,44 @@ def test_across_the_ranks_every_byte_of_every_file_is_written_once(groups, world
         mine = write_items(files, held, rank, world, writers)
         assert all(item.held is None or item.held.source == 0 for item in mine)
         items += mine
+    counts = _bytes_written(files, items)
+    assert all(c == 1 for per_file in counts.values() for c in per_file), {f: set(c) for f, c in counts.items()}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6), st.integers(0, 2)), min_size=1, max_size=4),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.sampled_from(DTYPES),
+    st.integers(1, 300),
+    st.data(),
+)
+def test_tensor_parallel_slices_written_by_their_holders_every_byte_once(matrices, tp, dp, dtype, shard, data):
+    """tp x dp ranks (the tensor-parallel rank inner, as AutoTP's): each matrix split along dimension 0 or
+    1 (2: not split, held by every rank) in uneven slices over the tensor-parallel ranks, a slice held
+    alike by the data-parallel ranks of its shard: across the ranks every byte of every file once."""
+    entries, cuts = [], []
+    for i, (rows, cols, dim) in enumerate(matrices):
+        shape = (rows * tp, cols) if dim == 0 else (rows, cols * tp)
+        entries.append(Entry(f"w{i}", shape, dtype))
+        if dim < 2:
+            inner = sorted(data.draw(st.lists(st.integers(0, shape[dim]), min_size=tp - 1, max_size=tp - 1)))
+            cuts.append((dim, [0, *inner, shape[dim]]))
+        else:
+            cuts.append(None)
+    files = lay_out({"model": entries}, shard)
+    items = []
+    for rank in range(tp * dp):
+        t, d = rank % tp, rank // tp
+        held = []
+        for k, (entry, cut) in enumerate(zip(entries, cuts)):
+            if cut is None:
+                held.append(Holding("model", entry.name, Ranges(0, entry.numel), Held(0, WHOLE, k), True))
+            elif cut[1][t] < cut[1][t + 1]:
+                ranges = Ranges.slice(entry.shape, cut[0], cut[1][t], cut[1][t + 1])
+                held.append(Holding("model", entry.name, ranges, Held(0, WHOLE, k), True, "shard"))
+        items += write_items(files, held, rank, tp * dp, among={"shard": (d, dp)})
     counts = _bytes_written(files, items)
     assert all(c == 1 for per_file in counts.values() for c in per_file), {f: set(c) for f, c in counts.items()}
 

@@ -26,7 +26,7 @@ from collgrad.core.buffers import Pieces, StorageSpans, cut_parts, joined_copies
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
 from collgrad.state.cache import PlanCache, WritePlan
 from collgrad.state.kinds import GRAD, WEIGHTS, StateKind
-from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout, owned_fragments
+from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, Split, StateLayout, owned_fragments
 
 __all__ = [
     "Model",
@@ -67,6 +67,13 @@ class Model:
         """The group whose ranks must all call for this model (its data-parallel group); None without
         a process group."""
         return _compat.default_group() if torch.distributed.is_initialized() else None
+
+    @property
+    def model_group(self) -> ProcessGroup | None:
+        """The group of every rank that holds a part of this model: its data-parallel group, and under
+        tensor parallelism the ranks of every shard too (a whole-model checkpoint is agreed and written
+        over it); None without a process group."""
+        return self.control_group
 
     def open(self, params: Iterable[object] | None = None, kind: StateKind = GRAD, optimizer: Any = None) -> Source:
         """The Source of ``kind`` (default: the gradients) of this model's parameters (``params``: a
@@ -335,6 +342,9 @@ class Source:
     groups: dict[int, ProcessGroup | None]  # layout group index -> process group
     device: torch.device  # where results are returned
     model_parallel: frozenset[str] = frozenset()
+    #: Of ``model_parallel``, the tensor-parallel shards that are one slice of their whole tensor, and
+    #: where that slice lies (the others, an expert or a fused layout, have no entry).
+    splits: Mapping[str, Split] = {}
     #: DeepSpeed's per-parameter accessor (optimizers without a known layout): parameter -> full
     #: gradient, one collective per parameter.
     accessor: Callable[[nn.Parameter], torch.Tensor] | None = None

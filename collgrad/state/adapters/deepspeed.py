@@ -37,11 +37,13 @@ from typing import Any, Callable, ClassVar, Hashable, Iterable, Mapping, Sequenc
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META as _AUTOTP_META
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils import (
+    groups,
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,
@@ -74,7 +76,7 @@ from collgrad.state.adapters.engine_hooks import hook_model_step, release_on_off
 from collgrad.state.adapters.swap import SwappedIn
 from collgrad.state.cache import PlanCache
 from collgrad.state.kinds import FP32, GRAD, WEIGHTS, StateKind
-from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout
+from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, Split, StateLayout
 
 __all__ = [
     "adapt_engine",
@@ -162,6 +164,14 @@ class DeepSpeedModel(Model):
     @property
     def control_group(self) -> ProcessGroup | None:
         return control_group(self.engine) if dist.is_initialized() else None
+
+    @property
+    def model_group(self) -> ProcessGroup | None:
+        """Under AutoTP, every rank (DeepSpeed spreads one model over the whole world: its tensor-parallel
+        groups times its data-parallel ones); else the data-parallel group."""
+        if dist.is_initialized() and any(hasattr(p, _AUTOTP_META) for p in self.module.parameters()):
+            return _compat.default_group()
+        return self.control_group
 
     def open(self, params: Iterable[object] | None = None, kind: StateKind = GRAD, optimizer: Any = None) -> Source:
         """The engine's own optimizer holds every state: ``optimizer`` is not used."""
@@ -359,8 +369,40 @@ def load_kinds(engine: DeepSpeedEngine) -> tuple[StateKind, ...]:
 
 def model_parallel_names(named: list[tuple[str, nn.Parameter]]) -> frozenset[str]:
     """The parameters that are shards of a model-parallel (AutoTP, Megatron) or expert (MoE) split: what
-    a gather over the data-parallel group rebuilds stays that rank's shard."""
-    return frozenset(n for n, p in named if is_model_parallel_parameter(p) or is_moe_param(p))
+    a gather over the data-parallel group rebuilds stays that rank's shard. An expert of a MoE layer at
+    ``ep_size`` 1 is whole on every rank: not a shard."""
+    return frozenset(n for n, p in named if is_model_parallel_parameter(p) or (is_moe_param(p) and _experts_split(p)))
+
+
+def _experts_split(param: Any) -> bool:
+    """Whether an expert parameter's experts are spread over more than one rank (its MoE layer's
+    ``ep_size``, which DeepSpeed names its expert-parallel group by: ``group_name`` ``ep_size_<E>``)."""
+    return bool(groups._get_expert_parallel_world_size(param.group_name) > 1)
+
+
+def tensor_parallel_splits(named: list[tuple[str, nn.Parameter]]) -> dict[str, Split]:
+    """Where each AutoTP shard of ``named`` lies in its whole tensor, read from the layout DeepSpeed
+    records on the parameter (``ds_autotp_universal_checkpoint_meta``: the split's dimension, the whole
+    shape and every tensor-parallel rank's size along it; DeepSpeed 0.19's universal checkpoint reads
+    the same), and this rank's index in the tensor-parallel group. A replicated parameter (a row-parallel
+    layer's bias) is whole: no entry; nor has a shard whose layout is not one slice (a fused layer's
+    sub-parameters: ``sub_param_shard_widths``), which stays a model-parallel shard of no known place.
+    Local."""
+    out: dict[str, Split] = {}
+    for name, param in named:
+        meta = getattr(param, _AUTOTP_META, None)
+        if not is_model_parallel_parameter(param) or not isinstance(meta, dict) or meta.get("replicated"):
+            continue
+        dim, whole, sizes = meta.get("partition_dim"), meta.get("logical_shape"), meta.get("partition_sizes")
+        if dim is None or not whole or not sizes or meta.get("sub_param_shard_widths"):
+            continue
+        index = groups.get_tensor_model_parallel_rank()
+        lo = sum(sizes[:index])
+        split = Split(int(dim), tuple(int(n) for n in whole), lo, lo + int(sizes[index]))
+        shape = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3 keeps the shape aside
+        if len(sizes) == groups.get_tensor_model_parallel_world_size() and split.shard_shape() == shape:
+            out[name] = split
+    return out
 
 
 def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]], kind: StateKind = GRAD) -> Source:
@@ -382,8 +424,14 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]], 
             f"rank {_compat.rank()}: this DeepSpeed engine has no optimizer, so DeepSpeed {what}: pass an "
             f"optimizer to deepspeed.initialize{fix}"
         )
-    optimizer = type(opt).__name__
-    model_parallel = model_parallel_names(named)
+    source = _open(engine, named, kind, type(opt).__name__, model_parallel_names(named))
+    source.splits = tensor_parallel_splits(named) if source.model_parallel else {}
+    return source
+
+
+def _open(
+    engine: DeepSpeedEngine, named: Named, kind: StateKind, optimizer: str, model_parallel: frozenset[str]
+) -> Source:
     if kind == WEIGHTS and optimizer == "DeepSpeedZeroOptimizer_Stage3":
         return _Zero3Weights(engine, named, model_parallel)
     if kind != WEIGHTS and optimizer == "DeepSpeedZeroOptimizer":
