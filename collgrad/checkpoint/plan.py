@@ -35,7 +35,7 @@ from typing import Any, Hashable, Iterator, Mapping, NamedTuple, Sequence
 import torch
 
 from collgrad.checkpoint.safetensors import Entry, Shard, Stored, cut_shards, shard_name
-from collgrad.state.layout import LayoutGroup, Partitioning, StateLayout, owned_fragments
+from collgrad.state.layout import LayoutGroup, Partitioning, Split, StateLayout, owned_fragments
 
 __all__ = [
     "Ranges",
@@ -45,6 +45,7 @@ __all__ = [
     "Holding",
     "EVERY_RANK",
     "holdings",
+    "in_whole",
     "Placed",
     "Files",
     "lay_out",
@@ -155,6 +156,32 @@ def _group_holdings(kind: str, source: int, group: LayoutGroup, rank: int) -> It
             name = group.params[fragment.param].name
             held = Held(source, group.index, -1, fragment.local_offset)
             yield Holding(kind, name, Ranges(fragment.param_offset, fragment.numel), held)
+
+
+def in_whole(holding: Holding, split: Split) -> list[Holding]:
+    """``holding`` of a tensor-parallel shard (its ranges: one run of the shard's own elements, flat) as
+    elements of the whole tensor the shard is ``split`` of: the run cut where it crosses a block of the
+    dimensions before the split's (each block of the shard is ``hi - lo`` indexes of the split's
+    dimension, a run of the whole tensor ``whole[dim] * inner`` elements after the last): a partial
+    block, the whole blocks as one strided ``Ranges``, a partial block. Each piece held where its first
+    element is (``held.offset`` moved on by the elements before it). Pure."""
+    ranges = holding.ranges
+    assert ranges.rows == 1, "a holding of a shard's own elements is one run"
+    inner = math.prod(split.whole[split.dim + 1 :])
+    block, stride = (split.hi - split.lo) * inner, split.whole[split.dim] * inner
+    out: list[Holding] = []
+    at, end = ranges.start, ranges.start + ranges.length
+    while at < end:
+        row, within = divmod(at, block)
+        if within == 0 and end - at >= block:  # whole blocks: one strided set
+            rows = (end - at) // block
+            piece = Ranges(row * stride + split.lo * inner, block, rows, stride)
+        else:
+            piece = Ranges(row * stride + split.lo * inner + within, min(block - within, end - at))
+        held = holding.held._replace(offset=holding.held.offset + at - ranges.start)
+        out.append(holding._replace(ranges=piece if piece.rows > 1 else Ranges(piece.start, piece.length), held=held))
+        at += piece.numel
+    return out
 
 
 @dataclass(frozen=True)

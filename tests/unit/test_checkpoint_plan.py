@@ -20,12 +20,13 @@ from collgrad.checkpoint.plan import (
     Holding,
     Ranges,
     holdings,
+    in_whole,
     lay_out,
     read_items,
     write_items,
 )
 from collgrad.checkpoint.safetensors import Entry, Stored, read_header
-from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout
+from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, Split, StateLayout
 from tests.groups import flat_group, sliced_group
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -152,6 +153,28 @@ def test_a_slice_along_any_dimension_is_the_ranges_narrow_gives(shape, data):
     ranges = Ranges.slice(shape, dim, lo, hi)
     expected = torch.arange(math.prod(shape)).reshape(shape).narrow(dim, lo, hi - lo).flatten().tolist()
     assert _elements(ranges) == expected and ranges.numel == len(expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.data())
+def test_a_run_of_a_shards_elements_is_the_whole_tensors_elements_narrow_gives(whole, data):
+    """A tensor-parallel shard (``narrow`` along any dimension) and a run of its flat elements (a ZeRO
+    fragment of it): ``in_whole``'s pieces are those elements of the whole tensor, in order, each held
+    where its first element is."""
+    dim = data.draw(st.integers(0, len(whole) - 1))
+    lo = data.draw(st.integers(0, whole[dim] - 1))
+    hi = data.draw(st.integers(lo + 1, whole[dim]))
+    shard = torch.arange(math.prod(whole)).reshape(whole).narrow(dim, lo, hi - lo).flatten().tolist()
+    start = data.draw(st.integers(0, len(shard) - 1))
+    length = data.draw(st.integers(1, len(shard) - start))
+    holding = Holding("model", "w", Ranges(start, length), Held(0, 0, -1, 100))
+    pieces = in_whole(holding, Split(dim, tuple(whole), lo, hi))
+    assert [e for p in pieces for e in _elements(p.ranges)] == shard[start : start + length]
+    offsets = [p.held.offset for p in pieces]
+    assert offsets == [100 + sum(p.ranges.numel for p in pieces[:k]) for k in range(len(pieces))]
+    assert len(pieces) <= 3 and all(
+        p._replace(ranges=None, held=None) == holding._replace(ranges=None, held=None) for p in pieces
+    )
 
 
 @settings(max_examples=100, deadline=None)
