@@ -28,7 +28,16 @@ import torch
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import storage
 from collgrad.checkpoint.agree import Phases
-from collgrad.checkpoint.match import Matched, Opened, match, opened, persistent_buffers, reads, refuse_unmatched
+from collgrad.checkpoint.match import (
+    Matched,
+    Opened,
+    match,
+    opened,
+    persistent_buffers,
+    reads,
+    refuse_unmatched,
+    shapes,
+)
 from collgrad.checkpoint.safetensors import Checkpoint, open_checkpoint
 from collgrad.core.dispatch import Dispatcher
 from collgrad.errors import CollgradError
@@ -102,7 +111,8 @@ def load_full_model(
     # what every rank must share: its arguments, and the checkpoint as it sees it (names, dtypes, shapes)
     seen = None if checked is None else sorted((n, str(s.dtype), s.shape) for n, s in checked.matched.stored.items())
     compared = "arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes)"
-    phases = Phases(group, me, "load_full_model", compared, ctx.dispatcher.timeout)
+    everywhere = resolved.model_group if resolved is not None else group  # under tensor parallelism: every shard's
+    phases = Phases(everywhere, me, "load_full_model", compared, ctx.dispatcher.timeout)
     arguments = stable_hash((os.fspath(path), strict, names, seen))
     phases.agree(error, "check the checkpoint against the model", arguments=arguments)
     assert checked is not None  # else the agreement raised
@@ -176,9 +186,9 @@ def _matched(
     canonical: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(canonical.setdefault(id(p), name), []).append(name)
-    shapes = {slot.name: slot.shape for group in weights.source.layout.groups for slot in group.params}
-    shapes.update((name, tuple(buffer.shape)) for name, buffer in buffers)
-    found = match(checkpoint.directory, shapes, checkpoint.tensors, aliases)
+    shaped = shapes(weights.source)  # as the unsharded model has them
+    shaped.update((name, tuple(buffer.shape)) for name, buffer in buffers)
+    found = match(checkpoint.directory, shaped, checkpoint.tensors, aliases)
     unexpected = () if selected else found.unexpected
     refuse_unmatched(checkpoint.directory, found.missing, unexpected, strict)
     return Matched(found.stored, found.missing, unexpected)

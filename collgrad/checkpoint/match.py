@@ -2,9 +2,11 @@
 
     opened(ctx, model, kind, ...)   one kind of the model's state opened (its source, this rank's view
                                     of it), checked to be readable here
-    held(sources, buffers)          what this rank holds, as the plan's holdings (data); memory(...):
-                                    the memory behind them (storage.py resolves one against the other);
-                                    reads(...): a load's plan of them, kept for the next load alike
+    held(sources, buffers)          what this rank holds, as the plan's holdings (data): a tensor-parallel
+                                    shard's as elements of its whole tensor; memory(...): the memory
+                                    behind them (storage.py resolves one against the other); reads(...):
+                                    a load's plan of them, kept for the next load alike
+    shapes(source)                  each parameter's shape as the unsharded model has it
     match(...)                      a checkpoint's tensors against the model's names and shapes: a tied
                                     weight under any of its names, a shape that differs refused, keys on
                                     one side only named (``refuse_unmatched``: with strict, refused)
@@ -16,13 +18,13 @@ raised before anything changes. Local: the jobs agree on the verdict between ran
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from collgrad import _compat
-from collgrad.checkpoint.plan import Holding, holdings, read_items
+from collgrad.checkpoint.plan import Holding, holdings, in_whole, read_items
 from collgrad.checkpoint.safetensors import Stored, refused
 from collgrad.checkpoint.storage import LoadPlan, Memory, load_plan
 from collgrad.errors import InvalidArgumentError, LayoutChangedError
@@ -35,6 +37,9 @@ __all__ = [
     "Opened",
     "opened",
     "held",
+    "SHARD_HOLDERS",
+    "holders",
+    "shapes",
     "memory",
     "reads",
     "persistent_buffers",
@@ -70,10 +75,12 @@ def opened(
     be readable (``loading``: writable) in place; InvalidArgumentError (a tensor- or expert-parallel
     shard) or LayoutChangedError (this rank) otherwise."""
     source = ctx.source(model, kind, optimizer, names)[0]
-    if source.model_parallel:
+    unplaced = sorted(source.model_parallel - source.splits.keys())
+    if unplaced:
         raise InvalidArgumentError(
-            f"rank {_compat.rank()}: {sorted(source.model_parallel)[0]} is a tensor- or expert-parallel shard: a "
-            "checkpoint holds data-parallel models only"
+            f"rank {_compat.rank()}: {unplaced[0]} is an expert-parallel shard or a tensor-parallel shard that is "
+            "not one slice of its tensor (a fused layer's): a checkpoint holds whole tensors of data-parallel "
+            "models and of tensor-parallel slices (AutoTP's column and row splits) only; save it with ep_size 1"
         )
     local = source.read()
     if local.problem is not Problem.OK:
@@ -99,13 +106,61 @@ def held(
         setter = loading and source.accessor_set is not None
         # a pure function of the source's layout and this rank: kept with the source (a save or load
         # asks it again of the same layout each time)
-        key = ("holdings", one.stem, k, whole, setter)
+        key = ("holdings", one.stem, k, whole, setter, loading)
         found = source.scratch.get(key)
         if found is None or found[0] is not source.layout:
             ranks = [rank_in(group) for group in source.layout.groups]
-            found = source.scratch[key] = (source.layout, holdings(one.stem, k, source.layout, ranks, whole, setter))
+            mine = holdings(one.stem, k, source.layout, ranks, whole, setter)
+            found = source.scratch[key] = (source.layout, _in_whole(mine, source, loading))
         out += found[1]
     return out
+
+
+#: ``Holding.among`` of a tensor-parallel shard held whole: the ranks of its data-parallel group hold it.
+SHARD_HOLDERS = "tensor-parallel shard"
+
+
+def _in_whole(mine: list[Holding], source: Source, loading: bool) -> list[Holding]:
+    """``mine`` (a source's holdings, each in its own tensor's elements) as elements of the whole
+    tensors: a tensor-parallel shard's mapped into its slice (``in_whole``), held alike by the ranks of
+    its data-parallel group where it is held whole. A save writes what every shard holds of a tensor
+    that is not split once: from the first tensor-parallel rank's fragments (another's partitions may be
+    cut elsewhere: uneven shards make the ranks' flat buffers differ); a load reads them everywhere."""
+    if not source.splits:
+        return mine
+    out: list[Holding] = []
+    for holding in mine:
+        split = source.splits.get(holding.tensor)
+        if split is None:
+            if loading or holding.replica or source.tensor_parallel_rank == 0:
+                out.append(holding)
+            continue
+        pieces = in_whole(holding, split)
+        out += [p._replace(among=SHARD_HOLDERS) for p in pieces] if holding.replica else pieces
+    return out
+
+
+def holders(sources: Iterable[Source]) -> dict[str, tuple[int, int]]:
+    """The sets of ranks ``held``'s replicas name besides every rank (``plan.write_items``' ``among``):
+    this rank's index among the holders of its tensor-parallel shards (its data-parallel group: the
+    layout's group that holds them) and how many they are. Local."""
+    for source in sources:
+        splits = source.splits
+        for group in source.layout.groups:
+            if any(slot.name in splits for slot in group.params):
+                return {SHARD_HOLDERS: (group.group_ranks.index(_compat.rank()), len(group.group_ranks))}
+    return {}
+
+
+def shapes(source: Source) -> dict[str, tuple[int, ...]]:
+    """Each parameter of ``source``'s layout, in order, shaped as the unsharded model has it (a
+    tensor-parallel shard's whole tensor's shape). Local."""
+    splits = source.splits
+    return {
+        slot.name: splits[slot.name].whole if slot.name in splits else slot.shape
+        for group in source.layout.groups
+        for slot in group.params
+    }
 
 
 def memory(

@@ -31,7 +31,7 @@ from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import commit
 from collgrad.checkpoint.agree import Phases
-from collgrad.checkpoint.match import persistent_buffers
+from collgrad.checkpoint.match import SHARD_HOLDERS, holders, persistent_buffers, shapes
 from collgrad.checkpoint.plan import WHOLE, Files, Held, Holding, Ranges, WriteItem, lay_out, write_items
 from collgrad.checkpoint.safetensors import INDEX_NAME, SAFE_DTYPES, Entry, index_json, is_weights_file
 from collgrad.checkpoint.storage import Writer
@@ -239,13 +239,6 @@ class _Wanted:
     source: Source
     whole: bool
 
-    def shard_holders(self) -> tuple[int, int]:
-        """This rank's index among the ranks that hold its tensor-parallel shards (its data-parallel
-        group: the layout's groups, which ZeRO spreads over it) and how many they are."""
-        splits = self.source.splits
-        ranks = next(g.group_ranks for g in self.source.layout.groups if any(s.name in splits for s in g.params))
-        return ranks.index(_compat.rank()), len(ranks)
-
 
 def _wanted(
     ctx: Context,
@@ -281,11 +274,11 @@ def _wanted(
         # ZeRO-1/2, stage 0, a plain module: every rank holds these weights whole
         whole = source.accessor is None and all(g.kind is Partitioning.REPLICATED for g in source.layout.groups)
         wanted.append(_Wanted(kind, chosen, source, whole))
+        shaped = shapes(source)
         for group in source.layout.groups:
             for slot in group.params:
                 kept = source.params[slot.name].dtype if kind == WEIGHTS and whole else group.out_dtype
-                split = source.splits.get(slot.name)
-                entries.append(Entry(slot.name, split.whole if split else slot.shape, dtype or kept))
+                entries.append(Entry(slot.name, shaped[slot.name], dtype or kept))
     for name, buffer in buffers:
         written = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
         entries.append(Entry(name, tuple(buffer.shape), written))
@@ -326,7 +319,7 @@ def _plan(
     tensors alike (a pure function of these arguments). Local."""
     scratch = wanted[0].source.scratch
     splits = {name: split for one in wanted for name, split in one.source.splits.items()}
-    among = {_SHARD: next(one.shard_holders() for one in wanted if one.source.splits)} if splits else {}
+    among = holders(one.source for one in wanted)
     key = ("save_full_model plan", tuple(entries), max_shard_bytes, index, world, writers, tuple(splits.items()), among)
     found = scratch.get("save_full_model plan")
     if isinstance(found, tuple) and found[0] == key:
@@ -340,15 +333,11 @@ def _plan(
             everything.append(Holding("model", e.name, Ranges(0, e.numel), Held(0, WHOLE, k), True))
         else:
             ranges = Ranges.slice(e.shape, split.dim, split.lo, split.hi)
-            everything.append(Holding("model", e.name, ranges, Held(0, WHOLE, k), True, _SHARD))
+            everything.append(Holding("model", e.name, ranges, Held(0, WHOLE, k), True, SHARD_HOLDERS))
     by_file = None if writers is None else [writers[k % len(writers)] for k in range(len(files.names()))]
     planned = (files, write_items(files, everything, index, world, by_file, among))
     scratch["save_full_model plan"] = (key, planned)
     return planned
-
-
-#: ``Holding.among`` of a tensor-parallel shard: the ranks of its data-parallel group hold it alike.
-_SHARD = "tensor-parallel shard"
 
 
 def _put(

@@ -61,6 +61,7 @@ from collgrad.checkpoint.manifest import (
 from collgrad.checkpoint.match import (
     Opened,
     held,
+    holders,
     listed,
     match,
     memory,
@@ -68,6 +69,7 @@ from collgrad.checkpoint.match import (
     persistent_buffers,
     reads,
     refuse_unmatched,
+    shapes,
 )
 from collgrad.checkpoint.plan import Files, lay_out, write_items
 from collgrad.checkpoint.safetensors import (
@@ -216,13 +218,14 @@ def _entries_of(held: _Held) -> dict[str, list[Entry]]:
     out: dict[str, list[Entry]] = {}
     for one in held.sources:
         entries = out[one.stem] = []
+        shaped = shapes(one.source)  # a tensor-parallel shard: its whole tensor
         for group, buffer in zip(one.source.layout.groups, one.local.buffers):
             for k, slot in enumerate(group.params):
                 if one.source.accessor is not None:  # DeepSpeed's accessors return fp32 (masters, their states)
                     dtype = torch.float32
                 else:
                     dtype = buffer[k].dtype if isinstance(buffer, list) else group.wire_dtype
-                entries.append(Entry(slot.name, slot.shape, dtype))
+                entries.append(Entry(slot.name, shaped[slot.name], dtype))
     out["model"] += [Entry(n, tuple(b.shape), b.dtype) for n, b in held.buffers]
     return out
 
@@ -278,7 +281,9 @@ def save_training_state(
     ctx = Context.of(dispatcher)
     path = os.fspath(directory)
     resolved, error, group, me = adapters.enter(model)
-    ranks = list(_compat.group_ranks(group)) if group is not None else [me]
+    # every rank that holds a part of the model (under tensor parallelism, every shard's) agrees and writes
+    everywhere = resolved.model_group if resolved is not None else group
+    ranks = list(_compat.group_ranks(everywhere)) if everywhere is not None else [me]
     held_: _Held | None = None
     fingerprint = 0
     try:
@@ -291,7 +296,8 @@ def save_training_state(
                 os.makedirs(os.path.join(path, STATE_DIR), exist_ok=True)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
-    phases = Phases(group, me, "save_training_state", "arguments (directory, max_shard_bytes)", ctx.dispatcher.timeout)
+    compared = "arguments (directory, max_shard_bytes)"
+    phases = Phases(everywhere, me, "save_training_state", compared, ctx.dispatcher.timeout)
     arguments = stable_hash((path, max_shard_bytes))
     what = "check the model and make the directory"
     rows = phases.agree(error, what, arguments=arguments, extra=(fingerprint, secrets.randbits(62)))
@@ -307,6 +313,13 @@ def save_training_state(
     rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, ranks)),))
     commit.unprobe(path, me)
     shared = all(row[2] for row in rows)
+    split = any(one.source.splits for one in held_.sources)
+    if split and (not shared or any(one.source.accessor is not None for one in held_.sources)):
+        raise InvalidArgumentError(  # the same on every rank: agreed above, or of the same optimizer
+            f"rank {me}: the model holds tensor-parallel shards, which their holders write into the whole tensors' "
+            f"places: every rank must see the directory {path} (a shared file system), and the optimizer keep its "
+            "states where collgrad reads them (not DeepSpeed's BF16_Optimizer or NVMe offload)"
+        )
     index, world = ranks.index(me), len(ranks)
     entries = _entries_of(held_)
     files = lay_out(entries, max_shard_bytes, file_names(generation, entries), held_.sources[0].source.scratch)
@@ -317,7 +330,8 @@ def save_training_state(
     try:
         if shared:  # each rank its own ranges, straight from its memory
             readable = [one for one in held_.sources if one.source.accessor is None]
-            items = write_items(files, held(readable, held_.buffers), index, world)
+            among = holders(one.source for one in readable)
+            items = write_items(files, held(readable, held_.buffers), index, world, among=among)
             storage.write(
                 writer, items, memory(readable, held_.buffers), files.headers(), lambda f: _temporary(path, f)
             )
@@ -515,7 +529,8 @@ def load_training_state(
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
     compared = "arguments or checkpoints (directory, strict; or the files' names, dtypes and shapes)"
-    phases = Phases(group, me, "load_training_state", compared, ctx.dispatcher.timeout)
+    everywhere = resolved.model_group if resolved is not None else group  # under tensor parallelism: every shard's
+    phases = Phases(everywhere, me, "load_training_state", compared, ctx.dispatcher.timeout)
     try:
         seen = stable_hash((path, strict, None if matched is None else matched.seen))
         phases.agree(error, "check the training state against the model", arguments=seen)
@@ -587,23 +602,23 @@ def _match(
     groups; CheckpointError (this rank) for what differs. Opens the sources a load writes. Local."""
     where = manifest_path(checkpoints["model"].directory)
     weights = opened(ctx, model, "model", WEIGHTS, optimizer, loading=True)
-    shapes = {slot.name: slot.shape for group in weights.source.layout.groups for slot in group.params}
+    shaped = shapes(weights.source)  # as the unsharded model has them
     trainable = list(view.holders)
     buffers = dict(persistent_buffers(model.module))
     stored_weights = checkpoints["model"].tensors
     masters = checkpoints["fp32"].tensors if "fp32" in checkpoints else {}
     # the one match (match.py), twice: the trainable parameters against the masters, every parameter
     # and buffer against the weights (a trainable one is taken from its master where there is one)
-    known = [*shapes, *buffers]
-    in_masters = match(where, {n: shapes[n] for n in trainable}, masters, others=known)
-    in_weights = match(where, {**shapes, **{n: tuple(b.shape) for n, b in buffers.items()}}, stored_weights)
+    known = [*shaped, *buffers]
+    in_masters = match(where, {n: shaped[n] for n in trainable}, masters, others=known)
+    in_weights = match(where, {**shaped, **{n: tuple(b.shape) for n, b in buffers.items()}}, stored_weights)
     missing = [*in_masters.missing, *(n for n in in_weights.missing if n not in view.holders)]
     unexpected = list(dict.fromkeys([*in_masters.unexpected, *in_weights.unexpected]))
     refuse_unmatched(where, missing, unexpected, strict)
     # trainable weights from the masters (the module's weights are the masters in its dtype), the rest as saved
     taken = {
         n: masters[n] if n in view.holders and n in masters else stored_weights[n]
-        for n in shapes
+        for n in shaped
         if n in masters or n in stored_weights
     }
     sources = [weights]
@@ -625,7 +640,7 @@ def _match(
         lacking = [n for n in loaded if n not in found]
         if lacking:
             raise refused(where, f"holds no optimizer state {key!r} of {listed(lacking)}")
-        wrong = [n for n in loaded if found[n].shape != shapes[n]]
+        wrong = [n for n in loaded if found[n].shape != shaped[n]]
         if wrong:
             raise refused(
                 where,

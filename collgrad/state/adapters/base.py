@@ -345,6 +345,8 @@ class Source:
     #: Of ``model_parallel``, the tensor-parallel shards that are one slice of their whole tensor, and
     #: where that slice lies (the others, an expert or a fused layout, have no entry).
     splits: Mapping[str, Split] = {}
+    #: This rank's index in its tensor-parallel group (0 without one).
+    tensor_parallel_rank: int = 0
     #: DeepSpeed's per-parameter accessor (optimizers without a known layout): parameter -> full
     #: gradient, one collective per parameter.
     accessor: Callable[[nn.Parameter], torch.Tensor] | None = None

@@ -426,6 +426,8 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]], 
         )
     source = _open(engine, named, kind, type(opt).__name__, model_parallel_names(named))
     source.splits = tensor_parallel_splits(named) if source.model_parallel else {}
+    if source.splits:
+        source.tensor_parallel_rank = groups.get_tensor_model_parallel_rank()
     return source
 
 

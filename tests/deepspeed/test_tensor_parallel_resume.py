@@ -1,0 +1,94 @@
+"""A training state saved under AutoTP (tensor-parallel 2 x data-parallel 2, ZeRO-2) holds every tensor
+whole: it resumes under ZeRO-3 at data-parallel 2 without tensor parallelism, every fp32 master and Adam
+state bitwise DeepSpeed's accessors joined by hand across the tensor-parallel group at the save, the
+step count kept; saved again there, it resumes under AutoTP tensor-parallel 2 (ZeRO-1), each rank's
+shards the same slices of the same whole tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'collgrad[deepspeed]')")
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from tests.deepspeed.test_autotp import SPLIT_DIMS, TP
+from tests.harness import run_ranks
+
+KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _whole_state(eng) -> dict[str, torch.Tensor]:
+    """The fp32 masters and Adam's states of every trainable parameter as the unsharded model has them,
+    from DeepSpeed's accessors (each rank's tensor-parallel shard, whole across the data-parallel group),
+    all-gathered over the tensor-parallel group and joined along the split dimension by hand."""
+    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    split = hasattr(eng.module.up_proj.weight, "ds_autotp_universal_checkpoint_meta")
+    out = {}
+    for name, param in eng.module.named_parameters():
+        values = {"fp32": safe_get_full_fp32_param(param)}
+        values.update((key, safe_get_full_optimizer_state(param, key)) for key in KEYS)
+        for what, local in values.items():
+            if split and name in SPLIT_DIMS:
+                parts = [torch.empty_like(local) for _ in range(TP)]
+                dist.all_gather(parts, local.contiguous(), group=groups.get_tensor_model_parallel_group())
+                local = torch.cat(parts, SPLIT_DIMS[name])
+            out[f"{what}/{name}"] = local.contiguous()
+    return out
+
+
+def _step(eng, rank: int, data_parallel_rank: int) -> None:
+    from tests.deepspeed import models
+
+    x, y = models.batch(data_parallel_rank, 0)
+    eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+    eng.step()
+
+
+def _save_under_autotp(rank, world, root):
+    from safetensors.torch import save_file
+
+    import collgrad
+    from tests.deepspeed import models
+
+    eng = models.engine(models.autotp_config(2, TP), models.TPNet())
+    _step(eng, rank, rank // TP)  # tensor-parallel peers see the same batch
+    saved = collgrad.save_training_state(eng, os.path.join(root, "autotp"))
+    whole = _whole_state(eng)
+    if rank == 0:
+        save_file(whole, os.path.join(root, "expected.safetensors"))
+    return saved.files
+
+
+def _resume_elsewhere(rank, world, root):
+    from safetensors.torch import load_file
+
+    import collgrad
+    from tests.deepspeed import models
+
+    expected = load_file(os.path.join(root, "expected.safetensors"))
+    out = {}
+    # without tensor parallelism, ZeRO-3 at data-parallel 2
+    eng = models.engine(models.config(3), models.TPNet())
+    collgrad.load_training_state(eng, os.path.join(root, "autotp"))
+    got = _whole_state(eng)
+    out["zero3"] = ([k for k in expected if not torch.equal(got[k], expected[k])], eng.global_steps)
+    collgrad.save_training_state(eng, os.path.join(root, "zero3"))
+    # back under AutoTP tensor-parallel 2 (data-parallel 1), ZeRO-1
+    eng = models.engine(models.autotp_config(1, TP), models.TPNet())
+    collgrad.load_training_state(eng, os.path.join(root, "zero3"))
+    got = _whole_state(eng)
+    out["autotp"] = ([k for k in expected if not torch.equal(got[k], expected[k])], eng.global_steps)
+    return out
+
+
+def test_an_autotp_training_state_resumes_without_tensor_parallelism_and_back(tmp_path):
+    files = run_ranks(_save_under_autotp, 4, str(tmp_path), timeout=600)[0]
+    assert "model.safetensors.index.json" in files and "training_state/manifest.json" in files
+    for rank, resumed in enumerate(run_ranks(_resume_elsewhere, 2, str(tmp_path), timeout=600)):
+        for where, (unequal, steps) in resumed.items():
+            assert unequal == [] and steps == 1, (rank, where, unequal, steps)
