@@ -6,7 +6,9 @@ load with ``GPT2LMHeadModel.from_pretrained``: weights bitwise those of
 ``accelerator.get_state_dict`` write), logits bitwise those of the trained model. A training state saved
 there reads as the model's directory to every tool that reads one, and resumes. A tiny Llama trained
 under AutoTP (tensor-parallel 2; ZeRO-1 with an untied, vocabulary-parallel head, ZeRO-3 tied) is saved
-whole: ``from_pretrained`` loads every weight unsharded and its logits are the engine's."""
+whole: ``from_pretrained`` loads every weight unsharded and its logits are the engine's; what
+``save_pretrained`` then writes, ``load_full_model`` loads into a fresh engine's shards (its logits bitwise
+the trained engine's)."""
 
 from __future__ import annotations
 
@@ -186,10 +188,22 @@ def _autotp(rank: int, directory: str, stage: int, tied: bool) -> dict:
     if mine.shape[-1] != theirs.shape[-1]:  # a vocabulary-parallel head: this rank's slice of the vocabulary
         sizes = engine.module.lm_head.weight.ds_autotp_universal_checkpoint_meta["partition_sizes"]
         theirs = theirs.narrow(-1, sum(sizes[:rank]), sizes[rank])
+    # save_pretrained's directory loaded into the shards of a fresh engine: the trained engine's logits
+    if rank == 0:
+        loaded.save_pretrained(directory + "-pretrained")
+    torch.distributed.barrier()
+    torch.manual_seed(1)
+    fresh = LlamaForCausalLM(config)
+    fresh, *_ = deepspeed.initialize(model=fresh, optimizer=torch.optim.Adam(fresh.parameters()), config=ds_config)
+    collgrad.load_full_model(fresh, directory + "-pretrained")
+    fresh.eval()
+    with torch.no_grad():
+        again = fresh(input_ids=IDS).logits
     return {
         "missing": sorted(info["missing_keys"]),
         "unexpected": sorted(info["unexpected_keys"]),
         "logits": torch.allclose(mine, theirs, rtol=1e-5, atol=1e-6),
+        "loaded into the shards": torch.equal(again, mine),
     }
 
 
@@ -272,4 +286,5 @@ def test_a_training_states_directory_reads_as_the_models_directory_and_still_res
 def test_autotp_saves_load_whole_with_from_pretrained(results):
     for rank, res in enumerate(results):
         for config, loaded in res["autotp"].items():
-            assert loaded == {"missing": [], "unexpected": [], "logits": True}, (rank, config, loaded)
+            expected = {"missing": [], "unexpected": [], "logits": True, "loaded into the shards": True}
+            assert loaded == expected, (rank, config, loaded)
