@@ -2,7 +2,8 @@
 whole: it resumes under ZeRO-3 at data-parallel 2 without tensor parallelism, every fp32 master and Adam
 state bitwise DeepSpeed's accessors joined by hand across the tensor-parallel group at the save, the
 step count kept; saved again there, it resumes under AutoTP tensor-parallel 2 (ZeRO-1), each rank's
-shards the same slices of the same whole tensors."""
+shards the same slices of the same whole tensors; and in FSDP2 (``full_tensor()`` of every parameter and
+Adam state bitwise the saved). Training on from it takes the uninterrupted run's step (within 1e-5)."""
 
 from __future__ import annotations
 
@@ -41,10 +42,10 @@ def _whole_state(eng) -> dict[str, torch.Tensor]:
     return out
 
 
-def _step(eng, rank: int, data_parallel_rank: int) -> None:
+def _step(eng, data_parallel_rank: int, step: int = 0) -> None:
     from tests.deepspeed import models
 
-    x, y = models.batch(data_parallel_rank, 0)
+    x, y = models.batch(data_parallel_rank, step)
     eng.backward(torch.nn.functional.mse_loss(eng(x), y))
     eng.step()
 
@@ -56,11 +57,14 @@ def _save_under_autotp(rank, world, root):
     from tests.deepspeed import models
 
     eng = models.engine(models.autotp_config(2, TP), models.TPNet())
-    _step(eng, rank, rank // TP)  # tensor-parallel peers see the same batch
+    _step(eng, rank // TP)  # tensor-parallel peers see the same batch
     saved = collgrad.save_training_state(eng, os.path.join(root, "autotp"))
     whole = _whole_state(eng)
+    _step(eng, rank // TP, 1)  # the uninterrupted run's next step
+    after = _whole_state(eng)
     if rank == 0:
         save_file(whole, os.path.join(root, "expected.safetensors"))
+        save_file(after, os.path.join(root, "after.safetensors"))
     return saved.files
 
 
@@ -78,11 +82,31 @@ def _resume_elsewhere(rank, world, root):
     got = _whole_state(eng)
     out["zero3"] = ([k for k in expected if not torch.equal(got[k], expected[k])], eng.global_steps)
     collgrad.save_training_state(eng, os.path.join(root, "zero3"))
+    # training on: the same global batch as the uninterrupted run's next step, the same update but for
+    # the order the sharded forward added the row-parallel layer's partial sums in
+    after = load_file(os.path.join(root, "after.safetensors"))
+    _step(eng, rank, 1)
+    got = _whole_state(eng)
+    out["trained on"] = [k for k in after if not torch.allclose(got[k], after[k], rtol=1e-5, atol=1e-7)]
     # back under AutoTP tensor-parallel 2 (data-parallel 1), ZeRO-1
     eng = models.engine(models.autotp_config(1, TP), models.TPNet())
     collgrad.load_training_state(eng, os.path.join(root, "zero3"))
     got = _whole_state(eng)
     out["autotp"] = ([k for k in expected if not torch.equal(got[k], expected[k])], eng.global_steps)
+    # in FSDP2, data-parallel 2
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    net = models.TPNet()
+    fully_shard(net, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    collgrad.load_training_state(net, os.path.join(root, "autotp"), optimizer=opt)
+    got = {}
+    for name, param in net.named_parameters():
+        got[f"fp32/{name}"] = param.full_tensor()
+        got.update((f"{key}/{name}", opt.state[param][key].full_tensor()) for key in KEYS)
+    steps = {int(state["step"]) for state in opt.state.values()}
+    out["fsdp2"] = ([k for k in expected if not torch.equal(got[k], expected[k])], *steps)
     return out
 
 
@@ -90,5 +114,6 @@ def test_an_autotp_training_state_resumes_without_tensor_parallelism_and_back(tm
     files = run_ranks(_save_under_autotp, 4, str(tmp_path), timeout=600)[0]
     assert "model.safetensors.index.json" in files and "training_state/manifest.json" in files
     for rank, resumed in enumerate(run_ranks(_resume_elsewhere, 2, str(tmp_path), timeout=600)):
+        assert resumed.pop("trained on") == [], rank
         for where, (unequal, steps) in resumed.items():
             assert unequal == [] and steps == 1, (rank, where, unequal, steps)
