@@ -36,6 +36,7 @@ from collgrad.state.model_cache import Context
 __all__ = [
     "Opened",
     "opened",
+    "refuse_unplaced",
     "held",
     "SHARD_HOLDERS",
     "holders",
@@ -75,13 +76,7 @@ def opened(
     be readable (``loading``: writable) in place; InvalidArgumentError (a tensor- or expert-parallel
     shard) or LayoutChangedError (this rank) otherwise."""
     source = ctx.source(model, kind, optimizer, names)[0]
-    unplaced = sorted(source.model_parallel - source.splits.keys())
-    if unplaced:
-        raise InvalidArgumentError(
-            f"rank {_compat.rank()}: {unplaced[0]} is an expert-parallel shard or a tensor-parallel shard that is "
-            "not one slice of its tensor (a fused layer's): a checkpoint holds whole tensors of data-parallel "
-            "models and of tensor-parallel slices (AutoTP's column and row splits) only; save it with ep_size 1"
-        )
+    refuse_unplaced(source)
     local = source.read()
     if local.problem is not Problem.OK:
         how = "written here" if loading else "read here"
@@ -90,6 +85,19 @@ def opened(
             f"{'; ' + local.detail if local.detail else ''}){'; nothing was loaded' if loading else ''}"
         )
     return Opened(stem, kind, source, local)
+
+
+def refuse_unplaced(source: Source) -> None:
+    """InvalidArgumentError (this rank) for a model-parallel shard the source cannot place in its whole
+    tensor: a checkpoint holds whole tensors only."""
+    unplaced = sorted(source.model_parallel - source.splits.keys())
+    if unplaced:
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: {unplaced[0]} is a model-parallel shard collgrad cannot place in its whole "
+            "tensor (an expert of a MoE layer at ep_size > 1, a fused tensor-parallel layout, FSDP2 over DTensor "
+            "tensor parallelism): checkpoints hold whole tensors of data-parallel models and of AutoTP's column "
+            "and row splits only; save such a model at ep_size 1, or without tensor parallelism"
+        )
 
 
 def held(

@@ -31,7 +31,7 @@ from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import commit
 from collgrad.checkpoint.agree import Phases
-from collgrad.checkpoint.match import SHARD_HOLDERS, holders, persistent_buffers, shapes
+from collgrad.checkpoint.match import SHARD_HOLDERS, holders, persistent_buffers, refuse_unplaced, shapes
 from collgrad.checkpoint.plan import WHOLE, Files, Held, Holding, Ranges, WriteItem, lay_out, write_items
 from collgrad.checkpoint.safetensors import INDEX_NAME, SAFE_DTYPES, Entry, index_json, is_weights_file
 from collgrad.checkpoint.storage import Writer
@@ -264,13 +264,7 @@ def _wanted(
         if not chosen:
             continue
         source = ctx.source(model, kind, None, chosen)[0]
-        unplaced = sorted(source.model_parallel - source.splits.keys())
-        if unplaced:
-            raise InvalidArgumentError(
-                f"rank {_compat.rank()}: {unplaced[0]} is an expert-parallel shard or a tensor-parallel shard that "
-                "is not one slice of its tensor (a fused layer's): save_full_model writes the whole tensors of "
-                "tensor-parallel slices (AutoTP's column and row splits) only; save it with ep_size 1"
-            )
+        refuse_unplaced(source)
         # ZeRO-1/2, stage 0, a plain module: every rank holds these weights whole
         whole = source.accessor is None and all(g.kind is Partitioning.REPLICATED for g in source.layout.groups)
         wanted.append(_Wanted(kind, chosen, source, whole))
