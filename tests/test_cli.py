@@ -1,4 +1,4 @@
-"""``python -m collgrad probe`` as a user runs it."""
+"""``python -m collgrad``: its entry point as a user runs it, and the probe."""
 
 from __future__ import annotations
 
@@ -6,18 +6,19 @@ import os
 import subprocess
 import sys
 
+from tests.harness import run_cli
+
+
+def test_the_module_runs_as_a_user_runs_it():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "collgrad", "--help"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "probe" in proc.stdout and "bench" in proc.stdout
+
 
 def test_probe_local_prints_a_table_per_group():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "collgrad", "probe", "--local", "3", "--group", "0,2"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+    out = run_cli("probe", "--local", "3", "--group", "0,2")
     assert "group world: ranks [0, 1, 2]" in out and "group --group: ranks [0, 2]" in out
     assert out.count("cpu tensors -> backend gloo") == 2
     assert "choice all_reduce: fp32:flat" in out
