@@ -34,7 +34,7 @@ from collgrad.checkpoint.agree import Phases
 from collgrad.checkpoint.match import SHARD_HOLDERS, holders, persistent_buffers, refuse_unplaced, shapes
 from collgrad.checkpoint.plan import WHOLE, Files, Held, Holding, Ranges, WriteItem, lay_out, write_items
 from collgrad.checkpoint.safetensors import INDEX_NAME, SAFE_DTYPES, Entry, index_json, is_weights_file
-from collgrad.checkpoint.storage import Writer
+from collgrad.checkpoint.storage import Writer, write_values
 from collgrad.core.dispatch import Dispatcher
 from collgrad.errors import InvalidArgumentError
 from collgrad.state import adapters
@@ -349,20 +349,12 @@ def _put(
         item = mine.get(name)
         if item is None:
             continue
-        ranges = item.ranges
-        if tensor.numel() != ranges.numel:
+        if tensor.numel() != item.ranges.numel:
             writer.error = writer.error or InvalidArgumentError(
-                f"rank {_compat.rank()}: {name} has {tensor.numel()} elements, not {ranges.numel}"
+                f"rank {_compat.rank()}: {name} has {tensor.numel()} elements, not {item.ranges.numel}"
             )
             continue
-        if ranges.rows == 1:
-            writer.write(into[item.file], item.size, item.offset, tensor, item.dtype, kept)
-            continue
-        flat = tensor.reshape(-1)
-        step = ranges.stride * item.dtype.itemsize
-        for row, (_, first) in enumerate(ranges.runs()):
-            run = flat[first : first + ranges.length]
-            writer.write(into[item.file], item.size, item.offset + row * step, run, item.dtype, kept)
+        write_values(writer, into[item.file], item, tensor, kept=kept)
 
 
 def _commit(

@@ -36,6 +36,7 @@ __all__ = [
     "Memory",
     "Writer",
     "write",
+    "write_values",
     "Reader",
     "LoadPlan",
     "Run",
@@ -216,18 +217,26 @@ def write(
                 path = paths[item.file] = path_of(item.file)
             if item.held is None:
                 writer.write_bytes(path, item.size, 0, headers[item.file])
-            elif item.ranges.rows == 1:  # one run: each view at its place
-                size = item.dtype.itemsize
+            else:
                 for view, at in memory[item.held.source].views(item.held, item.ranges.numel):
-                    writer.write(path, item.size, item.offset + at * size, view, item.dtype, kept=True)
-            else:  # a strided item: each view cut where its elements leave a run
-                size, base = item.dtype.itemsize, item.offset - item.ranges.start * item.dtype.itemsize
-                for view, at in memory[item.held.source].views(item.held, item.ranges.numel):
-                    flat = view.reshape(-1)
-                    for first, lo, n in _file_runs(item.ranges, at, flat.numel()):
-                        writer.write(path, item.size, base + first * size, flat[lo : lo + n], item.dtype, kept=True)
+                    write_values(writer, path, item, view, at)
             if after is not None:
                 after(item)
+
+
+def write_values(
+    writer: Writer, path: str, item: WriteItem, values: torch.Tensor, at: int = 0, kept: bool = True
+) -> None:
+    """``values`` (``item``'s elements from its ``at``-th on, in order) written where they go in the file
+    ``path``: one run at its place, a strided item's cut where its elements leave a run. ``kept``: the
+    values stay as they are until the writer is done (else they are copied if the write waits). Local."""
+    size = item.dtype.itemsize
+    if item.ranges.rows == 1:
+        writer.write(path, item.size, item.offset + at * size, values, item.dtype, kept)
+        return
+    base, flat = item.offset - item.ranges.start * size, values.reshape(-1)
+    for first, lo, n in _file_runs(item.ranges, at, flat.numel()):
+        writer.write(path, item.size, base + first * size, flat[lo : lo + n], item.dtype, kept)
 
 
 def follows_on(
