@@ -3,7 +3,8 @@ whole: it resumes under ZeRO-3 at data-parallel 2 without tensor parallelism, ev
 state bitwise DeepSpeed's accessors joined by hand across the tensor-parallel group at the save, the
 step count kept; saved again there, it resumes under AutoTP tensor-parallel 2 (ZeRO-1), each rank's
 shards the same slices of the same whole tensors; and in FSDP2 (``full_tensor()`` of every parameter and
-Adam state bitwise the saved). Training on from it takes the uninterrupted run's step (within 1e-5)."""
+Adam state bitwise the saved). Training on from it takes the uninterrupted run's step (within 1e-5). At
+world 3 under tensor-parallel 3 (uneven shards) it resumes bitwise, and saved there holds the same."""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ def _whole_state(eng) -> dict[str, torch.Tensor]:
         values = {"fp32": safe_get_full_fp32_param(param)}
         values.update((key, safe_get_full_optimizer_state(param, key)) for key in KEYS)
         for what, local in values.items():
-            if split and name in SPLIT_DIMS:
-                parts = [torch.empty_like(local) for _ in range(TP)]
-                dist.all_gather(parts, local.contiguous(), group=groups.get_tensor_model_parallel_group())
+            if split and name in SPLIT_DIMS:  # uneven shards (tensor-parallel 3: 3 + 3 + 2 rows) too
+                group = groups.get_tensor_model_parallel_group()
+                parts = [None] * dist.get_world_size(group)
+                dist.all_gather_object(parts, local.contiguous(), group=group)
                 local = torch.cat(parts, SPLIT_DIMS[name])
             out[f"{what}/{name}"] = local.contiguous()
     return out
@@ -110,6 +112,30 @@ def _resume_elsewhere(rank, world, root):
     return out
 
 
+def _uneven(rank, world, root):
+    """World 3 under AutoTP tensor-parallel 3 (ZeRO-2): shards of 3, 3 and 2 rows or columns. The state
+    saved at tensor-parallel 2 resumes bitwise; saved here, its files hold the same whole tensors."""
+    from safetensors.torch import load_file
+
+    import collgrad
+    from tests.deepspeed import models
+
+    expected = load_file(os.path.join(root, "expected.safetensors"))
+    eng = models.engine(models.autotp_config(2, 3), models.TPNet())
+    collgrad.load_training_state(eng, os.path.join(root, "autotp"))
+    got = _whole_state(eng)
+    resumed = [k for k in expected if not torch.equal(got[k], expected[k])]
+    saved = collgrad.save_training_state(eng, os.path.join(root, "uneven"))
+    stored = {}
+    for stem in ("fp32", *KEYS):
+        name = "fp32" if stem == "fp32" else f"optimizer-{sorted(KEYS).index(stem)}"
+        files = [f for f in saved.files if f.startswith(f"training_state/{name}-")]
+        for file in files:
+            stored.update((f"{stem}/{n}", t) for n, t in load_file(os.path.join(root, "uneven", file)).items())
+    written = [k for k in expected if not torch.equal(stored[k], expected[k])]
+    return resumed, written, eng.global_steps
+
+
 def test_an_autotp_training_state_resumes_without_tensor_parallelism_and_back(tmp_path):
     files = run_ranks(_save_under_autotp, 4, str(tmp_path), timeout=600)[0]
     assert "model.safetensors.index.json" in files and "training_state/manifest.json" in files
@@ -117,3 +143,5 @@ def test_an_autotp_training_state_resumes_without_tensor_parallelism_and_back(tm
         assert resumed.pop("trained on") == [], rank
         for where, (unequal, steps) in resumed.items():
             assert unequal == [] and steps == 1, (rank, where, unequal, steps)
+    # at world 3, tensor-parallel 3: uneven shards read and written
+    assert run_ranks(_uneven, 3, str(tmp_path), timeout=600) == [([], [], 1)] * 3
