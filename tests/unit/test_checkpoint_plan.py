@@ -77,7 +77,7 @@ def _bytes_written(files, items) -> dict[str, list[int]]:
     return counts
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     st.lists(st.tuples(st.sampled_from(sorted(GROUPS)), shapes), min_size=1, max_size=3),
     st.integers(1, 4),
@@ -101,7 +101,7 @@ def test_across_the_ranks_every_byte_of_every_file_is_written_once(groups, world
     assert all(c == 1 for per_file in counts.values() for c in per_file), {f: set(c) for f, c in counts.items()}
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6), st.integers(0, 2)), min_size=1, max_size=4),
     st.integers(1, 3),
@@ -144,7 +144,7 @@ def _elements(ranges: Ranges) -> list[int]:
     return [first + i for first, _ in ranges.runs() for i in range(ranges.length)]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.data())
 def test_a_slice_along_any_dimension_is_the_ranges_narrow_gives(shape, data):
     dim = data.draw(st.integers(0, len(shape) - 1))
@@ -155,7 +155,7 @@ def test_a_slice_along_any_dimension_is_the_ranges_narrow_gives(shape, data):
     assert _elements(ranges) == expected and ranges.numel == len(expected)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.data())
 def test_a_run_of_a_shards_elements_is_the_whole_tensors_elements_narrow_gives(whole, data):
     """A tensor-parallel shard (``narrow`` along any dimension) and a run of its flat elements (a ZeRO
@@ -177,7 +177,7 @@ def test_a_run_of_a_shards_elements_is_the_whole_tensors_elements_narrow_gives(w
     )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 5), st.integers(1, 8)), min_size=1, max_size=4),
     st.integers(1, 4),
