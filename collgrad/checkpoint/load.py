@@ -99,7 +99,8 @@ def load_full_model(
     """
     start = time.perf_counter()
     ctx = Context.of(dispatcher)
-    resolved, error, group, me = adapters.enter(model)
+    entrance = adapters.enter(model)
+    resolved, error, group, me = entrance
     checked: Checked | None = None
     names: list[str] | None = None
     try:
@@ -111,7 +112,7 @@ def load_full_model(
     # what every rank must share: its arguments, and the checkpoint as it sees it (names, dtypes, shapes)
     seen = None if checked is None else sorted((n, str(s.dtype), s.shape) for n, s in checked.matched.stored.items())
     compared = "arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes)"
-    everywhere = resolved.model_group if resolved is not None else group  # under tensor parallelism: every shard's
+    everywhere = entrance.model_group
     phases = Phases(everywhere, me, "load_full_model", compared, ctx.dispatcher.timeout)
     arguments = stable_hash((os.fspath(path), strict, names, seen))
     phases.agree(error, "check the checkpoint against the model", arguments=arguments)

@@ -121,7 +121,8 @@ def save_full_model(
     start = time.perf_counter()
     ctx = Context.of(dispatcher)
     path = os.fspath(directory)
-    resolved, error, group, me = adapters.enter(model)
+    entrance = adapters.enter(model)
+    resolved, error, group, me = entrance
     writers: tuple[int, ...] = (0,)
     names: list[str] | None = None
     wanted: list[_Wanted] = []
@@ -140,7 +141,7 @@ def save_full_model(
     arguments = stable_hash((path, str(dtype), max_shard_bytes, writers, names, ranks is None))
     compared = "arguments (directory, dtype, max_shard_bytes, ranks or params)"
     # the ranks that hold a part of the model agree and share the writing; each stream is its own group's
-    everywhere = resolved.model_group if resolved is not None else group
+    everywhere = entrance.model_group
     phases = Phases(everywhere, me, "save_full_model", compared, ctx.dispatcher.timeout)
     phases.agree(error, "check the arguments and make the directory", arguments=arguments)
     assert resolved is not None  # else the agreement raised

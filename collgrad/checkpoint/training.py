@@ -280,9 +280,10 @@ def save_training_state(
     start = time.perf_counter()
     ctx = Context.of(dispatcher)
     path = os.fspath(directory)
-    resolved, error, group, me = adapters.enter(model)
+    entrance = adapters.enter(model)
+    resolved, error, group, me = entrance
     # every rank that holds a part of the model (under tensor parallelism, every shard's) agrees and writes
-    everywhere = resolved.model_group if resolved is not None else group
+    everywhere = entrance.model_group
     ranks = list(_compat.group_ranks(everywhere)) if everywhere is not None else [me]
     held_: _Held | None = None
     fingerprint = 0
@@ -337,7 +338,6 @@ def save_training_state(
             )
         # each rank's directory its own: rank 0 writes every tensor as the streams bring it; else only
         # what DeepSpeed's accessors read (BF16_Optimizer's masters and states, NVMe-swapped ZeRO-3)
-        entrance = adapters.Entrance(resolved, None, group, me)
         records = _stream(ctx, entrance, held_, files, path, index == 0, optimizer, writer, every=not shared)
         writer.finish()
         if index == 0 and writer.error is None:
@@ -508,7 +508,8 @@ def load_training_state(
     start = time.perf_counter()
     ctx = Context.of(dispatcher)
     path = os.fspath(directory)
-    resolved, error, group, me = adapters.enter(model)
+    entrance = adapters.enter(model)
+    resolved, error, group, me = entrance
     undo: Callable[[], None] | None = None
     manifest: Manifest | None = None
     matched: _Matched | None = None
@@ -529,7 +530,7 @@ def load_training_state(
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
     compared = "arguments or checkpoints (directory, strict; or the files' names, dtypes and shapes)"
-    everywhere = resolved.model_group if resolved is not None else group  # under tensor parallelism: every shard's
+    everywhere = entrance.model_group
     phases = Phases(everywhere, me, "load_training_state", compared, ctx.dispatcher.timeout)
     try:
         seen = stable_hash((path, strict, None if matched is None else matched.seen))

@@ -80,6 +80,12 @@ class Entrance(NamedTuple):
     group: ProcessGroup | None
     me: int
 
+    @property
+    def model_group(self) -> ProcessGroup | None:
+        """Every rank that holds a part of the model (``Model.model_group``: under tensor parallelism,
+        every shard's), where a whole-model checkpoint is agreed; ``group`` where no model was resolved."""
+        return self.model.model_group if self.model is not None else self.group
+
 
 def enter(model: object) -> Entrance:
     """``model`` resolved once, at the entrance of a public call; a model of no known kind is kept as
