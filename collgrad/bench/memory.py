@@ -16,6 +16,7 @@ What is measured, exactly:
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import threading
 from types import TracebackType
@@ -78,6 +79,9 @@ class PeakHost:
         self.base = self.peak = 0
 
     def __enter__(self) -> PeakHost:
+        # garbage left from before the block, collected inside it, would lower the level below the start
+        # and hide that much of what the block held: collected first
+        gc.collect()
         self.base = self.peak = self._measure()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
