@@ -35,6 +35,7 @@ from collgrad.checkpoint.match import (
     opened,
     persistent_buffers,
     reads,
+    refuse_layout,
     refuse_unmatched,
     shapes,
 )
@@ -151,6 +152,7 @@ def check(
     """The load's check on this rank: its sources opened, the checkpoint's headers and index checked,
     its names and shapes matched with the model's ``state_dict`` (``names``: those parameters only, and
     no buffers); CheckpointError (this rank) for what is refused. Local."""
+    refuse_layout(model)
     sources: list[Opened] = []
     for kind in model.load_kinds():  # the module's weights (every parameter), then the masters
         chosen = names

@@ -3,10 +3,11 @@
     opened(ctx, model, kind, ...)   one kind of the model's state opened (its source, this rank's view
                                     of it), checked to be readable here
     held(sources, buffers)          what this rank holds, as the plan's holdings (data): a tensor-parallel
-                                    shard's as elements of its whole tensor; memory(...): the memory
-                                    behind them (storage.py resolves one against the other); reads(...):
-                                    a load's plan of them, kept for the next load alike
-    shapes(source)                  each parameter's shape as the unsharded model has it
+                                    shard's as elements of its whole tensor, an expert under its global
+                                    name; memory(...): the memory behind them (storage.py resolves one
+                                    against the other); reads(...): a load's plan of them, kept alike
+    laid_out(source), shapes(...)   the tensors a checkpoint of the model holds, named and shaped as the
+                                    unsharded model has them (every rank's experts; this rank's)
     match(...)                      a checkpoint's tensors against the model's names and shapes: a tied
                                     weight under any of its names, a shape that differs refused, keys on
                                     one side only named (``refuse_unmatched``: with strict, refused)
@@ -31,16 +32,21 @@ from collgrad.errors import InvalidArgumentError, LayoutChangedError
 from collgrad.state import adapters
 from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in
 from collgrad.state.kinds import StateKind
+from collgrad.state.layout import Expert
 from collgrad.state.model_cache import Context
+from collgrad.state.whole import laid_out, whole_name
 
 __all__ = [
     "Opened",
     "opened",
+    "refuse_layout",
     "refuse_unplaced",
     "held",
     "SHARD_HOLDERS",
+    "expert_holders",
     "holders",
     "shapes",
+    "others",
     "memory",
     "reads",
     "persistent_buffers",
@@ -87,16 +93,31 @@ def opened(
     return Opened(stem, kind, source, local)
 
 
+def refuse_layout(model: adapters.Model) -> None:
+    """InvalidArgumentError (this rank) for a model held in a parallel layout a whole-model checkpoint
+    does not support (``Model.unsupported_layout``), naming its first parameter and the layout."""
+    layout = model.unsupported_layout()
+    if layout is not None:
+        first = next((n for n, _ in model.module.named_parameters()), "its first parameter")
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: {first} is held under {layout}, which collgrad's whole-model checkpoints "
+            "do not support: save and load this model with its framework's own checkpointing "
+            "(engine.save_checkpoint / load_checkpoint)"
+        )
+
+
 def refuse_unplaced(source: Source) -> None:
     """InvalidArgumentError (this rank) for a model-parallel shard the source cannot place in its whole
     tensor: a checkpoint holds whole tensors only."""
-    unplaced = sorted(source.model_parallel - source.splits.keys())
+    unplaced = sorted(source.model_parallel - source.splits.keys() - source.experts.keys())
     if unplaced:
         raise InvalidArgumentError(
             f"rank {_compat.rank()}: {unplaced[0]} is a model-parallel shard collgrad cannot place in its whole "
-            "tensor (an expert of a MoE layer at ep_size > 1, a fused tensor-parallel layout, FSDP2 over DTensor "
-            "tensor parallelism): checkpoints hold whole tensors of data-parallel models and of AutoTP's column "
-            "and row splits only; save such a model at ep_size 1, or without tensor parallelism"
+            "tensor (a fused tensor-parallel layout, an expert under both expert and tensor parallelism, a DTensor "
+            "sharded along more than one dimension): checkpoints hold whole tensors of data-parallel models, of "
+            "tensor-parallel shards that are one slice of one dimension (AutoTP's column and row splits, DTensor's "
+            "Shard(d)) and of MoE experts spread over expert-parallel ranks; save such a model with its framework's "
+            "own checkpointing"
         )
 
 
@@ -128,16 +149,29 @@ def held(
 SHARD_HOLDERS = "tensor-parallel shard"
 
 
+def expert_holders(expert: Expert) -> str:
+    """``Holding.among`` of an expert held whole: the ranks of its expert-data-parallel group hold it
+    (named by them: MoE layers of different ``ep_size`` have different groups)."""
+    return f"experts of ranks {','.join(map(str, expert.holders))}"
+
+
 def _in_whole(mine: list[Holding], source: Source, loading: bool) -> list[Holding]:
     """``mine`` (a source's holdings, each in its own tensor's elements) as elements of the whole
     tensors: a tensor-parallel shard's mapped into its slice (``in_whole``), held alike by the ranks of
-    its data-parallel group where it is held whole. A save writes what every shard holds of a tensor
-    that is not split once: from the first tensor-parallel rank's fragments (another's partitions may be
-    cut elsewhere: uneven shards make the ranks' flat buffers differ); a load reads them everywhere."""
-    if not source.splits:
+    its data-parallel group where it is held whole; an expert's under its name in the unsharded model,
+    held alike by its expert-data-parallel group where held whole. A save writes what every shard holds
+    of a tensor that is not split once: from the first tensor-parallel rank's fragments (another's
+    partitions may be cut elsewhere: uneven shards make the ranks' flat buffers differ); a load reads
+    them everywhere."""
+    if not source.splits and not source.experts:
         return mine
     out: list[Holding] = []
     for holding in mine:
+        expert = source.experts.get(holding.tensor)
+        if expert is not None:
+            among = expert_holders(expert) if holding.replica else holding.among
+            out.append(holding._replace(tensor=expert.name, among=among))
+            continue
         split = source.splits.get(holding.tensor)
         if split is None:
             if loading or holding.replica or source.tensor_parallel_rank == 0:
@@ -149,26 +183,33 @@ def _in_whole(mine: list[Holding], source: Source, loading: bool) -> list[Holdin
 
 
 def holders(sources: Iterable[Source]) -> dict[str, tuple[int, int]]:
-    """The sets of ranks ``held``'s replicas name besides every rank (``plan.write_items``' ``among``):
-    this rank's index among the holders of its tensor-parallel shards (its data-parallel group: the
-    layout's group that holds them) and how many they are. Local."""
+    """The sets of ranks ``held``'s replicas name besides every rank (``plan.write_items``' ``among``),
+    each as this rank's index among them and how many they are: the holders of its tensor-parallel
+    shards (its data-parallel group: the layout's group that holds them) and of its experts (each MoE
+    layer's expert-data-parallel group). Local."""
+    out: dict[str, tuple[int, int]] = {}
+    me = _compat.rank()
     for source in sources:
         splits = source.splits
         for group in source.layout.groups:
-            if any(slot.name in splits for slot in group.params):
-                return {SHARD_HOLDERS: (group.group_ranks.index(_compat.rank()), len(group.group_ranks))}
-    return {}
+            if SHARD_HOLDERS not in out and any(slot.name in splits for slot in group.params):
+                out[SHARD_HOLDERS] = (group.group_ranks.index(me), len(group.group_ranks))
+        for expert in source.experts.values():
+            out.setdefault(expert_holders(expert), (expert.holders.index(me), len(expert.holders)))
+    return out
 
 
 def shapes(source: Source) -> dict[str, tuple[int, ...]]:
-    """Each parameter of ``source``'s layout, in order, shaped as the unsharded model has it (a
-    tensor-parallel shard's whole tensor's shape). Local."""
-    splits = source.splits
-    return {
-        slot.name: splits[slot.name].whole if slot.name in splits else slot.shape
-        for group in source.layout.groups
-        for slot in group.params
-    }
+    """Each parameter of ``source``'s layout this rank holds a part of, in order, named and shaped as the
+    unsharded model has it (a tensor-parallel shard's whole tensor; an expert by its global index): what
+    a load matches a checkpoint against. Local."""
+    return {name: shape for slot, name, shape in laid_out(source) if name == whole_name(source, slot.name)}
+
+
+def others(source: Source) -> list[str]:
+    """The tensors a checkpoint of ``source``'s parameters holds that no part of is this rank's (other
+    expert-parallel ranks' experts): neither loaded here nor unexpected. Local."""
+    return [name for slot, name, _ in laid_out(source) if name != whole_name(source, slot.name)]
 
 
 def memory(

@@ -31,8 +31,16 @@ from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import commit
 from collgrad.checkpoint.agree import Phases
-from collgrad.checkpoint.match import SHARD_HOLDERS, holders, persistent_buffers, refuse_unplaced, shapes
-from collgrad.checkpoint.plan import WHOLE, Files, Held, Holding, Ranges, WriteItem, lay_out, write_items
+from collgrad.checkpoint.match import (
+    SHARD_HOLDERS,
+    expert_holders,
+    holders,
+    others,
+    persistent_buffers,
+    refuse_layout,
+    refuse_unplaced,
+)
+from collgrad.checkpoint.plan import EVERY_RANK, WHOLE, Files, Held, Holding, Ranges, WriteItem, lay_out, write_items
 from collgrad.checkpoint.safetensors import INDEX_NAME, SAFE_DTYPES, Entry, index_json, is_weights_file
 from collgrad.checkpoint.storage import Writer, write_values
 from collgrad.core.dispatch import Dispatcher
@@ -45,6 +53,7 @@ from collgrad.state.layout import Partitioning
 from collgrad.state.model_cache import Context
 from collgrad.state.read import FullStateStream
 from collgrad.state.record import StateRecord
+from collgrad.state.whole import laid_out, whole_name
 
 __all__ = ["save_full_model", "SavedModel", "DEFAULT_MAX_SHARD_BYTES", "checked_shard_bytes"]
 
@@ -151,9 +160,9 @@ def save_full_model(
         rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, everyone)),))
         shared = all(row[2] for row in rows)
     commit.unprobe(path, me)
-    if not shared and any(one.source.splits for one in wanted):  # the same everywhere: agreed above
+    if not shared and any(one.source.splits or one.source.experts for one in wanted):  # agreed above
         raise InvalidArgumentError(
-            f"rank {me}: the model holds tensor-parallel shards, which their holders write into the whole "
+            f"rank {me}: the model holds tensor- or expert-parallel shards, which their holders write into the whole "
             f"tensors' places: every rank must see the directory {path} (a shared file system) and ranks be None"
         )
     index = everyone.index(me) if shared else me
@@ -174,7 +183,7 @@ def save_full_model(
             else:  # one bucket at a time
                 streams.append(_stream(resolved, group, me, one, bucket_bytes, ctx))
                 tensors = streams[-1]
-            _put(writer, into, mine, tensors, kept=one.whole)
+            _put(writer, into, mine, tensors, kept=one.whole, source=one.source)
         _put(writer, into, mine, buffers, kept=True)
         writer.finish()
         phases.agree(writer.error, "write its shards")
@@ -252,6 +261,7 @@ def _wanted(
     trainable parameters and the module's weights of the frozen ones; and every tensor as written, in
     layout order (the parameters, then the persistent ``buffers``). Local: the streams are opened
     later, on every rank together (``_stream``)."""
+    refuse_layout(model)
     named = select(model.module, names, trainable=False)
     kinds: list[tuple[StateKind, list[str]]]
     if dtype is None:
@@ -269,11 +279,10 @@ def _wanted(
         # ZeRO-1/2, stage 0, a plain module: every rank holds these weights whole
         whole = source.accessor is None and all(g.kind is Partitioning.REPLICATED for g in source.layout.groups)
         wanted.append(_Wanted(kind, chosen, source, whole))
-        shaped = shapes(source)
-        for group in source.layout.groups:
-            for slot in group.params:
-                kept = source.params[slot.name].dtype if kind == WEIGHTS and whole else group.out_dtype
-                entries.append(Entry(slot.name, shaped[slot.name], dtype or kept))
+        out_dtypes = {slot.name: group.out_dtype for group in source.layout.groups for slot in group.params}
+        for slot, name, shape in laid_out(source):  # as the unsharded model has them, every rank's experts
+            kept = source.params[slot.name].dtype if kind == WEIGHTS and whole else out_dtypes[slot.name]
+            entries.append(Entry(name, shape, dtype or kept))
     for name, buffer in buffers:
         written = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
         entries.append(Entry(name, tuple(buffer.shape), written))
@@ -308,12 +317,15 @@ def _plan(
 ) -> tuple[Files, list[WriteItem]]:
     """The shards laid out, and what rank ``index`` of ``world`` writes of them: every rank holds every
     tensor whole (the streams bring them), or of a tensor-parallel split its shard's slice of the whole
-    tensor, alike with the other ranks of its data-parallel group; so its turn of what every rank holds
-    and of what its group holds (plan.py), or with ``writers`` the files that are its own (shard k by
+    tensor, alike with the other ranks of its data-parallel group, or of a MoE layer's experts spread
+    over ranks its own, alike with its expert-data-parallel group; so its turn of what every rank holds
+    and of what its groups hold (plan.py), or with ``writers`` the files that are its own (shard k by
     ``writers[k % len(writers)]``: no split then). Kept with the model for the next save of the same
     tensors alike (a pure function of these arguments). Local."""
     scratch = wanted[0].source.scratch
     splits = {name: split for one in wanted for name, split in one.source.splits.items()}
+    experts = {e.name: expert_holders(e) for one in wanted for e in one.source.experts.values()}
+    elsewhere = {name for one in wanted for name in others(one.source)}  # other ranks' experts
     among = holders(one.source for one in wanted)
     key = ("save_full_model plan", tuple(entries), max_shard_bytes, index, world, writers, tuple(splits.items()), among)
     found = scratch.get("save_full_model plan")
@@ -324,8 +336,11 @@ def _plan(
     everything = []
     for k, e in enumerate(entries):
         split = splits.get(e.name)
+        if e.name in elsewhere:
+            continue
         if split is None:
-            everything.append(Holding("model", e.name, Ranges(0, e.numel), Held(0, WHOLE, k), True))
+            held = experts.get(e.name, EVERY_RANK)
+            everything.append(Holding("model", e.name, Ranges(0, e.numel), Held(0, WHOLE, k), True, held))
         else:
             ranges = Ranges.slice(e.shape, split.dim, split.lo, split.hi)
             everything.append(Holding("model", e.name, ranges, Held(0, WHOLE, k), True, SHARD_HOLDERS))
@@ -341,13 +356,15 @@ def _put(
     mine: dict[str, WriteItem],
     tensors: Iterable[tuple[str, torch.Tensor]],
     kept: bool,
+    source: Source | None = None,
 ) -> None:
-    """Each of ``tensors`` (name, whole value; of a tensor-parallel split, this rank's shard) this rank
-    writes (``mine``) written at its place in its file's temporary (``into``): a shard's slice row by
-    row where it is not one run of the whole tensor. Every rank goes through every tensor (a stream's
-    collectives), whatever fails: failures stay in ``writer``."""
+    """Each of ``tensors`` (name, whole value; of a tensor-parallel split, this rank's shard; of an
+    expert, named as ``source`` names it here) this rank writes (``mine``, by the unsharded model's
+    names) written at its place in its file's temporary (``into``): a shard's slice row by row where it
+    is not one run of the whole tensor. Every rank goes through every tensor (a stream's collectives),
+    whatever fails: failures stay in ``writer``."""
     for name, tensor in tensors:
-        item = mine.get(name)
+        item = mine.get(whole_name(source, name) if source is not None else name)
         if item is None:
             continue
         if tensor.numel() != item.ranges.numel:

@@ -66,8 +66,10 @@ from collgrad.checkpoint.match import (
     match,
     memory,
     opened,
+    others,
     persistent_buffers,
     reads,
+    refuse_layout,
     refuse_unmatched,
     shapes,
 )
@@ -93,6 +95,7 @@ from collgrad.state.layout import Partitioning
 from collgrad.state.model_cache import Context
 from collgrad.state.read import FullStateStream
 from collgrad.state.record import StateRecord
+from collgrad.state.whole import laid_out, whole_name
 
 __all__ = [
     "save_training_state",
@@ -175,19 +178,33 @@ def _state_keys(view: OptimizerView) -> tuple[str, ...]:
     return next(iter(kinds), ())
 
 
-def _scalars(view: OptimizerView, keys: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Every trainable parameter's optimizer state that is not per element (``step``, ...), by name."""
-    out = {}
+def _scalars(view: OptimizerView, keys: tuple[str, ...], spread: Spread) -> dict[str, dict[str, Any]]:
+    """Every trainable parameter's optimizer state that is not per element (``step``, ...), by the
+    unsharded model's name (an expert's: for it on every expert-parallel rank, as ``_groups``)."""
+    out: dict[str, dict[str, Any]] = {}
     for name, holder in view.holders.items():
         held = view.optimizer.state.get(holder) or {}
-        out[name] = {k: v for k, v in held.items() if k not in keys}
+        scalars = {k: v for k, v in held.items() if k not in keys}
+        out.update((whole, scalars) for whole in spread.get(name, (name,)))
     return out
 
 
-def _groups(view: OptimizerView) -> tuple[ParamGroup, ...]:
+#: By a parameter's name here, every name it is laid out under in a checkpoint where that is not only its
+#: own: an expert spread over expert-parallel ranks stands for the same local expert of every such rank
+#: (match.laid_out), which the ranks save alike.
+Spread = Mapping[str, tuple[str, ...]]
+
+
+def _spread(one: Opened) -> Spread:
+    return {n: e.names for n, e in one.source.experts.items()}
+
+
+def _groups(view: OptimizerView, spread: Spread) -> tuple[ParamGroup, ...]:
+    """The optimizer's param groups: the unsharded model's names of each one's parameters (every
+    expert-parallel rank's experts), its other keys."""
     names: list[list[str]] = [[] for _ in view.optimizer.param_groups]
     for name, index in view.groups.items():
-        names[index].append(name)
+        names[index].extend(spread.get(name, (name,)))
     return tuple(
         ParamGroup(tuple(n), {k: v for k, v in g.items() if k != "params"})
         for n, g in zip(names, view.optimizer.param_groups)
@@ -196,16 +213,18 @@ def _groups(view: OptimizerView) -> tuple[ParamGroup, ...]:
 
 def _held(ctx: Context, model: adapters.Model, optimizer: Any, lr_scheduler: Any) -> _Held:
     """What a save writes, as this rank holds it. Local."""
+    refuse_layout(model)
     view = model.optimizer_view(optimizer)
     counters = model.counters()
     scheduler = model.lr_scheduler(lr_scheduler)
     keys = _state_keys(view)
-    groups, scalars = _groups(view), _scalars(view, keys)
     buffers = list(persistent_buffers(model.module))
     trainable = list(view.holders)
     sources = [opened(ctx, model, "model", WEIGHTS, optimizer), opened(ctx, model, "fp32", FP32, optimizer, trainable)]
     for k, key in enumerate(keys):
         sources.append(opened(ctx, model, f"optimizer-{k}", OptimizerState(key), optimizer, trainable))
+    spread = _spread(sources[0])
+    groups, scalars = _groups(view, spread), _scalars(view, keys, spread)
     if keys and any(one.source.accessor is not None for one in sources):
         view.linked()  # DeepSpeed's accessors read the states through links a checkpoint save may have dropped
     state = None if scheduler is None else scheduler.state_dict()
@@ -214,18 +233,18 @@ def _held(ctx: Context, model: adapters.Model, optimizer: Any, lr_scheduler: Any
 
 def _entries_of(held: _Held) -> dict[str, list[Entry]]:
     """Each file stem's tensors as this rank's sources lay them out (the same on every rank): each
-    layout's order, the dtype it is held in; the module's persistent buffers after its weights."""
+    layout's order, named and shaped as the unsharded model has them (match.laid_out), the dtype each is
+    held in; the module's persistent buffers after its weights."""
     out: dict[str, list[Entry]] = {}
     for one in held.sources:
-        entries = out[one.stem] = []
-        shaped = shapes(one.source)  # a tensor-parallel shard: its whole tensor
+        dtypes: dict[str, torch.dtype] = {}
         for group, buffer in zip(one.source.layout.groups, one.local.buffers):
             for k, slot in enumerate(group.params):
                 if one.source.accessor is not None:  # DeepSpeed's accessors return fp32 (masters, their states)
-                    dtype = torch.float32
+                    dtypes[slot.name] = torch.float32
                 else:
-                    dtype = buffer[k].dtype if isinstance(buffer, list) else group.wire_dtype
-                entries.append(Entry(slot.name, shaped[slot.name], dtype))
+                    dtypes[slot.name] = buffer[k].dtype if isinstance(buffer, list) else group.wire_dtype
+        out[one.stem] = [Entry(name, shape, dtypes[slot.name]) for slot, name, shape in laid_out(one.source)]
     out["model"] += [Entry(n, tuple(b.shape), b.dtype) for n, b in held.buffers]
     return out
 
@@ -314,12 +333,12 @@ def save_training_state(
     rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, ranks)),))
     commit.unprobe(path, me)
     shared = all(row[2] for row in rows)
-    split = any(one.source.splits for one in held_.sources)
+    split = any(one.source.splits or one.source.experts for one in held_.sources)
     if split and (not shared or any(one.source.accessor is not None for one in held_.sources)):
         raise InvalidArgumentError(  # the same on every rank: agreed above, or of the same optimizer
-            f"rank {me}: the model holds tensor-parallel shards, which their holders write into the whole tensors' "
-            f"places: every rank must see the directory {path} (a shared file system), and the optimizer keep its "
-            "states where collgrad reads them (not DeepSpeed's BF16_Optimizer or NVMe offload)"
+            f"rank {me}: the model holds tensor- or expert-parallel shards, which their holders write into the "
+            f"whole tensors' places: every rank must see the directory {path} (a shared file system), and the "
+            "optimizer keep its states where collgrad reads them (not DeepSpeed's BF16_Optimizer or NVMe offload)"
         )
     index, world = ranks.index(me), len(ranks)
     entries = _entries_of(held_)
@@ -518,6 +537,7 @@ def load_training_state(
     header_bytes = 0
     try:
         if resolved is not None:
+            refuse_layout(resolved)
             manifest = read_manifest(path)
             checkpoints = _checkpoints(path, manifest)
             header_bytes = sum(c.header_bytes for c in checkpoints.values())
@@ -603,32 +623,36 @@ def _match(
     groups; CheckpointError (this rank) for what differs. Opens the sources a load writes. Local."""
     where = manifest_path(checkpoints["model"].directory)
     weights = opened(ctx, model, "model", WEIGHTS, optimizer, loading=True)
-    shaped = shapes(weights.source)  # as the unsharded model has them
-    trainable = list(view.holders)
+    shaped = shapes(weights.source)  # as the unsharded model has them (what this rank holds a part of)
+    whole = {n: whole_name(weights.source, n) for n in view.holders}  # the unsharded model's names
+    trainable = set(whole.values())
+    elsewhere = others(weights.source)  # other expert-parallel ranks' experts: in the checkpoint, not here
     buffers = dict(persistent_buffers(model.module))
     stored_weights = checkpoints["model"].tensors
     masters = checkpoints["fp32"].tensors if "fp32" in checkpoints else {}
     # the one match (match.py), twice: the trainable parameters against the masters, every parameter
     # and buffer against the weights (a trainable one is taken from its master where there is one)
-    known = [*shaped, *buffers]
-    in_masters = match(where, {n: shaped[n] for n in trainable}, masters, others=known)
-    in_weights = match(where, {**shaped, **{n: tuple(b.shape) for n, b in buffers.items()}}, stored_weights)
-    missing = [*in_masters.missing, *(n for n in in_weights.missing if n not in view.holders)]
+    known = [*shaped, *buffers, *elsewhere]
+    in_masters = match(where, {n: shaped[n] for n in whole.values()}, masters, others=known)
+    in_weights = match(
+        where, {**shaped, **{n: tuple(b.shape) for n, b in buffers.items()}}, stored_weights, others=elsewhere
+    )
+    missing = [*in_masters.missing, *(n for n in in_weights.missing if n not in trainable)]
     unexpected = list(dict.fromkeys([*in_masters.unexpected, *in_weights.unexpected]))
     refuse_unmatched(where, missing, unexpected, strict)
     # trainable weights from the masters (the module's weights are the masters in its dtype), the rest as saved
     taken = {
-        n: masters[n] if n in view.holders and n in masters else stored_weights[n]
+        n: masters[n] if n in trainable and n in masters else stored_weights[n]
         for n in shaped
         if n in masters or n in stored_weights
     }
     sources = [weights]
     stored = {("model", n): s for n, s in taken.items()}
     stored.update((("model", n), stored_weights[n]) for n in buffers if n in stored_weights)
-    loaded = [n for n in trainable if n in masters]
+    loaded = [n for n, w in whole.items() if w in masters]  # by the names here (what the sources select)
     if FP32 in model.load_kinds() and loaded:
         sources.append(opened(ctx, model, "fp32", FP32, optimizer, loaded, loading=True))
-        stored.update((("fp32", n), masters[n]) for n in loaded)
+        stored.update((("fp32", whole[n]), masters[whole[n]]) for n in loaded)
     keys = _state_keys(view)
     if manifest.optimizer and tuple(sorted(manifest.optimizer)) != keys:
         raise refused(
@@ -638,10 +662,10 @@ def _match(
         )
     for key in manifest.optimizer:
         found = checkpoints[f"optimizer:{key}"].tensors
-        lacking = [n for n in loaded if n not in found]
+        lacking = [whole[n] for n in loaded if whole[n] not in found]
         if lacking:
             raise refused(where, f"holds no optimizer state {key!r} of {listed(lacking)}")
-        wrong = [n for n in loaded if found[n].shape != shaped[n]]
+        wrong = [whole[n] for n in loaded if found[whole[n]].shape != shaped[whole[n]]]
         if wrong:
             raise refused(
                 where,
@@ -649,20 +673,26 @@ def _match(
             )
         stem = f"optimizer:{key}"
         sources.append(opened(ctx, model, stem, OptimizerState(key), optimizer, loaded, loading=True))
-        stored.update(((stem, n), found[n]) for n in loaded)
-    _check_groups(where, manifest, view)
-    param_states = _param_states(where, manifest, view, loaded)
+        stored.update(((stem, whole[n]), found[whole[n]]) for n in loaded)
+    _check_groups(where, manifest, view, _spread(weights))
+    param_states = _param_states(where, manifest, view, {n: whole[n] for n in loaded})
+    # what every rank must see alike: every tensor of the checkpoint (a rank loads only its own experts
+    # of a MoE layer spread over expert-parallel ranks), and what did not match
+    listing = ((k, n, s) for k, c in checkpoints.items() for n, s in c.tensors.items())
     seen: list[object] = [
-        sorted((k, n, str(s.dtype), s.shape, os.path.basename(s.file)) for (k, n), s in stored.items())
+        sorted((k, n, str(s.dtype), s.shape, os.path.basename(s.file)) for k, n, s in listing),
+        missing,
+        unexpected,
     ]
     kept = [(n, b) for n, b in buffers.items() if n in stored_weights]
     tensors = len(taken) + len(kept)
     return _Matched(sources, stored, kept, tensors, param_states, seen, tuple(missing), tuple(unexpected))
 
 
-def _check_groups(where: str, manifest: Manifest, view: OptimizerView) -> None:
-    """The model's param groups hold the parameters the checkpoint's did, group by group."""
-    mine = _groups(view)
+def _check_groups(where: str, manifest: Manifest, view: OptimizerView, spread: Spread) -> None:
+    """The model's param groups hold the parameters the checkpoint's did, group by group (by the
+    unsharded model's names)."""
+    mine = _groups(view, spread)
     if len(mine) != len(manifest.param_groups) or any(
         set(a.params) != set(b.params) for a, b in zip(mine, manifest.param_groups)
     ):
@@ -676,13 +706,14 @@ def _check_groups(where: str, manifest: Manifest, view: OptimizerView) -> None:
 
 
 def _param_states(
-    where: str, manifest: Manifest, view: OptimizerView, loaded: list[str]
+    where: str, manifest: Manifest, view: OptimizerView, loaded: Mapping[str, str]
 ) -> list[tuple[torch.Tensor, Mapping[str, Any]]]:
     """Each holder's saved states that are not per element: the same for every parameter it holds
-    (ZeRO keys one state by a group's flat partition), CheckpointError (this rank) otherwise."""
+    (ZeRO keys one state by a group's flat partition), CheckpointError (this rank) otherwise.
+    ``loaded``: the parameters loaded, by their names here, each the unsharded model's name."""
     out: dict[int, tuple[torch.Tensor, Mapping[str, Any], str]] = {}
-    for name in loaded:
-        holder = view.holders[name]
+    for here, name in loaded.items():
+        holder = view.holders[here]
         saved = manifest.param_states.get(name, {})
         kept = out.get(id(holder))
         if kept is None:
@@ -713,6 +744,8 @@ def _apply(model: adapters.Model, view: OptimizerView, scheduler: Any, manifest:
             held[key] = copy.deepcopy(value) if isinstance(value, (list, dict)) else value
     for group, kept in zip(view.optimizer.param_groups, manifest.param_groups):
         for key, value in kept.hyperparameters.items():
+            if key in model.layout_keys:  # what the group is here, not a hyperparameter of the run
+                continue
             now = group.get(key)
             if isinstance(now, torch.Tensor) and isinstance(value, torch.Tensor):
                 now.copy_(value)

@@ -29,6 +29,7 @@ from collgrad.core.dispatch import Dispatcher, checked_bucket_bytes, default_dis
 from collgrad.core.record import CallRecord
 from collgrad.errors import InvalidArgumentError, LayoutChangedError, NotReadyError
 from collgrad.state import adapters
+from collgrad.state import whole as whole_mode
 from collgrad.state.adapters.base import LocalGrads, Problem, Source
 from collgrad.state.cache import ShapePlans
 from collgrad.state.kinds import GRAD, StateKind
@@ -85,13 +86,17 @@ class OpenCall:
         extra: Callable[[Source], Sequence[Field]] | None = None,
         meanwhile: Callable[[OpenCall], Any] | None = None,
         models: ModelCache = MODELS,
+        model_parallel: str = whole_mode.LOCAL,
     ) -> None:
         """``entrance``: the model the caller passed, resolved at the public function's entrance
         (``adapters.enter``: once per call, however many sources it opens). ``name``: the public
         function, compared between ranks and named in errors; ``streaming``: results are handed over
         bucket by bucket; ``unscale``: fp16 gradients are divided by the loss scale; ``optimizer``: the
-        one holding optimizer states where the model does not."""
+        one holding optimizer states where the model does not; ``model_parallel``: ``"whole"`` makes
+        tensor- and expert-parallel shards whole (whole.py), and the ranks agree over every rank of the
+        model (``Entrance.model_group``) instead of its data-parallel group."""
         self.name = name
+        self.whole = model_parallel == whole_mode.WHOLE
         self.kind: StateKind = kind
         self.models = models
         self.dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
@@ -101,14 +106,17 @@ class OpenCall:
             assert entrance.model is not None
             self.model: adapters.Model = entrance.model
             cap = _checked(plan, bucket_bytes, policy)
+            whole_mode.checked_mode(model_parallel)
             kind = kind.checked()
             self.source, self.layout_cached = models.source(self.dispatcher, entrance.model, params, kind, optimizer)
             extra_fields = list(extra(self.source)) if extra is not None else []
             extra_fields += [Field(f"unused {i}", 0) for i in range(self.EXTRA - len(extra_fields))]
             self.local: LocalGrads = self.source.read()
         except (TypeError, ValueError, KeyError):  # InvalidArgumentError, and the adapter's own checks
-            _tell_invalid(entrance.group, self.dispatcher.timeout, name)
+            _tell_invalid(entrance.model_group if self.whole else entrance.group, self.dispatcher.timeout, name)
             raise
+        #: The ranks that agree before anything moves: every rank that takes part in the call's collectives.
+        self.agree_group = entrance.model_group if self.whole else self.source.control_group
         self.call = GradCall(plan, cap, streaming)
         self.policy = policy
         #: This call shape's plans, kept with the source (see cache.py).
@@ -121,7 +129,7 @@ class OpenCall:
             if meanwhile is not None and self.local.problem is Problem.OK:
                 self.early = meanwhile(self)
 
-        rows = _agree(self.source, self.local, _fields(self) + extra_fields, self.dispatcher, name, early)
+        rows = _agree(self.agree_group, self.local, _fields(self) + extra_fields, self.dispatcher, name, early)
         #: Every rank's print of where its gradient pieces lie (its storage order), and how many pieces
         #: it holds, by global rank: a gather of partitions as they lie checks the print against what it
         #: cached, and sizes a placements exchange by the counts (no extra collective for either).
@@ -130,8 +138,8 @@ class OpenCall:
         #: Every rank's ``extra`` fields as it told them (in the control group's order; none without a
         #: group): what an entry point compares itself where a field may differ (``compare=False``).
         self.extras: list[list[int]] = [row[1 + len(FIELDS) :] for row in rows] if rows is not None else []
-        if rows is not None and self.source.control_group is not None:
-            ranks = _compat.group_ranks(self.source.control_group)
+        if rows is not None and self.agree_group is not None:
+            ranks = _compat.group_ranks(self.agree_group)
             at = 1 + FIELDS.index("where each rank's gradient pieces lie")
             self.placements = dict(zip(ranks, (r[at] for r in rows)))
             self.piece_counts = dict(zip(ranks, (r[at + 1] for r in rows)))
@@ -227,9 +235,11 @@ def _checked(plan: str, bucket_bytes: int | None, policy: Policy | None) -> int:
 def _fields(call: OpenCall) -> list[Field]:
     """This rank's row of the readiness check (see ``FIELDS``)."""
     layout, buffers = call.source.layout, call.local.buffers
+    # whole: the unsharded model's tensors, the same on every rank of the model (shards' layouts differ)
+    layout_print = whole_mode.fingerprint(call.source) if call.whole else call.source.fingerprint
     return [
-        Field(FIELDS[0], stable_hash(call.name), shown=False),
-        Field(FIELDS[1], call.source.fingerprint, shown=False),
+        Field(FIELDS[0], stable_hash((call.name, call.whole)), shown=False),
+        Field(FIELDS[1], layout_print, shown=False),
         Field(FIELDS[2], PLANS.index(call.call.plan), shown=False),
         Field(FIELDS[3], call.call.bucket_bytes),
         Field(FIELDS[4], int(call.call.streaming)),
@@ -240,24 +250,25 @@ def _fields(call: OpenCall) -> list[Field]:
 
 
 def _agree(
-    source: Source,
+    group: ProcessGroup | None,
     local: LocalGrads,
     fields: list[Field],
     dispatcher: Dispatcher,
     name: str,
     meanwhile: Callable[[], None],
 ) -> list[list[int]] | None:
-    """Every rank of the control group learns every rank's readiness and arguments, and all raise the
-    same error if any rank cannot read now or asked for something else; ``meanwhile`` runs while the
-    exchange is in flight. Returns every rank's row."""
+    """Every rank of ``group`` (the call's: its model's data-parallel group, or every rank of the model)
+    learns every rank's readiness and arguments, and all raise the same error if any rank cannot read
+    now or asked for something else; ``meanwhile`` runs while the exchange is in flight. Returns every
+    rank's row."""
     rank = _compat.rank()
-    if source.control_group is None:
+    if group is None:
         if local.problem is not Problem.OK:
             raise NotReadyError(f"rank {rank}: {local.problem.describe()}")
         meanwhile()
         return None
     rows = agree_on_call(
-        source.control_group,
+        group,
         fields,
         timeout_s=dispatcher.timeout,
         call=name,
@@ -265,7 +276,7 @@ def _agree(
         meanwhile=meanwhile,
         hook_failures=dispatcher.hook_failures,
     )
-    ranks = _compat.group_ranks(source.control_group)
+    ranks = _compat.group_ranks(group)
     bad = [(ranks[i], Problem(row[0])) for i, row in enumerate(rows) if row[0] != Problem.OK]
     if bad:
         detail = "; ".join(f"rank {r}: {p.describe()}" for r, p in bad)

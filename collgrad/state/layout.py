@@ -42,6 +42,7 @@ __all__ = [
     "Partitioning",
     "ParamSlot",
     "Split",
+    "Expert",
     "LayoutGroup",
     "StateLayout",
     "Fragment",
@@ -74,15 +75,39 @@ class ParamSlot:
 class Split(NamedTuple):
     """Where this rank's tensor-parallel shard of a parameter lies in the whole tensor: indexes
     ``[lo, hi)`` of dimension ``dim`` of a tensor of shape ``whole`` (``whole.narrow(dim, lo, hi - lo)``
-    is the shard). The ranks of the parameter's data-parallel group hold the same shard."""
+    is the shard). The ranks of the parameter's data-parallel group hold the same shard. ``bounds``:
+    where every tensor-parallel rank's shard starts along ``dim``, in rank order, and the end (shards
+    may differ in size: AutoTP cuts a vocabulary unevenly); empty where not known."""
 
     dim: int
     whole: tuple[int, ...]
     lo: int
     hi: int
+    bounds: tuple[int, ...] = ()
 
-    def shard_shape(self) -> tuple[int, ...]:
-        return self.whole[: self.dim] + (self.hi - self.lo,) + self.whole[self.dim + 1 :]
+    def shard_shape(self, rank: int | None = None) -> tuple[int, ...]:
+        """The shard's shape: this rank's, or tensor-parallel rank ``rank``'s (from ``bounds``)."""
+        size = self.hi - self.lo if rank is None else self.bounds[rank + 1] - self.bounds[rank]
+        return self.whole[: self.dim] + (size,) + self.whole[self.dim + 1 :]
+
+
+class Expert(NamedTuple):
+    """An expert of a MoE layer whose experts are spread over expert-parallel ranks, each rank holding
+    its own experts whole under local indexes: the unsharded model's name of the expert at this local
+    index on each expert-parallel rank (``names[e]``: global index ``e * local_count + i``), this rank's
+    position among them (its index in the expert-parallel group), and the global ranks that hold this
+    rank's experts (its expert-data-parallel group)."""
+
+    names: tuple[str, ...]
+    position: int
+    holders: tuple[int, ...]
+    #: The model-parallel set its expert-parallel group is (``Source.parallel_groups``).
+    group: str = ""
+
+    @property
+    def name(self) -> str:
+        """This rank's expert's name in the unsharded model."""
+        return self.names[self.position]
 
 
 @dataclass(frozen=True)

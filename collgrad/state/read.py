@@ -6,6 +6,7 @@ Thin entry points: open the call (arguments, source, readiness, plan: call.py), 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable, Iterator
 
 import torch
@@ -17,6 +18,7 @@ from collgrad.state.call import OpenCall
 from collgrad.state.execute import Executor
 from collgrad.state.kinds import Grad, StateKind
 from collgrad.state.record import StateRecord
+from collgrad.state.whole import LOCAL, Joiner, whole_order
 
 __all__ = [
     "safe_get_full_model_grads",
@@ -52,6 +54,7 @@ def safe_get_full_model_grads(
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
     copy: bool = True,
+    model_parallel: str = LOCAL,
 ) -> FullGrads:
     """The full, reduced gradient of every trainable parameter of ``model``, in one collective per
     bucket.
@@ -84,6 +87,7 @@ def safe_get_full_model_grads(
         unscale=unscale,
         policy=policy,
         dispatcher=dispatcher,
+        model_parallel=model_parallel,
     )
     grads = collected(call, copy)
     assert isinstance(grads, FullGrads)
@@ -91,20 +95,37 @@ def safe_get_full_model_grads(
 
 
 def collected(call: OpenCall, copy: bool = True) -> FullState:
-    """Every result of the opened ``call``, in ``named_parameters()`` order (``FullGrads`` for gradients).
-    Collective, as its steps."""
+    """Every result of the opened ``call``, in ``named_parameters()`` order (``FullGrads`` for gradients;
+    whole: the unsharded model's names and order). Collective, as its steps."""
     executor = Executor(call, copy=copy)
     found: dict[str, torch.Tensor] = {}
     for results in executor.steps():
         found.update(results)
+    order: Iterable[str] = call.source.layout.order
+    joiner = _joiner(call)
+    if joiner is not None:  # every step done before the first join: no rank waits on a peer mid-gather
+        found = dict(joiner.feed(found.items()))
+        order = whole_order(call.source, order)
     out = FullGrads() if isinstance(call.kind, Grad) else FullState()
-    for name in call.source.layout.order:
+    for name in order:
         if name in found:
             out[name] = found[name]
     out.kind = call.kind
-    out.record = executor.record()
-    out.model_parallel = call.source.model_parallel
+    out.record = _record(executor, joiner)
+    out.model_parallel = frozenset() if joiner is not None else call.source.model_parallel
     return out
+
+
+def _joiner(call: OpenCall) -> Joiner | None:
+    """What makes ``call``'s tensor- and expert-parallel shards whole, where it asks for them whole."""
+    if not call.whole:
+        return None
+    return Joiner(call.source, call.source.layout.order, call.run, call.call.bucket_bytes)
+
+
+def _record(executor: Executor, joiner: Joiner | None) -> StateRecord:
+    record = executor.record()
+    return record if joiner is None else replace(record, model_parallel_calls=tuple(joiner.calls))
 
 
 class FullStateStream:
@@ -114,9 +135,10 @@ class FullStateStream:
 
     def __init__(self, call: OpenCall, copy: bool = True) -> None:
         self._executor = Executor(call, copy=copy)
+        self._joiner = _joiner(call)
         self._iter = self._generate()
         self.kind: StateKind = call.kind
-        self.model_parallel = call.source.model_parallel
+        self.model_parallel = frozenset() if self._joiner is not None else call.source.model_parallel
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._iter
@@ -125,10 +147,12 @@ class FullStateStream:
         return next(self._iter)
 
     def record(self) -> StateRecord:
-        return self._executor.record()
+        return _record(self._executor, self._joiner)
 
     def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
         for results in self._executor.steps():
+            if self._joiner is not None:  # whole as each bucket of shards is complete
+                results = self._joiner.feed(results)
             results.reverse()
             while results:  # hand each tensor over and keep no reference: ~2 buckets alive at most
                 yield results.pop()
@@ -144,6 +168,7 @@ def iter_full_model_grads(
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
     copy: bool = True,
+    model_parallel: str = LOCAL,
 ) -> FullStateStream:
     """The same gradients as ``safe_get_full_model_grads``, as ``(name, tensor)`` pairs streamed one
     bucket of whole parameters at a time (in bucket order), so that collgrad holds about two buckets
@@ -165,6 +190,7 @@ def iter_full_model_grads(
             unscale=unscale,
             policy=policy,
             dispatcher=dispatcher,
+            model_parallel=model_parallel,
         ),
         copy,
     )

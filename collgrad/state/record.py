@@ -41,15 +41,21 @@ class StateRecord:
     layout_cached: bool
     #: Bytes this rank sent through DeepSpeed's accessor (its ``per_param_collectives``).
     per_param_bytes: int = 0
+    #: ``model_parallel="whole"``: the collectives over the tensor- and expert-parallel groups that made
+    #: the shards whole (one per bucket).
+    model_parallel_calls: tuple[CallRecord, ...] = ()
 
     @property
     def collectives(self) -> int:
-        return self.per_param_collectives + sum(g.collectives for g in self.groups)
+        every = self.per_param_collectives + sum(g.collectives for g in self.groups)
+        return every + sum(c.collectives for c in self.model_parallel_calls)
 
     @property
     def buckets(self) -> int:
-        return sum(len(c.buckets) for g in self.groups for c in g.calls)
+        every = sum(len(c.buckets) for g in self.groups for c in g.calls)
+        return every + sum(len(c.buckets) for c in self.model_parallel_calls)
 
     @property
     def bytes(self) -> int:
-        return self.per_param_bytes + sum(c.bytes for g in self.groups for c in g.calls)
+        every = self.per_param_bytes + sum(c.bytes for g in self.groups for c in g.calls)
+        return every + sum(c.bytes for c in self.model_parallel_calls)

@@ -22,6 +22,7 @@ from collgrad.state.call import OpenCall
 from collgrad.state.kinds import FP32, OptimizerState, StateKind
 from collgrad.state.read import FullState, FullStateStream, collected
 from collgrad.state.record import StateRecord
+from collgrad.state.whole import LOCAL
 from collgrad.state.write import set_full
 
 __all__ = [
@@ -42,6 +43,7 @@ def safe_get_full_model_fp32_params(
     plan: str = "auto",
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    model_parallel: str = LOCAL,
 ) -> FullState:
     """The full fp32 master weight of every trainable parameter of ``model``, in one collective per
     bucket: ``{name: tensor}`` in ``named_parameters()`` order (tied parameters once), each shaped like
@@ -58,7 +60,19 @@ def safe_get_full_model_fp32_params(
     together before any value moves. Nothing is modified; the values are fresh tensors.
     """
     return collected(
-        _open(model, "safe_get_full_model_fp32_params", FP32, False, params, bucket_bytes, plan, policy, dispatcher)
+        _open(
+            model,
+            "safe_get_full_model_fp32_params",
+            FP32,
+            False,
+            params,
+            bucket_bytes,
+            plan,
+            policy,
+            dispatcher,
+            None,
+            model_parallel,
+        )
     )
 
 
@@ -70,12 +84,25 @@ def iter_full_model_fp32_params(
     plan: str = "auto",
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    model_parallel: str = LOCAL,
 ) -> FullStateStream:
     """The same fp32 master weights as ``safe_get_full_model_fp32_params``, as ``(name, tensor)`` pairs
     streamed one bucket of whole parameters at a time (collgrad holds about two buckets). Same calling
     rules, plus: every rank must consume the whole iteration (each bucket is a collective)."""
     return FullStateStream(
-        _open(model, "iter_full_model_fp32_params", FP32, True, params, bucket_bytes, plan, policy, dispatcher)
+        _open(
+            model,
+            "iter_full_model_fp32_params",
+            FP32,
+            True,
+            params,
+            bucket_bytes,
+            plan,
+            policy,
+            dispatcher,
+            None,
+            model_parallel,
+        )
     )
 
 
@@ -89,6 +116,7 @@ def safe_get_full_model_optimizer_states(
     plan: str = "auto",
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    model_parallel: str = LOCAL,
 ) -> FullState:
     """The optimizer's per-element state ``key`` (``"exp_avg"``, ``"exp_avg_sq"``, ...) of every
     trainable parameter of ``model``, whole, in one collective per bucket: ``{name: tensor}`` shaped
@@ -102,7 +130,8 @@ def safe_get_full_model_optimizer_states(
     create their states in their first ``step()``.
     """
     name, kind = "safe_get_full_model_optimizer_states", OptimizerState(key)
-    return collected(_open(model, name, kind, False, params, bucket_bytes, plan, policy, dispatcher, optimizer))
+    opened = _open(model, name, kind, False, params, bucket_bytes, plan, policy, dispatcher, optimizer, model_parallel)
+    return collected(opened)
 
 
 def iter_full_model_optimizer_states(
@@ -115,11 +144,13 @@ def iter_full_model_optimizer_states(
     plan: str = "auto",
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    model_parallel: str = LOCAL,
 ) -> FullStateStream:
     """The same states as ``safe_get_full_model_optimizer_states``, streamed one bucket of whole
     parameters at a time; every rank must consume the whole iteration."""
     name, kind = "iter_full_model_optimizer_states", OptimizerState(key)
-    return FullStateStream(_open(model, name, kind, True, params, bucket_bytes, plan, policy, dispatcher, optimizer))
+    opened = _open(model, name, kind, True, params, bucket_bytes, plan, policy, dispatcher, optimizer, model_parallel)
+    return FullStateStream(opened)
 
 
 def safe_set_full_model_fp32_params(
@@ -130,6 +161,7 @@ def safe_set_full_model_fp32_params(
     check: bool = True,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    model_parallel: str = LOCAL,
 ) -> StateRecord:
     """Make ``values`` (name -> full fp32 weight, any dtype and device; a subset allowed) the fp32 master
     weights the optimizer steps from, and the module's own weights with them: ZeRO-1/2's replicated
@@ -144,7 +176,8 @@ def safe_set_full_model_fp32_params(
     (``check=True``) checksums of the values are compared, so that ranks passing different values raise
     together (ArgumentMismatchError) instead of training on a mix.
     """
-    return set_full(model, values, params, check, policy, dispatcher, "safe_set_full_model_fp32_params", FP32)
+    name = "safe_set_full_model_fp32_params"
+    return set_full(model, values, params, check, policy, dispatcher, name, FP32, model_parallel=model_parallel)
 
 
 def safe_set_full_model_optimizer_states(
@@ -157,15 +190,15 @@ def safe_set_full_model_optimizer_states(
     check: bool = True,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    model_parallel: str = LOCAL,
 ) -> StateRecord:
     """Make ``values`` (name -> full tensor shaped like the parameter) the optimizer's per-element state
     ``key`` (``"exp_avg"``, ...) of those parameters, each rank writing what it owns. ``optimizer``: as
     for ``safe_get_full_model_optimizer_states``. Same calling rules as
     ``safe_set_full_model_fp32_params``."""
     state = OptimizerState(key)
-    return set_full(
-        model, values, params, check, policy, dispatcher, "safe_set_full_model_optimizer_states", state, optimizer
-    )
+    name = "safe_set_full_model_optimizer_states"
+    return set_full(model, values, params, check, policy, dispatcher, name, state, optimizer, model_parallel)
 
 
 def _open(
@@ -179,6 +212,7 @@ def _open(
     policy: Policy | None,
     dispatcher: Dispatcher | None,
     optimizer: torch.optim.Optimizer | None = None,
+    model_parallel: str = LOCAL,
 ) -> OpenCall:
     """The call opened on every rank together (arguments, source, agreement; see OpenCall); nothing to
     unscale: master weights and optimizer states are true values."""
@@ -194,6 +228,7 @@ def _open(
         dispatcher=dispatcher,
         optimizer=optimizer,
         extra=_key_field(kind),
+        model_parallel=model_parallel,
     )
 
 

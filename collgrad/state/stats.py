@@ -38,6 +38,7 @@ from collgrad.state.execute import accessor_bytes
 from collgrad.state.layout import LayoutGroup, Partitioning
 from collgrad.state.plan import PlanKind
 from collgrad.state.record import GroupRecord, StateRecord
+from collgrad.state.whole import LOCAL, whole_order, whole_stat_rows
 
 __all__ = ["GradStat", "GradStats", "safe_get_full_model_grad_stats", "module_of"]
 
@@ -89,6 +90,7 @@ def safe_get_full_model_grad_stats(
     unscale: bool = True,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    model_parallel: str = LOCAL,
 ) -> GradStats:
     """Per-parameter L2 norm, max |g|, non-finite count and element count of the full gradients of
     ``model`` (as ``safe_get_full_model_grads`` would return them), and the global L2 norm, computed
@@ -119,6 +121,7 @@ def safe_get_full_model_grad_stats(
         dispatcher=dispatcher,
         extra=extra,
         meanwhile=_local_partials,
+        model_parallel=model_parallel,
     )
     assert group_of is not None  # else extra() raised
     layout = call.source.layout
@@ -132,7 +135,17 @@ def safe_get_full_model_grad_stats(
         per_param_sent = sum(accessor_bytes(call.source, group, slot.numel) for slot in group.params)
     else:
         by_param, records = _combined(call, scale)
-    ordered = {name: by_param[name] for name in layout.order if name in by_param}
+    order: Iterable[str] = layout.order
+    whole_calls: list[CallRecord] = []
+    if call.whole:  # shards' partials combined over their tensor-parallel group, experts by global name
+        named = [n for n in layout.order if n in by_param]
+        rows = torch.tensor(
+            [[s.norm * s.norm, s.max_abs, s.nonfinite, s.numel] for s in map(by_param.__getitem__, named)]
+        )
+        combined = whole_stat_rows(call.source, named, rows.double(), call.run, whole_calls)
+        by_param = {n: GradStat(math.sqrt(r[0]), float(r[1]), int(r[2]), int(r[3])) for n, r in combined.items()}
+        order = whole_order(call.source, layout.order)
+    ordered = {name: by_param[name] for name in order if name in by_param}
     record = StateRecord(
         layout.variant,
         records,
@@ -142,12 +155,13 @@ def safe_get_full_model_grad_stats(
         call.cached,
         call.layout_cached,
         per_param_sent,
+        tuple(whole_calls),
     )
     return GradStats(
         global_norm=math.sqrt(math.fsum(s.norm * s.norm for s in ordered.values())),
         params=ordered,
         groups=dict(ordered) if by == "param" else _grouped(ordered, group_of),
-        model_parallel=call.source.model_parallel,
+        model_parallel=frozenset() if call.whole else call.source.model_parallel,
         record=record,
     )
 

@@ -41,6 +41,7 @@ from collgrad.state.execute import Executor
 from collgrad.state.kinds import GRAD, StateKind
 from collgrad.state.layout import Partitioning
 from collgrad.state.record import StateRecord
+from collgrad.state.whole import LOCAL, checked_mode, narrowed
 
 __all__ = [
     "safe_set_full_model_grads",
@@ -391,6 +392,7 @@ def safe_set_full_model_grads(
     check: bool = True,
     policy: Policy | None = None,
     dispatcher: Dispatcher | None = None,
+    model_parallel: str = LOCAL,
 ) -> StateRecord:
     """Make ``grads`` (name -> full gradient, any dtype and device; a subset of the trainable parameters
     allowed) the gradients the next ``engine.step()`` uses: clipping, overflow checks and the update
@@ -403,7 +405,8 @@ def safe_set_full_model_grads(
     compared so that ranks passing different values raise together (ArgumentMismatchError) instead of
     training on a mix.
     """
-    return set_full(model, grads, params, check, policy, dispatcher, "safe_set_full_model_grads")
+    name = "safe_set_full_model_grads"
+    return set_full(model, grads, params, check, policy, dispatcher, name, model_parallel=model_parallel)
 
 
 def set_full(
@@ -416,16 +419,21 @@ def set_full(
     name: str,
     state: StateKind = GRAD,
     optimizer: torch.optim.Optimizer | None = None,
+    model_parallel: str = LOCAL,
 ) -> StateRecord:
     """``given`` (name -> full value of ``state``, the same on every rank) written where this rank owns
-    it, checked and agreed as ``safe_set_full_model_grads`` says; ``name``: the public function called."""
+    it, checked and agreed as ``safe_set_full_model_grads`` says; ``name``: the public function called.
+    ``model_parallel="whole"``: ``given`` holds whole tensors under the unsharded model's names, of
+    which each rank writes its own slice (whole.narrowed): a write moves nothing between the ranks, so
+    its ranks agree over the data-parallel group either way."""
     argument = "grads" if state == GRAD else "values"
     values: dict[str, torch.Tensor] = {}
     opened: list[Source] = []
 
     def extra(source: Source) -> list[Field]:
         opened.append(source)
-        values.update(_checked(source, given, argument))
+        whole = checked_mode(model_parallel)
+        values.update(_checked(source, narrowed(source, given) if whole else given, argument))
         mine = after = -1
         group = source.control_group
         if check and group is not None and group.size() > 1:

@@ -133,9 +133,9 @@ def _moe_both(rank, world, ep_size, path):
     from tests.deepspeed import models
 
     eng = models.moe_engine(models.config(2), ep_size, world)
-    # experts spread over ranks are not written whole yet: refused on every rank, naming one; at ep_size
-    # 1 every expert is whole on every rank and the model saves
-    out["save"] = attempt(lambda: collgrad.save_full_model(eng, path).files)
+    # every expert whole under its global name, whatever ep_size (test_expert_parallel_resume.py loads them)
+    saved = attempt(lambda: collgrad.save_full_model(eng, path).tensors, keep=True)
+    out["save"] = (saved["error"], saved.get("value"))
     return out
 
 
@@ -143,12 +143,8 @@ def _moe_both(rank, world, ep_size, path):
 def test_moe_expert_parameters_reduced_within_their_expert_data_parallel_group(world, ep_size, tmp_path):
     results = run_ranks(_moe_both, world, ep_size, str(tmp_path), timeout=300)
     saves = [both.pop("save") for both in results]
-    if ep_size == 1:
-        assert all(save["error"] is None for save in saves), saves
-    else:
-        assert {save["error"] for save in saves} == {"InvalidArgumentError"}
-        assert all(f"rank {r}: moe.deepspeed_moe.experts" in s["message"] for r, s in enumerate(saves)), saves
-        assert all("is a model-parallel shard collgrad cannot place" in s["message"] for s in saves), saves
+    # the dense layers (4 tensors), the gate (1) and every expert's weight and bias
+    assert saves == [(None, 5 + 2 * world)] * world, saves
     for rank, both in enumerate(results):
         for res in both.values():
             assert res["equal"] and res["state_equal"] == {"fp32": [], "exp_avg": []}, res  # + weights, moments
@@ -160,3 +156,52 @@ def test_moe_expert_parameters_reduced_within_their_expert_data_parallel_group(w
                 assert expert_groups == [("local", (rank,), 0, 2)]
             else:
                 assert len(res["groups"]) == 2 and all(g[2] >= 1 for g in res["groups"])
+
+
+def _whole_model_jobs(eng, root: str) -> dict[str, tuple]:
+    """Each whole-model checkpoint job on ``eng``: the error's type and message."""
+    import collgrad
+
+    out = {}
+    for job in (collgrad.save_full_model, collgrad.save_training_state, collgrad.load_full_model):
+        found = attempt(lambda: job(eng, root))
+        out[job.__name__] = (found["error"], found.get("message", "").split(" [seen by")[0])
+    found = attempt(lambda: collgrad.load_training_state(eng, root))
+    out["load_training_state"] = (found["error"], found.get("message", "").split(" [seen by")[0])
+    return out
+
+
+def _unsupported(rank, world, root):
+    """Ulysses sequence parallelism over both ranks, then a pipeline of two stages (whose topology
+    DeepSpeed keeps for every later engine of the process)."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from torch import nn
+
+    from tests.deepspeed import models
+
+    out = {}
+    cfg = {**models.config(2), "sequence_parallel_size": 2, "data_parallel_size": 1}
+    out["sequence"] = _whole_model_jobs(models.engine(cfg), root)
+    deepspeed.init_distributed(dist_backend="gloo")  # PipelineModule asks DeepSpeed's communication for the rank
+    torch.manual_seed(0)
+    layers = [nn.Linear(models.IN, models.HID), nn.ReLU(), nn.Linear(models.HID, models.OUT)]
+    pipe = PipelineModule(layers, num_stages=2, loss_fn=nn.MSELoss())
+    cfg = models.config(1)
+    eng, *_ = deepspeed.initialize(model=pipe, optimizer=torch.optim.Adam(pipe.parameters(), lr=1e-3), config=cfg)
+    out["pipeline"] = _whole_model_jobs(eng, root)
+    return out
+
+
+def test_layouts_a_whole_model_checkpoint_does_not_support_are_refused_on_every_rank(tmp_path):
+    results = run_ranks(_unsupported, 2, str(tmp_path), timeout=300)
+    for layout, text in {
+        "pipeline": "DeepSpeed pipeline parallelism (stage {rank} of 2",
+        "sequence": "DeepSpeed Ulysses sequence parallelism (sequence_parallel_size 2)",
+    }.items():
+        for rank, res in enumerate(results):
+            for job, (error, message) in res[layout].items():
+                assert error == "InvalidArgumentError", (layout, rank, job, error, message)
+                assert f"rank {rank}: " in message and text.format(rank=rank) in message, (layout, job, message)
+                assert "is held under" in message and "its framework's own checkpointing" in message, message
+    assert not [f for f in tmp_path.iterdir() if not f.name.startswith(".")]  # nothing written

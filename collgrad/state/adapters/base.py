@@ -26,7 +26,7 @@ from collgrad.core.buffers import Pieces, StorageSpans, cut_parts, joined_copies
 from collgrad.errors import InvalidArgumentError, UnknownParameterError
 from collgrad.state.cache import PlanCache, WritePlan
 from collgrad.state.kinds import GRAD, WEIGHTS, StateKind
-from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, Split, StateLayout, owned_fragments
+from collgrad.state.layout import Expert, LayoutGroup, ParamSlot, Partitioning, Split, StateLayout, owned_fragments
 
 __all__ = [
     "Model",
@@ -46,6 +46,7 @@ __all__ = [
     "optimizer_states",
     "select",
     "rank_in",
+    "TENSOR_PARALLEL",
 ]
 
 
@@ -59,6 +60,9 @@ class Model:
     framework: ClassVar[str]
     #: The module whose ``state_dict()`` the model has.
     module: nn.Module
+    #: Keys of an optimizer's param groups that say what the group is in this model's layout rather than
+    #: a hyperparameter of the run: a training state records them, a load keeps the destination's own.
+    layout_keys: ClassVar[tuple[str, ...]] = ()
     #: What sources are cached for (weakly): the engine, or the module.
     target: object
 
@@ -80,6 +84,11 @@ class Model:
         selection; trainable ones unless ``kind`` is the weights). ``optimizer``: the one holding
         optimizer states where the model does not (FSDP2, a plain module)."""
         raise NotImplementedError
+
+    def unsupported_layout(self) -> str | None:
+        """The parallel layout this model is held in where collgrad cannot hold it whole (a pipeline's
+        stages, sequence parallelism), described for an error; None where it can. Local."""
+        return None
 
     def load_kinds(self) -> tuple[StateKind, ...]:
         """The kinds of state a load writes: the module's weights, and the fp32 master weights where an
@@ -279,6 +288,10 @@ def per_element_state(held: Mapping[str, Any] | None, key: str, numel: int, what
     )
 
 
+#: ``Source.parallel_groups``' name of the tensor-parallel group.
+TENSOR_PARALLEL = "tensor"
+
+
 def rank_in(group: LayoutGroup) -> int:
     """This process's position among ``group``'s ranks (0 in a group of one, which needs no process group)."""
     return group.group_ranks.index(torch.distributed.get_rank()) if group.world > 1 else 0
@@ -343,10 +356,16 @@ class Source:
     device: torch.device  # where results are returned
     model_parallel: frozenset[str] = frozenset()
     #: Of ``model_parallel``, the tensor-parallel shards that are one slice of their whole tensor, and
-    #: where that slice lies (the others, an expert or a fused layout, have no entry).
+    #: where that slice lies (a fused layout has no entry).
     splits: Mapping[str, Split] = {}
     #: This rank's index in its tensor-parallel group (0 without one).
     tensor_parallel_rank: int = 0
+    #: Of ``model_parallel``, the experts of MoE layers whose experts are spread over ranks: each whole
+    #: here, and what it is named in the unsharded model.
+    experts: Mapping[str, Expert] = {}
+    #: The process group of each model-parallel set this rank is in, by name: ``TENSOR_PARALLEL`` (the
+    #: ranks whose shards ``splits`` join into whole tensors), each expert's ``group``.
+    parallel_groups: Mapping[str, ProcessGroup] = {}
     #: DeepSpeed's per-parameter accessor (optimizers without a known layout): parameter -> full
     #: gradient, one collective per parameter.
     accessor: Callable[[nn.Parameter], torch.Tensor] | None = None

@@ -58,6 +58,7 @@ from collgrad import _compat
 from collgrad.core.buffers import Pieces, PiecesCache
 from collgrad.errors import InvalidArgumentError
 from collgrad.state.adapters.base import (
+    TENSOR_PARALLEL,
     Copies,
     LocalGrads,
     Model,
@@ -76,7 +77,7 @@ from collgrad.state.adapters.engine_hooks import hook_model_step, release_on_off
 from collgrad.state.adapters.swap import SwappedIn
 from collgrad.state.cache import PlanCache
 from collgrad.state.kinds import FP32, GRAD, WEIGHTS, StateKind
-from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, Split, StateLayout
+from collgrad.state.layout import Expert, LayoutGroup, ParamSlot, Partitioning, Split, StateLayout
 
 __all__ = [
     "adapt_engine",
@@ -155,6 +156,10 @@ class DeepSpeedModel(Model):
     ``adapt_engine``; holds the engine only for the call that resolved it."""
 
     framework: ClassVar[str] = "deepspeed"
+    #: DeepSpeed names a MoE layer's param group by its expert-parallel size (``ep_size_<E>``: its ZeRO
+    #: optimizer finds the expert-data-parallel group by it) and flags it ``moe``: from a checkpoint written
+    #: at another ``ep_size`` they would name a group this engine does not have.
+    layout_keys: ClassVar[tuple[str, ...]] = ("name", "moe")
 
     def __init__(self, engine: DeepSpeedEngine) -> None:
         self.engine = engine
@@ -169,13 +174,28 @@ class DeepSpeedModel(Model):
     def model_group(self) -> ProcessGroup | None:
         """Under AutoTP, every rank (DeepSpeed spreads one model over the whole world: its tensor-parallel
         groups times its data-parallel ones); else the data-parallel group."""
-        if dist.is_initialized() and any(hasattr(p, _AUTOTP_META) for p in self.module.parameters()):
+        if dist.is_initialized() and autotp(self.module):
             return _compat.default_group()
         return self.control_group
 
     def open(self, params: Iterable[object] | None = None, kind: StateKind = GRAD, optimizer: Any = None) -> Source:
         """The engine's own optimizer holds every state: ``optimizer`` is not used."""
         return open_engine(self.engine, select(self.module, params, trainable=kind != WEIGHTS), kind)
+
+    def unsupported_layout(self) -> str | None:
+        """A ``PipelineEngine`` (each stage holds its own layers: no rank knows the others' names) and
+        Ulysses sequence parallelism (its data-parallel group folds in the sequence ranks, which collgrad's
+        checkpoints have not been shown to place)."""
+        engine = self.engine
+        if getattr(engine, "pipeline_parallelism", False):
+            return (
+                f"DeepSpeed pipeline parallelism (stage {engine.stage_id} of {engine.num_stages}: each stage "
+                "holds only its own layers)"
+            )
+        size = getattr(engine, "sequence_parallel_size", 1)
+        if size > 1:
+            return f"DeepSpeed Ulysses sequence parallelism (sequence_parallel_size {size})"
+        return None
 
     def load_kinds(self) -> tuple[StateKind, ...]:
         return load_kinds(self.engine)
@@ -397,11 +417,47 @@ def tensor_parallel_splits(named: list[tuple[str, nn.Parameter]]) -> dict[str, S
         if dim is None or not whole or not sizes or meta.get("sub_param_shard_widths"):
             continue
         index = groups.get_tensor_model_parallel_rank()
-        lo = sum(sizes[:index])
-        split = Split(int(dim), tuple(int(n) for n in whole), lo, lo + int(sizes[index]))
+        bounds = tuple(sum(int(n) for n in sizes[:k]) for k in range(len(sizes) + 1))
+        split = Split(int(dim), tuple(int(n) for n in whole), bounds[index], bounds[index + 1], bounds)
         shape = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3 keeps the shape aside
         if len(sizes) == groups.get_tensor_model_parallel_world_size() and split.shard_shape() == shape:
             out[name] = split
+    return out
+
+
+def autotp(module: nn.Module) -> bool:
+    """Whether DeepSpeed AutoTP split ``module`` (its split parameters carry their layout; only then are
+    DeepSpeed's tensor-parallel groups made)."""
+    return any(hasattr(p, _AUTOTP_META) for p in module.parameters())
+
+
+def spread_experts(module: nn.Module) -> dict[str, Expert]:
+    """Where each expert of ``module``'s MoE layers whose experts are spread over expert-parallel ranks
+    (``ep_size`` > 1) lies in the unsharded model, by the parameter's name here: DeepSpeed 0.19 builds an
+    ``Experts`` module per layer holding ``num_local_experts`` experts (``deepspeed_experts.<i>``), the
+    experts of expert-parallel rank ``e`` being global indexes ``e * num_local_experts + i`` (the names the
+    same model has at ``ep_size`` 1), their parameters tagged with the group's name (``ep_size_<E>``).
+    Under tensor parallelism too (DeepSpeed folds the expert groups across the tensor-parallel ones) no
+    entry: such an expert stays a shard of no known place. Local."""
+    from deepspeed.moe.experts import Experts
+
+    if autotp(module):
+        return {}
+    out: dict[str, Expert] = {}
+    for prefix, layer in module.named_modules():
+        if not isinstance(layer, Experts):
+            continue
+        local = len(layer.deepspeed_experts)
+        for i, expert in enumerate(layer.deepspeed_experts):
+            for rest, param in expert.named_parameters():
+                if not (is_moe_param(param) and _experts_split(param)):
+                    continue
+                name = param.group_name
+                size = groups._get_expert_parallel_world_size(name)
+                names = tuple(f"{prefix}.deepspeed_experts.{e * local + i}.{rest}" for e in range(size))
+                position = groups._get_expert_parallel_rank(name)
+                holders = tuple(groups._get_expert_data_parallel_group_ranks(name))
+                out[f"{prefix}.deepspeed_experts.{i}.{rest}"] = Expert(names, position, holders, name)
     return out
 
 
@@ -428,6 +484,11 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]], 
     source.splits = tensor_parallel_splits(named) if source.model_parallel else {}
     if source.splits:
         source.tensor_parallel_rank = groups.get_tensor_model_parallel_rank()
+        source.parallel_groups = {TENSOR_PARALLEL: groups.get_tensor_model_parallel_group()}
+    if source.model_parallel - source.splits.keys():
+        experts = spread_experts(engine.module)
+        source.experts = {n: experts[n] for n in source.model_parallel if n in experts}
+        source.parallel_groups = {e.group: groups._get_expert_parallel_group(e.group) for e in source.experts.values()}
     return source
 
 

@@ -13,7 +13,9 @@ statistics from the local shards, writing each rank's rows of the given value in
 HSDP (mesh ``(replicate, shard)``): gathered over the shard dimension only; the replicate dimension
 already holds equal values. Tensor parallel (a DTensor parameter before ``fully_shard``): FSDP shards
 the rank's TP shard, so the gather over FSDP's dimension rebuilds that TP shard, which stays local
-and is named in ``model_parallel`` (as AutoTP shards are).
+and is named in ``model_parallel`` (as AutoTP shards are); where it is one slice of one dimension
+(``Shard(d)`` over the tensor-parallel mesh), ``splits`` says where it lies in the whole tensor, which
+checkpoints write and read.
 
 FSDP2 internals used (torch 2.13): ``FSDPModule`` and its state's ``_fsdp_param_group.fsdp_params``;
 of each ``FSDPParam``: ``sharded_param`` (the model's parameter), ``fsdp_placement`` (dim 0 unless a
@@ -41,6 +43,7 @@ from collgrad import _compat
 from collgrad.core.buffers import Pieces, SameTensors, flat_alias
 from collgrad.errors import InvalidArgumentError
 from collgrad.state.adapters.base import (
+    TENSOR_PARALLEL,
     GroupBuffer,
     LocalGrads,
     Model,
@@ -53,7 +56,7 @@ from collgrad.state.adapters.base import (
 )
 from collgrad.state.cache import PlanCache
 from collgrad.state.kinds import GRAD, WEIGHTS, OptimizerState, StateKind
-from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout, owned_fragments
+from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, Split, StateLayout, owned_fragments
 
 __all__ = [
     "adapt_sharded",
@@ -105,6 +108,7 @@ class FSDP2Source(Source):
         managed = {id(fp.sharded_param): fp for fp in _fsdp_params(model)}
         members: dict[Any, list[tuple[str, Any]]] = {}
         pgs, tensor_parallel = {}, set()
+        splits: dict[str, Split] = {}
         for name, p in named:
             fp = managed.get(id(p))
             if fp is None or not isinstance(p, DTensor):
@@ -121,11 +125,16 @@ class FSDP2Source(Source):
             tp_spec = getattr(fp, "_unsharded_dtensor_spec", None) if fp.is_dtensor else None
             if tp_spec is not None and any(pl.is_shard() for pl in tp_spec.placements):
                 tensor_parallel.add(name)  # a tensor-parallel shard before FSDP: it stays this rank's TP shard
+                placed = _tensor_parallel_split(tp_spec, tuple(fp._orig_size))
+                if placed is not None:
+                    splits[name], self.tensor_parallel_rank, group = placed
+                    self.parallel_groups = {TENSOR_PARALLEL: group}
             pg = fp.mesh_info.shard_process_group
             key = (id(pg), str(p.to_local().dtype))
             pgs[key] = pg
             members.setdefault(key, []).append((name, fp))
         self.model_parallel = frozenset(tensor_parallel)
+        self.splits = splits
         groups = []
         for index, (key, params) in enumerate(members.items()):
             pg = pgs[key]
@@ -228,6 +237,26 @@ class FSDP2Source(Source):
                     pieces.append(_zeros(self.scratch, pad, group.wire_dtype, self.device))
             buffers.append(Pieces(pieces))
         return LocalGrads(Problem.OK, buffers)
+
+
+def _tensor_parallel_split(spec: Any, local: tuple[int, ...]) -> tuple[Split, int, Any] | None:
+    """Where this rank's tensor-parallel shard of a parameter lies in the whole tensor, its index on
+    the mesh dimension that shards it and that dimension's process group: from the parameter's DTensor
+    layout before FSDP (``spec``: one
+    ``Shard(d)`` over its tensor-parallel mesh, each rank ``torch.chunk``'s piece of dimension ``d``);
+    ``local``: the shard's shape, which the slice must give. None for a layout that is not one slice of
+    one dimension (shards along more than one dimension; a strided or uneven one): collgrad cannot
+    place it. Local."""
+    sharded = [(k, pl) for k, pl in enumerate(spec.placements) if pl.is_shard()]
+    if len(sharded) != 1 or type(sharded[0][1]) is not Shard:  # not one plain Shard (_StridedShard subclasses it)
+        return None
+    mesh_dim, placement = sharded[0]
+    whole, dim = tuple(spec.shape), placement.dim
+    index, size = spec.mesh.get_coordinate()[mesh_dim], spec.mesh.size(mesh_dim)
+    chunk = -(-whole[dim] // size)
+    bounds = tuple(min(k * chunk, whole[dim]) for k in range(size + 1))
+    split = Split(dim, whole, bounds[index], bounds[index + 1], bounds)
+    return (split, index, spec.mesh.get_group(mesh_dim)) if split.shard_shape() == local else None
 
 
 def _zeros(scratch: dict[Hashable, Any], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
