@@ -105,6 +105,7 @@ def collected(call: OpenCall, copy: bool = True) -> FullState:
     joiner = _joiner(call)
     if joiner is not None:  # every step done before the first join: no rank waits on a peer mid-gather
         found = dict(joiner.feed(found.items()))
+        assert joiner.done(), "every bucket of shards was complete"
         order = whole_order(call.source, order)
     out = FullGrads() if isinstance(call.kind, Grad) else FullState()
     for name in order:

@@ -26,6 +26,7 @@ setters take whole values and each rank writes its own slice (``narrowed``).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -180,8 +181,9 @@ def join_plan(
 
 class Joiner:
     """A call's results made whole (the module's docstring): ``feed`` takes each step's results and
-    returns those whole so far, in order (tensors already whole at once, the others as their bucket
-    completes). Collective: every rank of each model-parallel set feeds every step alike."""
+    returns those whole so far, in the order they came (a tensor already whole waits only for shards
+    before it, whose bucket is not complete yet: about a bucket; an expert's whole tensors where it
+    was). Collective: every rank of each model-parallel set feeds every step alike."""
 
     def __init__(self, source: Source, names: Sequence[str], run: Callable[..., CallRecord], bucket_bytes: int) -> None:
         """``names``: the call's parameters in result order; ``run``: ``OpenCall.run``."""
@@ -198,26 +200,33 @@ class Joiner:
             )
         self.plan: tuple[JoinBucket, ...] = plan
         self._member = {name for bucket in plan for name in bucket.members}
-        self._waiting: dict[str, torch.Tensor] = {}
+        self._waiting: dict[str, torch.Tensor] = {}  # shards, until their bucket is complete
+        self._joined: dict[str, list[tuple[str, torch.Tensor]]] = {}  # by shard: what it was made whole into
+        self._queue: deque[tuple[str, torch.Tensor | None]] = deque()  # results in order; None: a shard
         self._next = 0
         self.calls: list[CallRecord] = []
 
     def feed(self, results: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        out: list[tuple[str, torch.Tensor]] = []
         for name, tensor in results:
             if name in self._member:
                 self._waiting[name] = tensor
+                self._queue.append((name, None))
             else:
-                out.append((name, tensor))
+                self._queue.append((name, tensor))
         while self._next < len(self.plan) and all(n in self._waiting for n in self.plan[self._next].members):
-            out += self._join(self._next)
+            self._joined.update(self._join(self._next))
             self._next += 1
+        out: list[tuple[str, torch.Tensor]] = []
+        while self._queue and (self._queue[0][1] is not None or self._queue[0][0] in self._joined):
+            name, held = self._queue.popleft()
+            out += [(name, held)] if held is not None else self._joined.pop(name)
         return out
 
     def done(self) -> bool:
         return self._next == len(self.plan)
 
-    def _join(self, k: int) -> list[tuple[str, torch.Tensor]]:
+    def _join(self, k: int) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """Bucket ``k``'s shards made whole, by shard: the whole tensor, or every rank's expert."""
         bucket, source = self.plan[k], self.source
         group = source.parallel_groups[bucket.group]
         me, ranks = torch.distributed.get_rank(group), len(bucket.counts[0])
@@ -228,16 +237,16 @@ class Joiner:
         got = torch.empty(ranks * bucket.width, dtype=bucket.dtype, device=device)
         self.calls.append(self._run(("whole", k), Op.ALL_GATHER, [sent], [got], group))
         rows = got.view(ranks, bucket.width)
-        out: list[tuple[str, torch.Tensor]] = []
+        out: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for name, counts, offsets in zip(bucket.members, bucket.counts, bucket.offsets):
             parts = [rows[r].narrow(0, offsets[r], counts[r]) for r in range(ranks)]
             split = source.splits.get(name)
             if split is not None:
-                out.append((name, torch.cat([p.view(split.shard_shape(r)) for r, p in enumerate(parts)], split.dim)))
+                shards = [p.view(split.shard_shape(r)) for r, p in enumerate(parts)]
+                out[name] = [(name, torch.cat(shards, split.dim))]
             else:
-                shape = source.params[name].shape if name in source.params else None
-                expert = source.experts[name]
-                out += [(expert.names[r], p.view(shape) if shape is not None else p) for r, p in enumerate(parts)]
+                shape = source.params[name].shape
+                out[name] = [(n, p.view(shape)) for n, p in zip(source.experts[name].names, parts)]
         return out
 
 

@@ -40,6 +40,47 @@ def _joined_by_hand(eng):
     return out
 
 
+def _joined(values: dict) -> dict:
+    """DeepSpeed's accessors' tensor-parallel shards all-gathered over the tensor-parallel group and
+    joined along their split dimension: the unsharded model's tensors."""
+    from deepspeed.utils import groups
+
+    out = {}
+    for name, local in values.items():
+        if name in SPLIT_DIMS:
+            parts = [torch.empty_like(local) for _ in range(TP)]
+            dist.all_gather(parts, local.contiguous(), group=groups.get_tensor_model_parallel_group())
+            local = torch.cat(parts, SPLIT_DIMS[name])
+        out[name] = local
+    return out
+
+
+def _whole(eng, grads_before_step: dict) -> dict:
+    """model_parallel="whole": the gradients (read before the step), bitwise DeepSpeed's accessor joined
+    by hand, in one all-gather over the tensor-parallel group; their statistics; writes of whole values."""
+    import collgrad
+
+    whole = collgrad.safe_get_full_model_grads(eng, model_parallel="whole")
+    joined = _joined(grads_before_step)
+    stats = collgrad.safe_get_full_model_grad_stats(eng, model_parallel="whole")
+    norms = {n: float(g.double().norm()) for n, g in joined.items()}
+    total = float(torch.cat([g.double().reshape(-1) for g in joined.values()]).norm())
+    new = {n: g * 2 + 1 for n, g in whole.items()}
+    collgrad.safe_set_full_model_grads(eng, new, model_parallel="whole")
+    back = collgrad.safe_get_full_model_grads(eng, model_parallel="whole")
+    collgrad.safe_set_full_model_grads(eng, dict(whole), model_parallel="whole")  # as they were
+    return {
+        "names": list(whole) == list(joined) and not whole.model_parallel,
+        "unequal": [n for n in joined if not torch.equal(whole[n], joined[n])],
+        "collectives": [c.collectives for c in whole.record.model_parallel_calls],
+        # a split tensor's norm over both shards, a replicated one once (not once per tensor-parallel rank)
+        "norms": all(abs(stats.params[n].norm - v) <= 1e-6 * v for n, v in norms.items())
+        and abs(stats.global_norm - total) <= 1e-6 * total
+        and stats.params["up_proj.weight"].numel == 56,
+        "written": [n for n in new if not torch.equal(back[n], new[n])],
+    }
+
+
 def _saved_whole(eng, directory):
     """Whether ``save_full_model``'s file holds every tensor whole, bitwise as joined by hand."""
     from safetensors.torch import load_file
@@ -94,6 +135,7 @@ def _worker(rank, world, path):
         back = collgrad.safe_get_full_model_grads(eng)
         ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
         out[stage]["written"] = all(torch.equal(back[n], new[n]) and torch.equal(ds[n], new[n]) for n in new)
+        out[stage]["whole"] = _whole(eng, ds)
         eng.step()
         # the fp32 weights and Adam's moments: the tensor-parallel shards stay local, as their gradients
         trainable = [(n, p) for n, p in eng.module.named_parameters() if p.requires_grad]
@@ -104,6 +146,23 @@ def _worker(rank, world, path):
             all(torch.equal(fp32[n], w) and torch.equal(exp_avg[n], m) for (n, _), (w, m) in zip(trainable, theirs))
             and sorted(fp32.model_parallel) == out[stage]["model_parallel"]
         )
+        # and whole: the masters and moments as the unsharded model has them, streamed too
+        whole = {
+            "fp32": collgrad.safe_get_full_model_fp32_params(eng, model_parallel="whole"),
+            "exp_avg": dict(collgrad.iter_full_model_optimizer_states(eng, "exp_avg", model_parallel="whole")),
+        }
+        joined = {
+            "fp32": _joined({n: w for (n, _), (w, _) in zip(trainable, theirs)}),
+            "exp_avg": _joined({n: m for (n, _), (_, m) in zip(trainable, theirs)}),
+        }
+        out[stage]["state_whole"] = [
+            f"{k}/{n}" for k in whole for n in joined[k] if not torch.equal(whole[k][n], joined[k][n])
+        ] + [k for k in whole if list(whole[k]) != list(joined[k])]
+        # whole writes: each rank its slice; read back whole as written
+        halved = {n: w * 0.5 for n, w in whole["fp32"].items()}
+        collgrad.safe_set_full_model_fp32_params(eng, halved, model_parallel="whole")
+        back = collgrad.safe_get_full_model_fp32_params(eng, model_parallel="whole")
+        out[stage]["state_written"] = [n for n in halved if not torch.equal(back[n], halved[n])]
         out[stage]["saved"] = _saved_whole(eng, os.path.join(path, f"zero{stage}"))
     return out
 
@@ -122,6 +181,9 @@ def test_autotp_shards_stay_local_read_written_and_counted_per_shard_and_are_sav
             assert entry["stats_model_parallel"] == entry["model_parallel"]
             assert entry["written"], (rank, stage)
             assert entry["state_equal"], (rank, stage)
+            # whole: one all-gather over the tensor-parallel group for the bucket of shards
+            assert entry["whole"] == {"names": True, "unequal": [], "collectives": [1], "norms": True, "written": []}
+            assert entry["state_whole"] == [] and entry["state_written"] == [], (rank, stage, entry)
             saved = entry["saved"]
             assert saved["names"] and saved["unequal"] == [], (rank, stage, saved)
             assert saved["shapes"]["up_proj.weight"] == (8, 7) and saved["shapes"]["down_proj.weight"] == (5, 8)

@@ -163,11 +163,10 @@ def _whole_model_jobs(eng, root: str) -> dict[str, tuple]:
     import collgrad
 
     out = {}
-    for job in (collgrad.save_full_model, collgrad.save_training_state, collgrad.load_full_model):
-        found = attempt(lambda: job(eng, root))
+    jobs = (collgrad.save_full_model, collgrad.save_training_state, collgrad.load_full_model)
+    for job in (*jobs, collgrad.load_training_state):
+        found = attempt(lambda job=job: job(eng, root))
         out[job.__name__] = (found["error"], found.get("message", "").split(" [seen by")[0])
-    found = attempt(lambda: collgrad.load_training_state(eng, root))
-    out["load_training_state"] = (found["error"], found.get("message", "").split(" [seen by")[0])
     return out
 
 

@@ -130,6 +130,12 @@ def _uneven(rank, world, root):
     collgrad.load_training_state(eng, os.path.join(root, "autotp"))
     got = _whole_state(eng)
     resumed = [k for k in expected if not torch.equal(got[k], expected[k])]
+    # whole reads of uneven shards (each rank's run padded to the largest): the same whole tensors
+    whole = {f"fp32/{n}": t for n, t in collgrad.safe_get_full_model_fp32_params(eng, model_parallel="whole").items()}
+    for key in KEYS:
+        states = collgrad.safe_get_full_model_optimizer_states(eng, key, model_parallel="whole")
+        whole.update((f"{key}/{n}", t) for n, t in states.items())
+    resumed += [k for k in expected if not torch.equal(whole[k], expected[k])]
     saved = collgrad.save_training_state(eng, os.path.join(root, "uneven"))
     stored = {}
     for stem in ("fp32", *KEYS):

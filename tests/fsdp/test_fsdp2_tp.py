@@ -48,12 +48,23 @@ def _worker(rank, world):
     nn.functional.mse_loss(model(x), y).backward()
     grads = collgrad.safe_get_full_model_grads(model)
     stats = collgrad.safe_get_full_model_grad_stats(model)
+    # model_parallel="whole": every gradient as full_tensor() gives it, the norm of the whole model
+    whole = collgrad.safe_get_full_model_grads(model, model_parallel="whole")
+    whole_stats = collgrad.safe_get_full_model_grad_stats(model, model_parallel="whole")
+    full = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    total = float(torch.cat([g.double().reshape(-1) for g in full.values()]).norm())
 
     plain = Net()
     for d in range(world // TP):
         xs, ys = _batch(d)
         (nn.functional.mse_loss(plain(xs), ys) / (world // TP)).backward()
     out = {"model_parallel": sorted(grads.model_parallel), "groups": [g.ranks for g in grads.record.groups]}
+    out["whole"] = (
+        [n for n in full if not torch.equal(whole[n], full[n])],
+        list(whole) == list(full),
+        abs(whole_stats.global_norm - total) <= 1e-6 * total,
+        [c.collectives for c in whole.record.model_parallel_calls],
+    )
     for n, p in model.named_parameters():
         full = p.grad.full_tensor()
         reference = plain.get_parameter(n).grad
@@ -79,6 +90,7 @@ def test_tensor_parallel_shards_stay_local_and_the_rest_is_whole():
     results = run_ranks(_worker, 4, timeout=300)
     for rank, res in enumerate(results):
         assert res["model_parallel"] == ["down.weight", "up.bias", "up.weight"], res["model_parallel"]
+        assert res["whole"] == ([], True, True, [1]), res["whole"]  # one all-gather over the TP dimension
         assert res["groups"] == [(rank % TP, rank % TP + TP)]  # FSDP's (data-parallel) dimension only
         assert res["up.weight"]["shape"] == (5, 7) and res["down.weight"]["shape"] == (6, 5)
         assert res["down.bias"]["shape"] == (6,)

@@ -111,6 +111,12 @@ def _on_the_mesh(rank, world, root):
     saved = collgrad.save_training_state(model, os.path.join(root, "tp"), optimizer=opt)
     collgrad.save_full_model(model, os.path.join(root, "full"))
     state, _ = _fsdp_state(model, opt)
+    # whole reads over the 2-D mesh: every parameter and Adam state as full_tensor() gives it
+    whole = {f"fp32/{n}": t for n, t in collgrad.safe_get_full_model_fp32_params(model, model_parallel="whole").items()}
+    for key in KEYS:
+        states = collgrad.iter_full_model_optimizer_states(model, key, optimizer=opt, model_parallel="whole")
+        whole.update((f"{key}/{n}", t.clone()) for n, t in states)
+    out["whole"] = _unequal(whole, state)
     with torch.no_grad():
         logits = model(torch.randn(3, 7, generator=torch.Generator().manual_seed(9)))  # replicated
     _train(model, opt, dp_rank)
@@ -162,7 +168,7 @@ def test_fsdp2_over_tensor_parallelism_resumes_at_another_layout_and_framework(t
     root = str(tmp_path)
     run_ranks(_data_parallel, 2, root, timeout=300)
     for rank, res in enumerate(run_ranks(_on_the_mesh, 4, root, timeout=300)):
-        assert res == {"resumed": ([], {1}), "trained on": [], "files": True}, (rank, res)
+        assert res == {"resumed": ([], {1}), "trained on": [], "whole": [], "files": True}, (rank, res)
     for rank, res in enumerate(run_ranks(_elsewhere, 2, root, timeout=300)):
         assert res == {"fsdp2": ([], {2}, []), "zero2": ([], {2}, []), "zero3": ([], {2}, []), "logits": []}, (
             rank,
