@@ -32,10 +32,13 @@ __all__ = ["Executor", "Result", "accessor_bytes"]
 class Executor:
     """Runs ``call.plan``; ``steps()`` yields each step's results, ``record()`` tells what was done."""
 
-    def __init__(self, call: OpenCall, *, copy: bool = True) -> None:
+    def __init__(self, call: OpenCall, *, copy: bool = True, uncopied: frozenset[str] = frozenset()) -> None:
+        """``uncopied``: parameters whose results the caller copies itself (whole mode's shards, copied
+        into the model-parallel gather): handed out as held even with ``copy``."""
         self.call = call
         #: False: where this rank holds a gradient whole (no collective), hand out the tensor itself
         self.copy = copy
+        self.uncopied = uncopied
         self.group_records: list[GroupRecord] = []
         self.per_param_collectives = 0
         self.accessor_bytes = 0
@@ -103,14 +106,16 @@ class Executor:
     def _local(self, step: Step) -> Result:
         """What this rank already holds: copies, or with ``copy=False`` the tensors themselves."""
         copy, group, batch, buffer = self.copy, step.group, step.batch, step.buffer
+        uncopied = self.uncopied
         if group.kind is Partitioning.REPLICATED:
             assert isinstance(buffer, list)
             params, out_dtype = group.params, group.out_dtype
             # copy=False: the optimizer's tensor itself (no autograd history to cut: a .grad, a _hp_grad),
             # not a new tensor object per gradient
-            grads = [buffer[k].detach().clone() for k in batch] if copy else [no_history(buffer[k]) for k in batch]
+            copies = [copy and params[k].name not in uncopied for k in batch]
+            grads = [buffer[k].detach().clone() if c else no_history(buffer[k]) for k, c in zip(batch, copies)]
             if self.call.unscale or any(g.dtype is not out_dtype for g in grads):
-                grads = [converted(self.call, g, out_dtype, owned=copy) for g in grads]
+                grads = [converted(self.call, g, out_dtype, owned=c) for g, c in zip(grads, copies)]
             return [(params[k].name, shaped(g, params[k])) for k, g in zip(batch, grads)]
         assert isinstance(buffer, Pieces)
         out = []
@@ -119,8 +124,9 @@ class Executor:
             if frag.param in wanted:
                 slot = group.params[frag.param]
                 piece = buffer.range(frag.local_offset, frag.numel)
-                moved = piece.to(self.call.source.device, copy=copy)
-                owned = copy or moved.data_ptr() != piece.data_ptr()  # moved, or a concatenation of pieces
+                copied = copy and slot.name not in uncopied
+                moved = piece.to(self.call.source.device, copy=copied)
+                owned = copied or moved.data_ptr() != piece.data_ptr()  # moved, or a concatenation of pieces
                 out.append((slot.name, converted(self.call, shaped(moved, slot), group.out_dtype, owned=owned)))
         return out
 

@@ -97,12 +97,12 @@ def safe_get_full_model_grads(
 def collected(call: OpenCall, copy: bool = True) -> FullState:
     """Every result of the opened ``call``, in ``named_parameters()`` order (``FullGrads`` for gradients;
     whole: the unsharded model's names and order). Collective, as its steps."""
-    executor = Executor(call, copy=copy)
+    joiner = _joiner(call)
+    executor = Executor(call, copy=copy, uncopied=joiner.members if joiner is not None else frozenset())
     found: dict[str, torch.Tensor] = {}
     for results in executor.steps():
         found.update(results)
     order: Iterable[str] = call.source.layout.order
-    joiner = _joiner(call)
     if joiner is not None:  # every step done before the first join: no rank waits on a peer mid-gather
         found = dict(joiner.feed(found.items()))
         assert joiner.done(), "every bucket of shards was complete"
@@ -135,8 +135,8 @@ class FullStateStream:
     a collective)."""
 
     def __init__(self, call: OpenCall, copy: bool = True) -> None:
-        self._executor = Executor(call, copy=copy)
         self._joiner = _joiner(call)
+        self._executor = Executor(call, copy=copy, uncopied=self._joiner.members if self._joiner else frozenset())
         self._iter = self._generate()
         self.kind: StateKind = call.kind
         self.model_parallel = frozenset() if self._joiner is not None else call.source.model_parallel
