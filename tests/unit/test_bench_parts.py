@@ -299,7 +299,10 @@ def test_deepspeed_config_follows_the_precision_and_offload():
 def test_host_peak_sees_an_allocation_held_in_the_block():
     with memory.PeakHost() as peak:
         held = torch.ones(16 * 2**20 // 4)  # 16 MiB
-    assert peak.extra >= 16 * 2**20 and held.numel()
+    # The meter reads the whole process's allocator: another thread of it (the test runner's channel,
+    # torch's) may free a few KiB during the block (36 KiB in one CI run). A meter that missed the block
+    # would read about nothing; one MiB of slack for the others, no more.
+    assert peak.extra >= 15 * 2**20 and held.numel()
 
 
 def test_minor_faults_count_first_touches_of_fresh_memory():
