@@ -22,14 +22,14 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from collgrad.checkpoint import commit, storage
 from collgrad.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint, Placement, read_deepspeed_checkpoint
 from collgrad.checkpoint.manifest import MANIFEST_NAME, STATE_DIR, Manifest, ParamGroup, manifest_path
-from collgrad.checkpoint.plan import WHOLE, Files, Held, Holding, Ranges, WriteItem, lay_out, write_items
+from collgrad.checkpoint.plan import WHOLE, Files, Held, Holding, Ranges, WriteItem, in_whole, lay_out, write_items
 from collgrad.checkpoint.safetensors import INDEX_NAME, Entry
 from collgrad.checkpoint.save import DEFAULT_MAX_SHARD_BYTES, checked_shard_bytes
 from collgrad.checkpoint.training import file_names, put_in_place, weights_index
@@ -124,9 +124,11 @@ def convert_deepspeed_checkpoint(
 
 
 def _entries(source: DeepSpeedCheckpoint) -> dict[str, list[Entry]]:
-    """Each file stem's tensors: the module's (tied names once), the masters, each per-element state."""
+    """Each file stem's tensors: the module's (tied names once), the masters, each per-element state;
+    a tensor-parallel shard as its whole tensor."""
     trainable = {p.name: p for p in source.trainable}
     frozen = {p.name: p for p in source.frozen}
+    whole = {name: split.whole for name, split in source.splits.items()}
     model = []
     for name, tensor in source.module.items():
         if name in source.aliases:
@@ -138,10 +140,10 @@ def _entries(source: DeepSpeedCheckpoint) -> dict[str, list[Entry]]:
                 "nor its buffer_names shape (an empty parameter?); nothing was written"
             )
         shape = placed.shape if placed is not None else tuple(tensor.shape)
-        model.append(Entry(name, shape, tensor.dtype))
-    out = {"model": model, "fp32": [Entry(p.name, p.shape, _flat(source, p, None).dtype) for p in source.trainable]}
-    for k, key in enumerate(source.keys):
-        out[f"optimizer-{k}"] = [Entry(p.name, p.shape, _flat(source, p, key).dtype) for p in source.trainable]
+        model.append(Entry(name, whole.get(name, shape), tensor.dtype))
+    out = {"model": model}
+    for stem, key in (("fp32", None), *((f"optimizer-{k}", key) for k, key in enumerate(source.keys))):
+        out[stem] = [Entry(p.name, whole.get(p.name, p.shape), _flat(source, p, key).dtype) for p in source.trainable]
     return out
 
 
@@ -160,7 +162,9 @@ def _flat(source: DeepSpeedCheckpoint, placement: Placement, key: str | None, ra
 def _held(source: DeepSpeedCheckpoint, files: Files) -> tuple[list[Holding], list[storage.Memory]]:
     """Every tensor's values as this one process holds them: per tensor, its pieces in the ranks' mapped
     flat tensors (each a ``Memory`` of one tensor), or the whole tensor in rank 0's file (the weights
-    below ZeRO-3, the buffers). The holdings in the files' order; none a replica (one process)."""
+    below ZeRO-3, the buffers); under tensor parallelism every part's, each shard's elements placed in
+    its whole tensor (``plan.in_whole``), what no part splits from the first. The holdings in the
+    files' order; none a replica (one process)."""
     memory: list[storage.Memory] = []
     at: dict[int, int] = {}  # a flat tensor's index in ``memory``, by identity
 
@@ -171,26 +175,38 @@ def _held(source: DeepSpeedCheckpoint, files: Files) -> tuple[list[Holding], lis
             memory.append(storage.Memory(whole=[tensor]))
         return found
 
-    def pieces(stem: str, placement: Placement, key: str | None) -> Iterator[Holding]:
+    def pieces(part: DeepSpeedCheckpoint, stem: str, placement: Placement, key: str | None) -> Iterator[Holding]:
         done = 0
         for piece in placement.pieces:
-            flat = _flat(source, placement, key, piece.rank)
+            flat = _flat(part, placement, key, piece.rank)
             held = Held(of(flat), WHOLE, 0, piece.start)
             yield Holding(stem, placement.name, Ranges(done, piece.numel), held)
             done += piece.numel
 
-    by_name = {p.name: p for p in (*source.trainable, *source.frozen)}
+    def placed(part: DeepSpeedCheckpoint, holdings: Iterable[Holding]) -> Iterator[Holding]:
+        """A part's holdings in their whole tensors; of a tensor no part splits, the first part's only."""
+        for holding in holdings:
+            split = part.splits.get(holding.tensor)
+            if split is not None:
+                yield from in_whole(holding, split)
+            elif part is parts[0]:
+                yield holding
+
+    parts = source.parts or (source,)
     out: list[Holding] = []
-    for entry in (e for _, shard in files.shards.get("model", ()) for e in shard.entries):
-        placement = by_name.get(entry.name)
-        if source.layout == "zero3" and placement is not None:  # the masters (or frozen fragments), cast
-            out.extend(pieces("model", placement, None))
-        else:  # whole in rank 0's file: the weights below ZeRO-3, the buffers
-            whole = source.module[entry.name]
-            out.append(Holding("model", entry.name, Ranges(0, whole.numel()), Held(of(whole), WHOLE, 0)))
-    for stem, key in (("fp32", None), *((f"optimizer-{k}", key) for k, key in enumerate(source.keys))):
-        for placement in source.trainable:
-            out.extend(pieces(stem, placement, key))
+    for part in parts:
+        by_name = {p.name: p for p in (*part.trainable, *part.frozen)}
+        for entry in (e for _, shard in files.shards.get("model", ()) for e in shard.entries):
+            placement = by_name.get(entry.name)
+            if part.layout == "zero3" and placement is not None:  # the masters (or frozen fragments), cast
+                out.extend(placed(part, pieces(part, "model", placement, None)))
+            else:  # whole in the part's file: the weights below ZeRO-3, the buffers
+                whole = part.module[entry.name]
+                held = Holding("model", entry.name, Ranges(0, whole.numel()), Held(of(whole), WHOLE, 0))
+                out.extend(placed(part, [held]))
+        for stem, key in (("fp32", None), *((f"optimizer-{k}", key) for k, key in enumerate(part.keys))):
+            for placement in part.trainable:
+                out.extend(placed(part, pieces(part, stem, placement, key)))
     return out, memory
 
 
@@ -205,8 +221,8 @@ def _manifest(source: DeepSpeedCheckpoint, files: Files, generation: str) -> Man
         generation,
         {
             "framework": "deepspeed",
-            "layout": f"deepspeed-checkpoint:{source.layout}",
-            "world_size": source.world,
+            "layout": f"deepspeed-checkpoint:{source.layout}" + (f"+autotp{len(source.parts)}" if source.parts else ""),
+            "world_size": source.world * max(1, len(source.parts)),
             "converted_from": source.tag,
         },
         files.mapped("model"),

@@ -34,12 +34,13 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from collgrad.errors import CheckpointError
+from collgrad.state.layout import Split
 
 __all__ = [
     "Piece",
@@ -208,6 +209,12 @@ class DeepSpeedCheckpoint:
     group_states: tuple[Mapping[str, Any], ...]
     lr_scheduler: Mapping[str, Any] | None
     counters: Mapping[str, int | float]
+    #: Under tensor parallelism (AutoTP: ``mp_world_size`` T > 1) each tensor-parallel rank's part, a
+    #: checkpoint of its own over the data-parallel ranks (``mp_rank_<t>`` files), in rank order: this one
+    #: is the first (empty without tensor parallelism).
+    parts: tuple[DeepSpeedCheckpoint, ...] = ()
+    #: Of this part's parameters, the tensor-parallel shards and where each lies in its whole tensor.
+    splits: Mapping[str, Split] = field(default_factory=dict)
 
 
 def _refuse(where: str, reason: str) -> CheckpointError:
@@ -287,43 +294,66 @@ def _flat(found: Any, where: str, what: str, numel: int | None = None) -> torch.
     return found
 
 
-def _files(path: str, layout_prefix: str, world: int, zero3: bool) -> tuple[list[str], list[str]]:
-    """Every rank's model-state and optimizer-state file names (computed here, never read from a file)."""
-    optim = [os.path.join(path, f"{layout_prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for r in range(world)]
+def _files(path: str, layout_prefix: str, world: int, zero3: bool, mp: int = 0) -> tuple[list[str], list[str]]:
+    """Every data-parallel rank's model-state and optimizer-state file names of tensor-parallel rank
+    ``mp`` (computed here, never read from a file)."""
+    optim = [
+        os.path.join(path, f"{layout_prefix}zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt") for r in range(world)
+    ]
     if zero3:
-        model = [os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(world)]
+        model = [os.path.join(path, f"zero_pp_rank_{r}_mp_rank_{mp:02d}_model_states.pt") for r in range(world)]
     else:
-        model = [os.path.join(path, "mp_rank_00_model_states.pt")]
+        model = [os.path.join(path, f"mp_rank_{mp:02d}_model_states.pt")]
     return model, optim
 
 
-def _model_file(path: str) -> str:
-    """Rank 0's model-state file: ZeRO-3's, else the one of ZeRO-0/1/2."""
-    for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"):
+def _model_file(path: str, mp: int = 0) -> str:
+    """Data-parallel rank 0's model-state file of tensor-parallel rank ``mp``: ZeRO-3's, else ZeRO-0/1/2's."""
+    for name in (f"zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt", f"mp_rank_{mp:02d}_model_states.pt"):
         if os.path.lexists(os.path.join(path, name)):
             return os.path.join(path, name)
-    raise _refuse(path, "holds no mp_rank_00_model_states.pt: not a DeepSpeed checkpoint's tag directory")
+    raise _refuse(path, f"holds no mp_rank_{mp:02d}_model_states.pt: not a DeepSpeed checkpoint's tag directory")
 
 
 def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedCheckpoint:
     """The DeepSpeed checkpoint ``directory`` holds under ``tag`` (default: the one ``latest`` names),
-    every file memory-mapped and checked. CheckpointError for anything DeepSpeed would not have written,
-    or a checkpoint of a kind this reader does not take (stage 0, model or pipeline parallel, elastic
-    optimizer states, NVMe-offloaded states). Local: no process group."""
+    every file memory-mapped and checked. Under AutoTP (``mp_world_size`` > 1) every tensor-parallel
+    rank's part, each shard placed in its whole tensor (``_tensor_parallel``). CheckpointError for
+    anything DeepSpeed would not have written, or a checkpoint of a kind this reader does not take
+    (stage 0, pipeline parallelism, fused tensor-parallel layouts, MoE experts, elastic optimizer
+    states, NVMe-offloaded states). Local: no process group."""
     root = os.fspath(directory)
     tag = _tag(root, tag)
     path = os.path.join(root, tag)
-    first = _model_file(path)
+    first, model0 = _part(path, tag, 0)
+    size = _field(model0, "mp_world_size", int, _model_file(path))
+    dims = model0.get("checkpoint_parallel_dimensions")
+    if isinstance(dims, dict) and dims.get("pp_degree", 1) != 1:
+        raise _refuse(_model_file(path), f"was written with pipeline parallelism ({dims}), which convert does not read")
+    if size == 1:
+        return first
+    if not 1 < size <= 4096:
+        raise _refuse(_model_file(path), f"its mp_world_size is {size}")
+    parts = [first] + [_part(path, tag, t)[0] for t in range(1, size)]
+    splits = _tensor_parallel(parts, model0, _model_file(path))
+    placed = tuple(replace(part, splits=s) for part, s in zip(parts, splits))
+    return replace(placed[0], parts=placed)
+
+
+def _part(path: str, tag: str, mp: int) -> tuple[DeepSpeedCheckpoint, dict[str, Any]]:
+    """Tensor-parallel rank ``mp``'s checkpoint over the data-parallel ranks (the whole checkpoint without
+    tensor parallelism), and its data-parallel rank 0's model-state file as loaded."""
+    first = _model_file(path, mp)
     zero3 = os.path.basename(first).startswith("zero_pp_rank_")
     model0 = _load(first, path)
     world = _field(model0, "dp_world_size", int, first)
-    if world < 1 or _field(model0, "mp_world_size", int, first) != 1:
-        raise _refuse(first, "was written with model (tensor or pipeline) parallelism, which convert does not read")
+    if world < 1 or _field(model0, "mp_world_size", int, first) <= mp:
+        raise _refuse(first, f"its dp_world_size {world} or mp_world_size do not fit tensor-parallel rank {mp}")
     module = _field(model0, "module", dict, first)
     if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in module.items()):
         raise _refuse(first, "its 'module' is not a state dict of tensors")
     prefix = "bf16_" if any(v.dtype == torch.bfloat16 for v in module.values()) else ""
-    model_files, optim_files = _files(path, prefix, world, zero3)
+    model_files, optim_files = _files(path, prefix, world, zero3, mp)
     if not os.path.lexists(optim_files[0]):
         raise _refuse(
             path,
@@ -386,7 +416,7 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
     scheduler = model0.get("lr_scheduler")
     if scheduler is not None and not isinstance(scheduler, dict):
         raise _refuse(first, "its lr_scheduler is not a state_dict")
-    return DeepSpeedCheckpoint(
+    found = DeepSpeedCheckpoint(
         path,
         tag,
         layout,
@@ -403,6 +433,92 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         scheduler,
         _counters(model0, first, states[0], optim_files[0]),
     )
+    return found, model0
+
+
+#: What DeepSpeed 0.19's AutoTP records of its layout in each ``mp_rank_<t>`` model-state file
+#: (``universal_checkpoint_info``, the categories its ``ds_to_universal`` reads): each a list of patterns.
+_ROW_PARALLEL = "parameter_with_row_parallelism_patterns"  # split along dimension 1
+_REPLICATED = "tp_replicated_parameter_patterns"  # the same on every tensor-parallel rank
+_VOCABULARY = "vocabulary_parameter_patterns"  # split along dimension 0 (unevenly), as the default
+#: Layouts that are not one slice of one dimension (fused sub-parameters, averaged copies, parameters
+#: AutoTP could not describe): refused, naming the parameter.
+_FUSED = (
+    "parameter_with_sub_params",
+    "parameter_with_2_sub_params_cat_dim_0",
+    "parameter_to_average_patterns",
+    "sub_param_shard_widths",
+    "autotp_unsupported_parameter_patterns",
+)
+
+
+def _literal(pattern: object, where: str) -> str:
+    """The one name an exact-name pattern (``^<re.escape(name)>$``, what AutoTP writes for each
+    parameter) matches. Any other pattern is refused rather than evaluated: the file is untrusted, and
+    a pattern can take exponential time to match."""
+    if isinstance(pattern, str) and len(pattern) <= 4096 and pattern.startswith("^") and pattern.endswith("$"):
+        name = re.sub(r"\\(.)", r"\1", pattern[1:-1])
+        if re.escape(name) == pattern[1:-1]:
+            return name
+    raise _refuse(where, f"its universal_checkpoint_info holds the pattern {str(pattern)[:80]!r}, not an exact name")
+
+
+def _tensor_parallel(
+    parts: Sequence[DeepSpeedCheckpoint], model0: Mapping[str, Any], where: str
+) -> list[dict[str, Split]]:
+    """Where each tensor-parallel rank's shard of each parameter lies in its whole tensor, from what AutoTP
+    recorded (``universal_checkpoint_info``: a row-parallel parameter is split along dimension 1, a
+    replicated one not at all, any other along dimension 0; as DeepSpeed's ``ds_to_universal`` merges
+    them) and from every part's shapes (each shard's size along the split: uneven vocabularies too). Every
+    part must hold the same parameters, groups, optimizer keys and counters. CheckpointError naming the
+    parameter for a fused layout, a shape that does not join, or a part that differs."""
+    info = model0.get("universal_checkpoint_info")
+    if not isinstance(info, dict):
+        raise _refuse(where, "was written with tensor parallelism but records no universal_checkpoint_info (AutoTP's)")
+
+    def named(key: str) -> set[str]:
+        found = info.get(key) or []
+        if not isinstance(found, (list, dict)):
+            raise _refuse(where, f"its universal_checkpoint_info's {key} is not a list of patterns")
+        return {_literal(p, where) for p in found}
+
+    rows, replicated = named(_ROW_PARALLEL), named(_REPLICATED)
+    named(_VOCABULARY)  # checked: split along dimension 0, as any other
+    fused = set().union(*(named(key) for key in _FUSED))
+    first = parts[0]
+
+    def alike(part: DeepSpeedCheckpoint) -> tuple[object, ...]:
+        """What every tensor-parallel part holds the same: one training state holds it once."""
+        names = ([p.name for p in part.trainable], list(part.module), part.buffers, part.aliases)
+        states = repr((part.param_groups, part.group_states, part.counters, part.lr_scheduler))
+        return (part.layout, part.world, part.keys, states, names)
+
+    for part in parts[1:]:
+        if alike(part) != alike(first):
+            raise _refuse(
+                part.path, "its tensor-parallel parts differ in layout, ranks, parameters, optimizer or counters"
+            )
+    out: list[dict[str, Split]] = [{} for _ in parts]
+    for name in first.module:
+        if name in first.buffers or name in first.aliases:
+            continue
+        if name in fused:
+            raise _refuse(where, f"AutoTP split {name} in a fused or undescribed layout, which convert does not join")
+        shapes = [tuple(part.module[name].shape) for part in parts]
+        if first.layout == "zero3":  # the module holds placeholders: the shapes are the placements'
+            shapes = [next((p.shape for p in part.trainable if p.name == name), s) for part, s in zip(parts, shapes)]
+        dim = None if name in replicated else 1 if name in rows else 0
+        if dim is None or len(shapes[0]) <= dim:
+            if len(set(shapes)) > 1 or dim is not None:
+                raise _refuse(where, f"the tensor-parallel parts of {name} ({shapes}) do not join")
+            continue
+        if any(s[:dim] + s[dim + 1 :] != shapes[0][:dim] + shapes[0][dim + 1 :] for s in shapes):
+            raise _refuse(where, f"the tensor-parallel parts of {name} ({shapes}) do not join along dimension {dim}")
+        bounds = tuple(sum(s[dim] for s in shapes[:t]) for t in range(len(shapes) + 1))
+        whole = shapes[0][:dim] + (bounds[-1],) + shapes[0][dim + 1 :]
+        for t in range(len(parts)):
+            out[t][name] = Split(dim, whole, bounds[t], bounds[t + 1], bounds)
+    return out
 
 
 def _per_element(found: Mapping[str, Any], numel: int) -> list[str]:

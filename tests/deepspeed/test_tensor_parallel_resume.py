@@ -61,6 +61,7 @@ def _save_under_autotp(rank, world, root):
     eng = models.engine(models.autotp_config(2, TP), models.TPNet())
     _step(eng, rank // TP)  # tensor-parallel peers see the same batch
     saved = collgrad.save_training_state(eng, os.path.join(root, "autotp"))
+    eng.save_checkpoint(os.path.join(root, "ds"), tag="step1")  # DeepSpeed's own: per (tp, dp) rank files
     whole = _whole_state(eng)
     _step(eng, rank // TP, 1)  # the uninterrupted run's next step
     after = _whole_state(eng)
@@ -137,6 +138,7 @@ def _uneven(rank, world, root):
         whole.update((f"{key}/{n}", t) for n, t in states.items())
     resumed += [k for k in expected if not torch.equal(whole[k], expected[k])]
     saved = collgrad.save_training_state(eng, os.path.join(root, "uneven"))
+    eng.save_checkpoint(os.path.join(root, "ds-uneven"), tag="step1")
     stored = {}
     for stem in ("fp32", *KEYS):
         name = "fp32" if stem == "fp32" else f"optimizer-{sorted(KEYS).index(stem)}"
@@ -147,12 +149,74 @@ def _uneven(rank, world, root):
     return resumed, written, eng.global_steps
 
 
+def _stored(directory: str) -> dict[str, torch.Tensor]:
+    """A training state's tensors by ``<what>/<name>``: ``model``, ``fp32`` and each Adam state's key."""
+    import re
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for folder, _, files in os.walk(directory):
+        for file in files:
+            found = re.match(r"^(model|fp32|optimizer-(\d+))-[0-9a-f]+-\d+-of-\d+\.safetensors$", file)
+            if found:
+                what = KEYS[int(found[2])] if found[2] else found[1]
+                out.update((f"{what}/{n}", t) for n, t in load_file(os.path.join(folder, file)).items())
+    return out
+
+
+def _converted(root: str, ds: str, ours: str) -> list[str]:
+    """DeepSpeed's AutoTP checkpoint converted offline: what differs from collgrad's own training state
+    of the same engine at the same step (every tensor whole, bitwise), or the manifests' step counts."""
+    import json
+
+    import collgrad
+
+    converted = collgrad.convert_deepspeed_checkpoint(os.path.join(root, ds), os.path.join(root, ds + "-converted"))
+    got, want = _stored(converted.directory), _stored(os.path.join(root, ours))
+    differ = sorted(set(got) ^ set(want)) or [k for k in want if not torch.equal(got[k], want[k])]
+    manifests = [
+        os.path.join(d, "training_state", "manifest.json") for d in (converted.directory, os.path.join(root, ours))
+    ]
+    steps = [json.load(open(m))["counters"]["global_steps"] for m in manifests]
+    return differ + ([] if steps[0] == steps[1] == 1 else [f"steps {steps}"])
+
+
+def _refused_spoiled(tmp_path, key: str, patterns: list[str], words: str) -> None:
+    """A copy of DeepSpeed's AutoTP checkpoint whose first part records ``patterns`` under ``key``: its
+    conversion refused with ``words``, nothing written."""
+    import shutil
+
+    import collgrad
+
+    spoiled = tmp_path / "spoiled"
+    shutil.rmtree(spoiled, ignore_errors=True)
+    shutil.copytree(tmp_path / "ds", spoiled)
+    model = spoiled / "step1" / "mp_rank_00_model_states.pt"
+    found = torch.load(model, weights_only=False)
+    found["universal_checkpoint_info"][key] = patterns
+    torch.save(found, model)
+    with pytest.raises(collgrad.CheckpointError, match=words):
+        collgrad.convert_deepspeed_checkpoint(spoiled, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
 def test_an_autotp_training_state_resumes_without_tensor_parallelism_and_back(tmp_path):
     files = run_ranks(_save_under_autotp, 4, str(tmp_path), timeout=600)[0]
     assert "model.safetensors.index.json" in files and "training_state/manifest.json" in files
+    # DeepSpeed's own AutoTP checkpoint (tensor-parallel 2 x data-parallel 2), converted: the same state
+    assert _converted(str(tmp_path), "ds", "autotp") == []
+    # what AutoTP recorded of its layout, spoiled: refused, naming why, before anything is written
+    for key, patterns, words in [
+        ("tp_replicated_parameter_patterns", ["^.*$"], "not an exact name"),  # never evaluated
+        ("parameter_to_average_patterns", ["^up_proj\\.weight$"], "fused or undescribed layout"),
+        ("parameter_with_row_parallelism_patterns", ["^up_proj\\.bias$"], "do not join"),
+    ]:
+        _refused_spoiled(tmp_path, key, patterns, words)
     for rank, resumed in enumerate(run_ranks(_resume_elsewhere, 2, str(tmp_path), timeout=600)):
         assert resumed.pop("trained on") == [], rank
         for where, (unequal, steps) in resumed.items():
             assert unequal == [] and steps == 1, (rank, where, unequal, steps)
     # at world 3, tensor-parallel 3: uneven shards read and written
     assert run_ranks(_uneven, 3, str(tmp_path), timeout=600) == [([], [], 1)] * 3
+    assert _converted(str(tmp_path), "ds-uneven", "uneven") == []
