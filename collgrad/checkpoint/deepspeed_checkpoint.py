@@ -391,6 +391,8 @@ def _part(path: str, tag: str, mp: int) -> tuple[DeepSpeedCheckpoint, dict[str, 
                     optim_files[0], f"its group {g}'s partitions ({world} x {partition[g]}) cannot hold its parameters"
                 )
         trainable = placements_zero12(shapes, paddings, partition)
+        if model0.get("num_experts"):  # MoE experts spread over expert-parallel ranks
+            trainable, module = _experts(trainable, model0, states[0], optim_files[0], path, world, module)
         for placement in trainable:  # every element inside what its rank saved (ZeRO-1/2 cut the tail padding)
             for piece in placement.pieces:
                 if piece.start + piece.numel > ranks[piece.rank].fp32[placement.group].numel():
@@ -434,6 +436,72 @@ def _part(path: str, tag: str, mp: int) -> tuple[DeepSpeedCheckpoint, dict[str, 
         _counters(model0, first, states[0], optim_files[0]),
     )
     return found, model0
+
+
+_EXPERT = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
+
+
+def _experts(
+    trainable: list[Placement],
+    model0: Mapping[str, Any],
+    state0: Mapping[str, Any],
+    where: str,
+    path: str,
+    world: int,
+    module: dict[str, torch.Tensor],
+) -> tuple[list[Placement], dict[str, torch.Tensor]]:
+    """A MoE checkpoint's experts (DeepSpeed 0.19, ZeRO-1/2): each flat group partitioned over fewer ranks
+    than the world (``partition_count``) is a MoE layer's experts, E = world / that many expert-parallel
+    ranks; its parameters, as data-parallel rank 0 names them, are expert-parallel rank 0's local experts.
+    Expert-parallel rank e's flat group holds the same local experts, global index ``e * local + i``,
+    partitioned over its expert-data-parallel group (ranks e, E + e, 2E + e, ...: DeepSpeed's
+    ``_create_expert_and_data_parallel`` without ``use_data_before_expert_parallelism``). Their weights
+    are in ``layer_<l>_expert_<g>_mp_rank_00_model_states.pt``, under their global names. Returns every
+    expert's placement (the other groups as they were) and the module's weights with the experts'."""
+    config = model0.get("ds_config")
+    if isinstance(config, dict) and config.get("use_data_before_expert_parallelism"):
+        raise _refuse(
+            where, "was written with use_data_before_expert_parallelism, an expert layout convert does not read"
+        )
+    counts = state0.get("partition_count")
+    groups = 1 + max((p.group for p in trainable), default=-1)
+    if not isinstance(counts, list) or len(counts) != groups or not all(type(c) is int and c >= 1 for c in counts):
+        raise _refuse(where, f"its partition_count {counts!r} does not give one count per flat group")
+    if any(world % c for c in counts):
+        raise _refuse(where, f"its partition_count {counts!r} does not divide its world of {world}")
+    local: dict[tuple[int, str], set[int]] = {}  # (group, layer prefix) -> the local indexes of its experts
+    for placement in trainable:
+        found = _EXPERT.match(placement.name)
+        if world // counts[placement.group] > 1:
+            if found is None:
+                raise _refuse(where, f"its expert group holds {placement.name}, not an expert of a MoE layer")
+            local.setdefault((placement.group, found[1]), set()).add(int(found[2]))
+    out: list[Placement] = []
+    for placement in trainable:
+        size = world // counts[placement.group]
+        found = _EXPERT.match(placement.name)
+        if size == 1 or found is None:
+            out.append(placement)
+            continue
+        each = len(local[(placement.group, found[1])])
+        for e in range(size):  # expert-parallel rank e's copy of this local expert, its pieces on e's ranks
+            name = f"{found[1]}{e * each + int(found[2])}{found[3]}"
+            pieces = tuple(Piece(p.rank * size + e, p.start, p.numel) for p in placement.pieces)
+            out.append(Placement(name, placement.shape, placement.group, pieces))
+    experts = model0.get("num_experts")
+    if not isinstance(experts, list) or not all(type(n) is int and 0 < n <= 65536 for n in experts):
+        raise _refuse(where, f"its num_experts {experts!r} is not a count per MoE layer")
+    module = dict(module)
+    for layer, count in enumerate(experts):
+        for g in range(count):
+            file = os.path.join(path, f"layer_{layer}_expert_{g}_mp_rank_00_model_states.pt")
+            held = _load(file, path)
+            for name, tensor in held.items():
+                found = _EXPERT.match(name) if isinstance(name, str) else None
+                if found is None or int(found[2]) != g or name in module or not isinstance(tensor, torch.Tensor):
+                    raise _refuse(file, f"holds {name!r}, not a weight of expert {g} alone")
+                module[name] = tensor
+    return out, module
 
 
 #: What DeepSpeed 0.19's AutoTP records of its layout in each ``mp_rank_<t>`` model-state file

@@ -135,6 +135,7 @@ def _save_at_world_4(rank, world, root):
     eng = _engine(2, 2)
     _step(eng, rank, world, 0)
     collgrad.save_training_state(eng, os.path.join(root, "w4"))
+    eng.save_checkpoint(os.path.join(root, "ds-w4"), tag="step1")  # DeepSpeed's own, for convert
     state = _whole_state(eng, 2)
     _step(eng, rank, world, 1)
     after = _whole_state(eng, 2)
@@ -153,6 +154,7 @@ def _resume(rank, world, root):
     ep2 = _engine(2, 2)
     _step(ep2, rank, world, 0, lambda: _whole_grads(ep2, 2, out))
     saved = collgrad.save_training_state(ep2, os.path.join(root, "w2"))
+    ep2.save_checkpoint(os.path.join(root, "ds-w2"), tag="step1")
     collgrad.save_full_model(ep2, os.path.join(root, "full"))
     expected, logits = _whole_state(ep2, 2), _logits(ep2)
     # whole reads of the masters and moments: every expert under its global name, as DeepSpeed's joined
@@ -218,3 +220,8 @@ def test_experts_saved_under_global_names_resume_at_another_expert_parallel_degr
         assert res["full"] == {"weights": [], "logits": True}, (rank, res["full"])
         assert res["back"] == {"differs": [], "steps": 2}, (rank, res["back"])
     assert "model.safetensors.index.json" in results[0]["files"]
+    # DeepSpeed's own checkpoints of the same engines (every expert in its own weights file, each expert
+    # group's partitions over its expert-data-parallel ranks), converted: collgrad's own states, bitwise
+    from tests.deepspeed.test_tensor_parallel_resume import _converted
+
+    assert _converted(root, "ds-w4", "w4") == [] and _converted(root, "ds-w2", "w2") == []
