@@ -72,6 +72,9 @@ def safe_get_full_model_grads(
     InvalidArgumentError on the rank whose arguments were invalid) before any gradient moves. The
     engine is not modified.
 
+    ``model_parallel="whole"``: tensor- and expert-parallel shards whole (see
+    ``safe_get_full_model_fp32_params``), on every rank of the model.
+
     ``copy=False``: where a rank already holds a gradient whole (stage 0, ``BF16_Optimizer``, a
     data-parallel group of one rank) the value is the optimizer's own tensor (that very tensor, or a
     view of it in the parameter's shape) instead of a copy: no memory, ~no time. Everything else is

@@ -55,24 +55,20 @@ def safe_get_full_model_fp32_params(
     torch optimizer, FSDP2 or a plain module in fp32) the module's own weights. ``params`` (names or
     parameters) limits the call to a subset.
 
-    When and where: on every rank of the data-parallel group, with the same arguments, at any time
-    outside ``step()`` (no backward is needed). Invalid or different arguments raise on every rank
-    together before any value moves. Nothing is modified; the values are fresh tensors.
+    ``model_parallel="whole"``: a tensor- or expert-parallel model's tensors as the unsharded model has
+    them (under its names, experts by global index), on every rank of the model, one more collective
+    per bucket over the tensor- or expert-parallel group (collgrad/state/whole.py); the default
+    ``"local"`` leaves each rank's shards as the framework's accessors give them (``.model_parallel``
+    names them). Every read, stream, statistic and setter of the training state takes it.
+
+    When and where: on every rank of the data-parallel group (with ``"whole"``: of the model), with the
+    same arguments, at any time outside ``step()`` (no backward is needed). Invalid or different
+    arguments raise on every rank together before any value moves. Nothing is modified; the values are
+    fresh tensors.
     """
+    name = "safe_get_full_model_fp32_params"
     return collected(
-        _open(
-            model,
-            "safe_get_full_model_fp32_params",
-            FP32,
-            False,
-            params,
-            bucket_bytes,
-            plan,
-            policy,
-            dispatcher,
-            None,
-            model_parallel,
-        )
+        _open(model, name, FP32, False, params, bucket_bytes, plan, policy, dispatcher, None, model_parallel)
     )
 
 
@@ -89,21 +85,9 @@ def iter_full_model_fp32_params(
     """The same fp32 master weights as ``safe_get_full_model_fp32_params``, as ``(name, tensor)`` pairs
     streamed one bucket of whole parameters at a time (collgrad holds about two buckets). Same calling
     rules, plus: every rank must consume the whole iteration (each bucket is a collective)."""
-    return FullStateStream(
-        _open(
-            model,
-            "iter_full_model_fp32_params",
-            FP32,
-            True,
-            params,
-            bucket_bytes,
-            plan,
-            policy,
-            dispatcher,
-            None,
-            model_parallel,
-        )
-    )
+    name = "iter_full_model_fp32_params"
+    opened = _open(model, name, FP32, True, params, bucket_bytes, plan, policy, dispatcher, None, model_parallel)
+    return FullStateStream(opened)
 
 
 def safe_get_full_model_optimizer_states(

@@ -21,19 +21,9 @@ from collgrad.launch import run_local
 
 def engine(tp: int, hidden: int, layers: int):
     import deepspeed
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tp_resume import build  # the same Llama as the resume's (docs/scripts/ is this script's path)
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = build(tp, hidden, layers)
     ds = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_clipping": 0.0,
