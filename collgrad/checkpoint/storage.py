@@ -154,13 +154,41 @@ class Writer:
             self._held = None
             self._pwrite(path, size, offset, bytes_of(data))
 
+    def write_runs(
+        self, path: str, size: int, runs: Sequence[tuple[int, int, int]], values: torch.Tensor, dtype: torch.dtype
+    ) -> None:
+        """``values`` (flattened, as ``dtype``) written in ``runs``: (byte offset in ``path``, first byte and
+        bytes of the values), a row of a strided item each (a shard along dimension 1: one per row of
+        the whole tensor), in one loop of system calls over one view of the values."""
+        if self.error is not None or not runs:
+            return
+        try:
+            self._let_go()
+            data = values.detach().reshape(-1)
+            if data.device.type != "cpu" or data.dtype != dtype or not data.is_contiguous():
+                data = data.to("cpu", dtype).contiguous()
+            fd, view = self._fd(path, size), bytes_of(data)
+            for offset, lo, n in runs:
+                write_all(fd, view[lo : lo + n], offset)
+            self.bytes_written += sum(n for _, _, n in runs)
+            first, last = runs[0][0], runs[-1][0] + runs[-1][2]
+            if _WRITEBACK is not None and last - first >= 1 << 20:
+                _WRITEBACK(fd, first, last - first)  # on its way to the disk now: less for finish() to wait for
+        except Exception as error:  # noqa: BLE001 - told to every rank by the caller
+            self.error = error
+
+    def _fd(self, path: str, size: int) -> int:
+        """``path`` open for writing, given its final size when this rank first opens it."""
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            self.opened.append(path)
+            os.ftruncate(fd, size)  # the same size on every rank: nothing written is cut
+        return fd
+
     def _pwrite(self, path: str, size: int, offset: int, data: memoryview) -> None:
         try:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-                self.opened.append(path)
-                os.ftruncate(fd, size)  # the same size on every rank: nothing written is cut
+            fd = self._fd(path, size)
             write_all(fd, data, offset)
             self.bytes_written += len(data)
             if _WRITEBACK is not None and len(data) >= 1 << 20:
@@ -234,9 +262,9 @@ def write_values(
     if item.ranges.rows == 1:
         writer.write(path, item.size, item.offset + at * size, values, item.dtype, kept)
         return
-    base, flat = item.offset - item.ranges.start * size, values.reshape(-1)
-    for first, lo, n in _file_runs(item.ranges, at, flat.numel()):
-        writer.write(path, item.size, base + first * size, flat[lo : lo + n], item.dtype, kept)
+    base = item.offset - item.ranges.start * size
+    runs = [(base + first * size, lo * size, n * size) for first, lo, n in _file_runs(item.ranges, at, values.numel())]
+    writer.write_runs(path, item.size, runs, values, item.dtype)
 
 
 def follows_on(
