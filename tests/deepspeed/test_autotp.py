@@ -136,7 +136,21 @@ def _worker(rank, world, path):
         ds = {n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad}
         out[stage]["written"] = all(torch.equal(back[n], new[n]) and torch.equal(ds[n], new[n]) for n in new)
         out[stage]["whole"] = _whole(eng, ds)
+        # whole writes train like plain PyTorch: the plain model's gradients of the global batch, written
+        # whole (each rank its slice), stepped; the plain model takes the same Adam step
+        plain = models.TPNet()
+        reference = models.reference_grads(world // TP, make=models.TPNet)
+        collgrad.safe_set_full_model_grads(eng, reference, model_parallel="whole")
         eng.step()
+        adam = torch.optim.Adam(plain.parameters(), lr=1e-3)
+        for n, p in plain.named_parameters():
+            p.grad = reference[n].clone()
+        adam.step()
+        trained = collgrad.safe_get_full_model_fp32_params(eng, model_parallel="whole")
+        # the same elementwise update, over one flat partition there and per tensor here: an ulp apart at most
+        out[stage]["trains"] = [
+            n for n, p in plain.named_parameters() if not torch.allclose(trained[n], p.detach(), rtol=2**-23, atol=0)
+        ]
         # the fp32 weights and Adam's moments: the tensor-parallel shards stay local, as their gradients
         trainable = [(n, p) for n, p in eng.module.named_parameters() if p.requires_grad]
         fp32 = collgrad.safe_get_full_model_fp32_params(eng)
@@ -184,6 +198,7 @@ def test_autotp_shards_stay_local_read_written_and_counted_per_shard_and_are_sav
             # whole: one all-gather over the tensor-parallel group for the bucket of shards
             assert entry["whole"] == {"names": True, "unequal": [], "collectives": [1], "norms": True, "written": []}
             assert entry["state_whole"] == [] and entry["state_written"] == [], (rank, stage, entry)
+            assert entry["trains"] == [], (rank, stage, entry["trains"])
             saved = entry["saved"]
             assert saved["names"] and saved["unequal"] == [], (rank, stage, saved)
             assert saved["shapes"]["up_proj.weight"] == (8, 7) and saved["shapes"]["down_proj.weight"] == (5, 8)

@@ -121,3 +121,40 @@ def test_whole_values_are_narrowed_to_this_ranks_slice_and_its_own_experts():
     assert set(mine) == {"a", "e.0.w", "s", "?"}  # another rank's expert is theirs; "?" left for the check
     assert torch.equal(mine["e.0.w"], whole[:, :3] + 2)  # this rank's expert: global index 1
     assert torch.equal(mine["s"], whole[:, 2:5]) and mine["a"] is values["a"]
+
+
+class _Mesh:
+    """A device mesh's answers about this rank (its coordinate, each dimension's size and group)."""
+
+    def __init__(self, coordinate: list[int], sizes: list[int]) -> None:
+        self.coordinate, self.sizes = coordinate, sizes
+
+    def get_coordinate(self) -> list[int]:
+        return self.coordinate
+
+    def size(self, dim: int) -> int:
+        return self.sizes[dim]
+
+    def get_group(self, dim: int) -> str:
+        return f"group {dim}"
+
+
+class _Spec:
+    def __init__(self, placements, shape, mesh) -> None:
+        self.placements, self.shape, self.mesh = placements, torch.Size(shape), mesh
+
+
+def test_a_dtensor_shard_is_placed_only_where_it_is_one_slice_of_one_dimension():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from collgrad.state.adapters.fsdp2 import _tensor_parallel_split
+
+    # Shard(1) over a tensor-parallel dimension of 3 (torch.chunk: 4, 4, 2 of 10 columns), rank 2
+    found = _tensor_parallel_split(_Spec([Replicate(), Shard(1)], (6, 10), _Mesh([0, 2], [2, 3])), (6, 2))
+    assert found == (Split(1, (6, 10), 8, 10, (0, 4, 8, 10)), 2, "group 1")
+    assert _tensor_parallel_split(_Spec([Shard(0)], (6, 10), _Mesh([1], [2])), (6, 10)) is None  # not that shape
+    two = _Spec([Shard(0), Shard(1)], (6, 10), _Mesh([1, 1], [2, 2]))  # sharded along two dimensions
+    assert _tensor_parallel_split(two, (3, 5)) is None
+    strided = _Spec([_StridedShard(0, split_factor=2)], (6, 10), _Mesh([1], [2]))
+    assert _tensor_parallel_split(strided, (3, 10)) is None
