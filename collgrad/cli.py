@@ -3,6 +3,7 @@
     python -m collgrad bench                       # DeepSpeed ZeRO-2 on 2 local ranks: collgrad vs the rest
     python -m collgrad probe --local 2             # 2 ranks over Gloo on this host
     python -m collgrad convert CKPT_DIR OUT_DIR    # a DeepSpeed checkpoint into a training state, offline
+    python -m collgrad verify DIR                  # a training state's bytes against its save's hashes
     torchrun --nproc-per-node 8 -m collgrad probe  # under torchrun / the deepspeed launcher
     mpiexec -n 4 python -m collgrad probe          # under an MPI launcher (mpi4py optional)
 
@@ -163,6 +164,17 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from collgrad.checkpoint.verify import verify_training_state
+
+    found = verify_training_state(args.directory, threads=args.threads)
+    for problem in found.problems:
+        print(f"collgrad verify: {problem}", file=sys.stderr)
+    if found.intact:
+        print(f"{found.directory}: intact ({len(found.files)} files, {found.bytes / 2**20:,.1f} MiB hashed)")
+    return 0 if found.intact else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m collgrad", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -196,12 +208,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     convert.add_argument(
         "--max-shard-bytes", type=int, default=None, metavar="N", help="cut each kind's files at N bytes (default 5 GB)"
     )
+    verify = sub.add_parser(
+        "verify", help="check a training state: every file there in full, every byte hashing to what its save recorded"
+    )
+    verify.add_argument("directory", help="the directory save_training_state (or convert) wrote")
+    verify.add_argument("--threads", type=int, default=4, metavar="N", help="files hashed at a time (default 4)")
     args = parser.parse_args(argv)
 
     if args.command == "bench":
         return bench_mod.main(args)
     if args.command == "convert":
         return _convert(args)
+    if args.command == "verify":
+        return _verify(args)
     if args.local:
         report = run_local(probe_rank, args.local, args.group)[0]
         print(report)

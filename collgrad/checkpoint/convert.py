@@ -21,12 +21,12 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from collgrad.checkpoint import commit, storage
+from collgrad.checkpoint import commit, hashes, storage
 from collgrad.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint, Placement, read_deepspeed_checkpoint
 from collgrad.checkpoint.manifest import MANIFEST_NAME, STATE_DIR, Manifest, ParamGroup, manifest_path
 from collgrad.checkpoint.plan import WHOLE, Files, Held, Holding, Ranges, WriteItem, in_whole, lay_out, write_items
@@ -90,7 +90,7 @@ def convert_deepspeed_checkpoint(
         if progress is not None and item.held is not None:
             progress(done, total)
 
-    writer = storage.Writer()
+    writer = storage.Writer(hashes.Hasher({commit.temporary(os.path.join(path, f)): f for f in files.names()}))
     renames: list[tuple[str, str]] = []
     try:
         os.makedirs(os.path.join(path, STATE_DIR), exist_ok=True)
@@ -103,6 +103,11 @@ def convert_deepspeed_checkpoint(
             raise writer.error
         renames = [(commit.temporary(os.path.join(path, f)), os.path.join(path, f)) for f in files.names()]
         renames.append(weights_index(path, files))
+        assert writer.hasher is not None
+        body = hashes.pieces_json(writer.hasher.pieces)  # what was written, hashed as it went out
+        name = hashes.hash_file_name(generation, 0)
+        renames.append(commit.write_small(os.path.join(path, name), body))
+        manifest = replace(manifest, hashes={name: hashes.digest(body)})
         renames.append(commit.write_small(manifest_path(path), manifest.to_json()))
         put_in_place(path, renames)
     except OSError as error:

@@ -11,7 +11,10 @@ shape, as JSON. Pure: no process group, no framework.
                                              # the optimizer's states that are not per element ("step"),
                                              # each distinct one once
      "lr_scheduler": VALUE or null,          # its state_dict()
-     "counters": {name: number}}             # the framework's own (a DeepSpeed engine's steps, loss scaler)
+     "counters": {name: number},             # the framework's own (a DeepSpeed engine's steps, loss scaler)
+     "hashes": {"algorithm": "xxh3_64", "block": 4194304, "files": {hash file: hex}},
+                                             # every writing rank's hash file and its digest (hashes.py)
+     "digest": hex}                          # of the manifest's JSON without this field
 
 The module's weights lie in the checkpoint's directory (what ``from_pretrained`` reads), the masters and
 the optimizer's states beside the manifest in ``training_state/``, where no loader of a model directory
@@ -35,6 +38,7 @@ from typing import Any, Mapping
 import torch
 
 from collgrad import _compat
+from collgrad.checkpoint import hashes
 from collgrad.checkpoint.safetensors import SAFE_DTYPES, refused
 from collgrad.errors import InvalidArgumentError
 
@@ -89,6 +93,8 @@ class Manifest:
     param_states: Mapping[str, Mapping[str, Any]]
     lr_scheduler: Mapping[str, Any] | None
     counters: Mapping[str, int | float]
+    #: Every writing rank's hash file (hashes.py) and the digest of its bytes; None: a save without them.
+    hashes: Mapping[str, int] | None = None
 
     def to_json(self) -> bytes:
         """The manifest as written (values encoded). InvalidArgumentError (this rank) for a value JSON
@@ -113,8 +119,11 @@ class Manifest:
             else encode(dict(self.lr_scheduler), "the LR scheduler's state_dict()"),
             "counters": dict(self.counters),
         }
-        # compact: json's C encoder serves only documents without indentation (a state per parameter)
-        return (json.dumps(document, sort_keys=True, separators=(",", ":")) + "\n").encode()
+        if self.hashes is not None:
+            files = {name: f"{value:016x}" for name, value in self.hashes.items()}
+            document["hashes"] = {"algorithm": hashes.ALGORITHM, "block": hashes.BLOCK, "files": files}
+        document["digest"] = f"{hashes.digest(_canonical(document)):016x}"
+        return _canonical(document) + b"\n"
 
     def files(self) -> tuple[str, ...]:
         """Every tensor file it names, each once, in order."""
@@ -122,6 +131,36 @@ class Manifest:
         for mapped in self.optimizer.values():
             names.extend(mapped.values())
         return tuple(dict.fromkeys(names))
+
+
+def _canonical(document: Mapping[str, Any]) -> bytes:
+    """The manifest's JSON as written and as its digest covers it: compact (json's C encoder serves only
+    documents without indentation: a state per parameter), keys sorted."""
+    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _hashes(document: Mapping[str, Any], where: str) -> dict[str, int] | None:
+    """The manifest's hash files and their digests, checked, after its own digest is checked against the
+    rest of it; None for a manifest written without hashes."""
+    found = document.get("digest")
+    if found is None:
+        return None
+    rest = {k: v for k, v in document.items() if k != "digest"}
+    if not isinstance(found, str) or found != f"{hashes.digest(_canonical(rest)):016x}":
+        raise refused(where, "does not hash to the digest it records: it changed after it was written")
+    listed = document.get("hashes")
+    if listed is None:
+        return None
+    listed = _mapping(listed, where, "hashes")
+    if listed.get("algorithm") != hashes.ALGORITHM or listed.get("block") != hashes.BLOCK:
+        raise refused(where, f"its hashes are not {hashes.ALGORITHM} in blocks of {hashes.BLOCK}")
+    files = _mapping(listed.get("files"), where, "hashes.files")
+    out = {}
+    for name, value in files.items():
+        if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{16}", value):
+            raise refused(where, f"records the digest {value!r} of {name}")
+        out[hashes.hash_file(name, where)] = int(value, 16)
+    return out
 
 
 def _deduplicated(states: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -301,4 +340,5 @@ def read_manifest(directory: str) -> Manifest:
         states,
         scheduler,
         counters,
+        _hashes(document, where),
     )

@@ -27,6 +27,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Mapping, Sequence, Ty
 
 import torch
 
+from collgrad.checkpoint.hashes import Hasher
 from collgrad.checkpoint.plan import SETTER, WHOLE, Held, Ranges, ReadItem, WriteItem
 from collgrad.checkpoint.safetensors import Stored
 from collgrad.core.buffers import Pieces, adjacent_view
@@ -103,11 +104,13 @@ class Writer:
     (later writes skipped), never raised. ``finish`` flushes every file to the disk and closes it;
     ``remove`` takes away the files this rank opened (after a failure anywhere). Local."""
 
-    def __init__(self) -> None:
+    def __init__(self, hasher: Hasher | None = None) -> None:
+        """``hasher``: takes every byte written, as it goes out (hashes.py)."""
         self._fds: dict[str, int] = {}
         self.opened: list[str] = []
         self.error: BaseException | None = None
         self.bytes_written = 0
+        self.hasher = hasher
         #: a write waiting to be joined with the next: (path, size, offset, values)
         self._held: tuple[str, int, int, torch.Tensor] | None = None
 
@@ -170,6 +173,8 @@ class Writer:
             fd, view = self._fd(path, size), bytes_of(data)
             for offset, lo, n in runs:
                 write_all(fd, view[lo : lo + n], offset)
+                if self.hasher is not None:
+                    self.hasher.add(path, offset, view[lo : lo + n])
             self.bytes_written += sum(n for _, _, n in runs)
             first, last = runs[0][0], runs[-1][0] + runs[-1][2]
             if _WRITEBACK is not None and last - first >= 1 << 20:
@@ -190,6 +195,8 @@ class Writer:
         try:
             fd = self._fd(path, size)
             write_all(fd, data, offset)
+            if self.hasher is not None:
+                self.hasher.add(path, offset, data)
             self.bytes_written += len(data)
             if _WRITEBACK is not None and len(data) >= 1 << 20:
                 _WRITEBACK(fd, offset, len(data))  # on its way to the disk now: less for finish() to wait for

@@ -39,14 +39,14 @@ import itertools
 import os
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
-from collgrad.checkpoint import commit, storage
+from collgrad.checkpoint import commit, hashes, storage
 from collgrad.checkpoint.agree import Phases
 from collgrad.checkpoint.load import LoadedModel
 from collgrad.checkpoint.manifest import (
@@ -73,7 +73,7 @@ from collgrad.checkpoint.match import (
     refuse_unmatched,
     shapes,
 )
-from collgrad.checkpoint.plan import Files, lay_out, write_items
+from collgrad.checkpoint.plan import Files, lay_out, read_items, write_items
 from collgrad.checkpoint.safetensors import (
     INDEX_NAME,
     Checkpoint,
@@ -85,8 +85,9 @@ from collgrad.checkpoint.safetensors import (
     refused,
 )
 from collgrad.checkpoint.save import DEFAULT_MAX_SHARD_BYTES, checked_shard_bytes
+from collgrad.checkpoint.verify import check_reads, recorded_pieces
 from collgrad.core.dispatch import Dispatcher
-from collgrad.errors import CollgradError, InvalidArgumentError
+from collgrad.errors import CheckpointError, CollgradError, InvalidArgumentError
 from collgrad.state import adapters
 from collgrad.state.adapters.base import OptimizerView, create_states
 from collgrad.state.call import OpenCall
@@ -344,9 +345,11 @@ def save_training_state(
     entries = _entries_of(held_)
     files = lay_out(entries, max_shard_bytes, file_names(generation, entries), held_.sources[0].source.scratch)
     manifest = _manifest(resolved, held_, files, generation, world)
-    writer = storage.Writer()
+    writer = storage.Writer(hashes.Hasher({_temporary(path, f): f for f in files.names()}))
     renames: list[tuple[str, str]] = []
     records: list[StateRecord] = []
+    mine: tuple[str, str] | None = None  # this rank's hash file: (temporary, final)
+    told = (0, 0)  # whether this rank wrote one, and its digest (signed: the agreement carries int64s)
     try:
         if shared:  # each rank its own ranges, straight from its memory
             readable = [one for one in held_.sources if one.source.accessor is None]
@@ -359,27 +362,37 @@ def save_training_state(
         # what DeepSpeed's accessors read (BF16_Optimizer's masters and states, NVMe-swapped ZeRO-3)
         records = _stream(ctx, entrance, held_, files, path, index == 0, optimizer, writer, every=not shared)
         writer.finish()
+        pieces = writer.hasher.pieces if writer.hasher is not None else []
+        if writer.error is None and pieces:  # what this rank wrote, hashed as it went out (hashes.py)
+            body = hashes.pieces_json(pieces)
+            mine = commit.write_small(os.path.join(path, hashes.hash_file_name(generation, index)), body)
+            value = hashes.digest(body)
+            told = (1, value - (1 << 64) if value >= 1 << 63 else value)
         if index == 0 and writer.error is None:
             renames = [(_temporary(path, f), os.path.join(path, f)) for f in files.names()]
             renames.append(weights_index(path, files))
-            renames.append(commit.write_small(manifest_path(path), manifest.to_json()))
+            manifest.to_json()  # a value JSON cannot hold refused here, on every rank alike, before the agreement
     except (OSError, InvalidArgumentError) as caught:  # a value JSON cannot hold: found on every rank alike
         writer.error = caught
     try:
-        phases.agree(writer.error, "write its part of the files")
+        rows = phases.agree(writer.error, "write its part of the files", extra=told)
     except CollgradError:
-        commit.discard(writer, renames)
+        commit.discard(writer, renames + ([mine] if mine is not None else []))
         raise
     error = None
+    named = {hashes.hash_file_name(generation, k): row[3] % (1 << 64) for k, row in enumerate(rows) if row[2]}
     if index == 0:
-        try:
+        try:  # every rank's hash file, then the manifest recording them: the commit
+            renames += [(_temporary(path, name), os.path.join(path, name)) for name in named]
+            final = replace(manifest, hashes=named).to_json()
+            renames.append(commit.write_small(manifest_path(path), final))
             put_in_place(path, renames)
         except OSError as caught:
             error = caught
     phases.agree(error, "put the checkpoint in place")
     return SavedTrainingState(
         path,
-        (*files.names(), INDEX_NAME, MANIFEST_NAME),
+        (*files.names(), INDEX_NAME, *named, MANIFEST_NAME),
         generation,
         len(files.placed),
         files.data_bytes(),
@@ -413,7 +426,8 @@ def _earlier_weights(name: str) -> bool:
 
 
 def _earlier_state(name: str) -> bool:
-    return name.endswith(".safetensors") or name.endswith(commit.TEMPORARY)
+    hash_file = name.startswith("hashes-") and name.endswith(".json")
+    return name.endswith(".safetensors") or name.endswith(commit.TEMPORARY) or hash_file
 
 
 def _stream(
@@ -505,6 +519,7 @@ def load_training_state(
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler: Any = None,
     strict: bool = True,
+    verify: bool = True,
     dispatcher: Dispatcher | None = None,
 ) -> LoadedTrainingState:
     """Resume ``model`` from the training state ``save_training_state`` wrote to ``directory``, whatever
@@ -535,6 +550,7 @@ def load_training_state(
     view: OptimizerView | None = None
     scheduler = None
     header_bytes = 0
+    differ = 0  # where this rank's reads differ from the save's hashes (see _differing)
     try:
         if resolved is not None:
             refuse_layout(resolved)
@@ -547,6 +563,8 @@ def load_training_state(
             if manifest.optimizer:
                 undo = create_states(view)
             matched = _match(ctx, resolved, view, optimizer, manifest, checkpoints, strict)
+            if verify:  # the bytes this rank reads, against the save's hashes, before anything changes
+                differ = _differing(path, manifest, matched)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
     compared = "arguments or checkpoints (directory, strict; or the files' names, dtypes and shapes)"
@@ -554,7 +572,11 @@ def load_training_state(
     phases = Phases(everywhere, me, "load_training_state", compared, ctx.dispatcher.timeout)
     try:
         seen = stable_hash((path, strict, None if matched is None else matched.seen))
-        phases.agree(error, "check the training state against the model", arguments=seen)
+        what = "check the training state against the model"
+        rows = phases.agree(error, what, arguments=seen, extra=(differ,))
+        if any(row[2] for row in rows):  # a file some rank read differs: every rank names the same one
+            assert manifest is not None  # else the agreement raised
+            raise _differs(path, manifest, sorted({row[2] for row in rows if row[2]}))
     except CollgradError:
         if undo is not None:
             undo()
@@ -585,6 +607,28 @@ class _Matched:
     seen: list[object]
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
+
+
+def _differing(path: str, manifest: Manifest, matched: _Matched) -> int:
+    """The pieces of the files this rank reads that overlap its ranges, hashed against what the save
+    recorded (verify.py): 0 where they match, else 1 + the index of the first file that differs among
+    the manifest's files in order (the same list on every rank: the ranks agree on it). Local."""
+    items = read_items(matched.stored, held(matched.sources, matched.buffers, loading=True))
+    bad = check_reads(path, recorded_pieces(path, manifest), items)
+    files = sorted(manifest.files())
+    return 1 + files.index(bad[0]) if bad else 0
+
+
+def _differs(path: str, manifest: Manifest, told: list[int]) -> CheckpointError:
+    """What every rank raises where the ranks told (``told``: ``_differing``'s) that files differ."""
+    files = sorted(manifest.files())
+    named = [os.path.join(path, files[k - 1]) for k in told]
+    others = f" (and {', '.join(named[1:])})" if named[1:] else ""
+    return refused(
+        named[0],
+        f"does not hash to what its save recorded{others}: it changed or was cut since; nothing was loaded "
+        "(python -m collgrad verify names every such file)",
+    )
 
 
 def _checkpoints(path: str, manifest: Manifest) -> dict[str, Checkpoint]:

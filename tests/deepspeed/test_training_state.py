@@ -384,7 +384,12 @@ def _spoil(path, case) -> None:
     if case == "bad json":
         with open(os.path.join(path, "training_state", "manifest.json"), "w") as f:
             f.write("{not json")
-    elif case in ("manifest disagrees", "outside"):
+    elif case in ("manifest disagrees", "outside"):  # signed again: what a check beyond the digest refuses
+        import xxhash
+
+        manifest.pop("digest")
+        body = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+        manifest["digest"] = f"{xxhash.xxh3_64_intdigest(body):016x}"
         with open(os.path.join(path, "training_state", "manifest.json"), "w") as f:
             json.dump(manifest, f)
 
