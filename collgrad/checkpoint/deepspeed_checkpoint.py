@@ -318,10 +318,11 @@ def _model_file(path: str, mp: int = 0) -> str:
 def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedCheckpoint:
     """The DeepSpeed checkpoint ``directory`` holds under ``tag`` (default: the one ``latest`` names),
     every file memory-mapped and checked. Under AutoTP (``mp_world_size`` > 1) every tensor-parallel
-    rank's part, each shard placed in its whole tensor (``_tensor_parallel``). CheckpointError for
-    anything DeepSpeed would not have written, or a checkpoint of a kind this reader does not take
-    (stage 0, pipeline parallelism, fused tensor-parallel layouts, MoE experts, elastic optimizer
-    states, NVMe-offloaded states). Local: no process group."""
+    rank's part, each shard placed in its whole tensor (``_tensor_parallel``); MoE experts under their
+    global names (``_experts``). CheckpointError for anything DeepSpeed would not have written, or a
+    checkpoint of a kind this reader does not take (stage 0, pipeline parallelism, fused tensor-parallel
+    layouts, MoE under tensor parallelism, elastic optimizer states, NVMe-offloaded states). Local: no
+    process group."""
     root = os.fspath(directory)
     tag = _tag(root, tag)
     path = os.path.join(root, tag)
@@ -392,6 +393,8 @@ def _part(path: str, tag: str, mp: int) -> tuple[DeepSpeedCheckpoint, dict[str, 
                 )
         trainable = placements_zero12(shapes, paddings, partition)
         if model0.get("num_experts"):  # MoE experts spread over expert-parallel ranks
+            if _field(model0, "mp_world_size", int, first) > 1:  # DeepSpeed folds expert groups across TP ones
+                raise _refuse(first, "holds MoE experts under tensor parallelism, which convert does not read")
             trainable, module = _experts(trainable, model0, states[0], optim_files[0], path, world, module)
         for placement in trainable:  # every element inside what its rank saved (ZeRO-1/2 cut the tail padding)
             for piece in placement.pieces:
@@ -438,7 +441,7 @@ def _part(path: str, tag: str, mp: int) -> tuple[DeepSpeedCheckpoint, dict[str, 
     return found, model0
 
 
-_EXPERT = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
+_EXPERT = re.compile(r"^(.*\.deepspeed_experts\.)(\d{1,9})(\..+)$")
 
 
 def _experts(
@@ -483,6 +486,10 @@ def _experts(
         if size == 1 or found is None:
             out.append(placement)
             continue
+        if any(p.rank >= counts[placement.group] for p in placement.pieces):
+            raise _refuse(
+                where, f"its expert group {placement.group} holds more than its {counts[placement.group]} partitions"
+            )
         each = len(local[(placement.group, found[1])])
         for e in range(size):  # expert-parallel rank e's copy of this local expert, its pieces on e's ranks
             name = f"{found[1]}{e * each + int(found[2])}{found[3]}"
@@ -548,7 +555,9 @@ def _tensor_parallel(
         found = info.get(key) or []
         if not isinstance(found, (list, dict)):
             raise _refuse(where, f"its universal_checkpoint_info's {key} is not a list of patterns")
-        return {_literal(p, where) for p in found}
+        # a fused layout's entry is its shape with the patterns it applies to (``{"patterns": [...], ...}``)
+        listed = [q for p in found for q in (p.get("patterns") or [None] if isinstance(p, dict) else [p])]
+        return {_literal(p, where) for p in listed}
 
     rows, replicated = named(_ROW_PARALLEL), named(_REPLICATED)
     named(_VOCABULARY)  # checked: split along dimension 0, as any other
@@ -574,7 +583,10 @@ def _tensor_parallel(
             raise _refuse(where, f"AutoTP split {name} in a fused or undescribed layout, which convert does not join")
         shapes = [tuple(part.module[name].shape) for part in parts]
         if first.layout == "zero3":  # the module holds placeholders: the shapes are the placements'
-            shapes = [next((p.shape for p in part.trainable if p.name == name), s) for part, s in zip(parts, shapes)]
+            placed = [{p.name: p.shape for p in (*part.trainable, *part.frozen)} for part in parts]
+            shapes = [held.get(name, s) for held, s in zip(placed, shapes)]
+        if any(math.prod(s) == 0 for s in shapes):  # nothing to join (or a placeholder no layout shapes)
+            raise _refuse(where, f"the tensor-parallel parts of {name} ({shapes}) hold no elements to join")
         dim = None if name in replicated else 1 if name in rows else 0
         if dim is None or len(shapes[0]) <= dim:
             if len(set(shapes)) > 1 or dim is not None:

@@ -33,6 +33,7 @@ from collgrad.checkpoint.match import (
     Opened,
     match,
     opened,
+    others,
     persistent_buffers,
     reads,
     refuse_layout,
@@ -110,8 +111,11 @@ def load_full_model(
             checked = check(ctx, resolved, path, names, strict)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
-    # what every rank must share: its arguments, and the checkpoint as it sees it (names, dtypes, shapes)
-    seen = None if checked is None else sorted((n, str(s.dtype), s.shape) for n, s in checked.matched.stored.items())
+    # what every rank must share: its arguments, and the checkpoint as it sees it (names, dtypes, shapes: all
+    # of them; an expert-parallel rank loads its own experts only)
+    seen = (
+        None if checked is None else sorted((n, str(s.dtype), s.shape) for n, s in checked.checkpoint.tensors.items())
+    )
     compared = "arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes)"
     everywhere = entrance.model_group
     phases = Phases(everywhere, me, "load_full_model", compared, ctx.dispatcher.timeout)
@@ -191,7 +195,8 @@ def _matched(
         aliases.setdefault(canonical.setdefault(id(p), name), []).append(name)
     shaped = shapes(weights.source)  # as the unsharded model has them
     shaped.update((name, tuple(buffer.shape)) for name, buffer in buffers)
-    found = match(checkpoint.directory, shaped, checkpoint.tensors, aliases)
+    # other expert-parallel ranks' experts are in the checkpoint and not here: neither loaded nor unexpected
+    found = match(checkpoint.directory, shaped, checkpoint.tensors, aliases, others(weights.source))
     unexpected = () if selected else found.unexpected
     refuse_unmatched(checkpoint.directory, found.missing, unexpected, strict)
     return Matched(found.stored, found.missing, unexpected)

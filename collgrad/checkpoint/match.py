@@ -34,7 +34,7 @@ from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in
 from collgrad.state.kinds import StateKind
 from collgrad.state.layout import Expert
 from collgrad.state.model_cache import Context
-from collgrad.state.whole import laid_out, whole_name
+from collgrad.state.whole import laid_out, refuse_unplaced, whole_name
 
 __all__ = [
     "Opened",
@@ -103,21 +103,6 @@ def refuse_layout(model: adapters.Model) -> None:
             f"rank {_compat.rank()}: {first} is held under {layout}, which collgrad's whole-model checkpoints "
             "do not support: save and load this model with its framework's own checkpointing "
             "(engine.save_checkpoint / load_checkpoint)"
-        )
-
-
-def refuse_unplaced(source: Source) -> None:
-    """InvalidArgumentError (this rank) for a model-parallel shard the source cannot place in its whole
-    tensor: a checkpoint holds whole tensors only."""
-    unplaced = sorted(source.model_parallel - source.splits.keys() - source.experts.keys())
-    if unplaced:
-        raise InvalidArgumentError(
-            f"rank {_compat.rank()}: {unplaced[0]} is a model-parallel shard collgrad cannot place in its whole "
-            "tensor (a fused tensor-parallel layout, an expert under both expert and tensor parallelism, a DTensor "
-            "sharded along more than one dimension): checkpoints hold whole tensors of data-parallel models, of "
-            "tensor-parallel shards that are one slice of one dimension (AutoTP's column and row splits, DTensor's "
-            "Shard(d)) and of MoE experts spread over expert-parallel ranks; save such a model with its framework's "
-            "own checkpointing"
         )
 
 

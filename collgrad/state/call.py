@@ -109,6 +109,8 @@ class OpenCall:
             whole_mode.checked_mode(model_parallel)
             kind = kind.checked()
             self.source, self.layout_cached = models.source(self.dispatcher, entrance.model, params, kind, optimizer)
+            if self.whole:
+                whole_mode.refuse_unplaced(self.source)
             extra_fields = list(extra(self.source)) if extra is not None else []
             extra_fields += [Field(f"unused {i}", 0) for i in range(self.EXTRA - len(extra_fields))]
             self.local: LocalGrads = self.source.read()

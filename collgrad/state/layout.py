@@ -103,6 +103,8 @@ class Expert(NamedTuple):
     holders: tuple[int, ...]
     #: The model-parallel set its expert-parallel group is (``Source.parallel_groups``).
     group: str = ""
+    #: Its MoE layer (the module holding the layer's experts): a run of experts ends where it changes.
+    layer: str = ""
 
     @property
     def name(self) -> str:

@@ -124,7 +124,12 @@ def _joiner(call: OpenCall) -> Joiner | None:
     """What makes ``call``'s tensor- and expert-parallel shards whole, where it asks for them whole."""
     if not call.whole:
         return None
-    return Joiner(call.source, call.source.layout.order, call.run, call.call.bucket_bytes)
+    # the buckets in the order the executor hands results over (its plan's groups and steps: the same
+    # names in the same order on every rank of a model-parallel set), so that a bucket completes as soon
+    # as its steps ran and what follows is not held back behind it
+    groups = call.source.layout.groups
+    names = [groups[g.group].params[k].name for g in call.plan.groups for batch in g.batches for k in batch]
+    return Joiner(call.source, names, call.run, call.call.bucket_bytes)
 
 
 def _record(executor: Executor, joiner: Joiner | None) -> StateRecord:

@@ -45,6 +45,7 @@ __all__ = [
     "LOCAL",
     "WHOLE",
     "checked_mode",
+    "refuse_unplaced",
     "whole_name",
     "laid_out",
     "whole_order",
@@ -70,6 +71,21 @@ def checked_mode(mode: object) -> bool:
             f"shards) or {WHOLE!r} (every tensor as the unsharded model has it), got {mode!r}"
         )
     return mode == WHOLE
+
+
+def refuse_unplaced(source: Source) -> None:
+    """InvalidArgumentError (this rank) for a model-parallel shard the source cannot place in its whole
+    tensor: whole reads and checkpoints hold whole tensors only."""
+    unplaced = sorted(source.model_parallel - source.splits.keys() - source.experts.keys())
+    if unplaced:
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: {unplaced[0]} is a model-parallel shard collgrad cannot place in its whole "
+            "tensor (a fused tensor-parallel layout, an expert under both expert and tensor parallelism, a DTensor "
+            "sharded along more than one dimension): whole reads and checkpoints hold whole tensors of "
+            "data-parallel models, of tensor-parallel shards that are one slice of one dimension (AutoTP's column "
+            "and row splits, DTensor's Shard(d)) and of MoE experts spread over expert-parallel ranks; read such a "
+            "model with model_parallel='local', save it with its framework's own checkpointing"
+        )
 
 
 def whole_name(source: Source, name: str) -> str:
@@ -101,7 +117,9 @@ def whole_order(source: Source, names: Iterable[str]) -> list[str]:
     run: list[str] = []
     for name in [*names, ""]:
         expert = source.experts.get(name)
-        if run and (expert is None or expert.group != source.experts[run[0]].group):
+        first = source.experts[run[0]] if run else None
+        # a run ends where the experts' layer ends (the first expert's name up to its index differs)
+        if first is not None and (expert is None or (expert.group, expert.layer) != (first.group, first.layer)):
             out += [source.experts[n].names[e] for e in range(len(source.experts[run[0]].names)) for n in run]
             run = []
         if expert is not None:
@@ -190,7 +208,7 @@ class Joiner:
         self.source = source
         self._run = run
         dtypes = {s.name: g.out_dtype for g in source.layout.groups for s in g.params}
-        shapes = {s.name: s.shape for g in source.layout.groups for s in g.params}
+        shapes = self._shapes = {s.name: s.shape for g in source.layout.groups for s in g.params}
         key = ("join plan", tuple(names), bucket_bytes)
         plan = source.scratch.get(key)
         if plan is None:
@@ -248,7 +266,7 @@ class Joiner:
         for m, name in enumerate(bucket.members):
             split = source.splits.get(name)
             if split is None:
-                shape = source.params[name].shape
+                shape = self._shapes[name]  # the layout's (a ZeRO-3 parameter's own is empty outside a gather)
                 out[name] = [(n, parts[r][m].view(shape)) for r, n in enumerate(source.experts[name].names)]
             elif math.prod(split.whole[: split.dim]) == 1:  # dim 0 (or ones before it): shards follow each other
                 out[name] = [(name, torch.cat([parts[r][m] for r in range(ranks)]).view(split.whole))]

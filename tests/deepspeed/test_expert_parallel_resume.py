@@ -157,6 +157,9 @@ def _resume(rank, world, root):
     ep2.save_checkpoint(os.path.join(root, "ds-w2"), tag="step1")
     collgrad.save_full_model(ep2, os.path.join(root, "full"))
     expected, logits = _whole_state(ep2, 2), _logits(ep2)
+    # loaded back at ep 2: each rank its own experts, the others' neither loaded nor unexpected
+    loaded = collgrad.load_full_model(ep2, os.path.join(root, "full"))
+    out["full at ep 2"] = (loaded.missing_keys, loaded.unexpected_keys, _differs(_whole_state(ep2, 2), expected))
     # whole reads of the masters and moments: every expert under its global name, as DeepSpeed's joined
     whole = {f"fp32/{n}": t for n, t in collgrad.safe_get_full_model_fp32_params(ep2, model_parallel="whole").items()}
     for key in KEYS:
@@ -219,6 +222,7 @@ def test_experts_saved_under_global_names_resume_at_another_expert_parallel_degr
         assert res["w4"] == {"differs": [], "steps": 1, "groups": True, "training_on": []}, (rank, res["w4"])
         assert res["full"] == {"weights": [], "logits": True}, (rank, res["full"])
         assert res["back"] == {"differs": [], "steps": 2}, (rank, res["back"])
+        assert res["full at ep 2"] == ((), (), []), (rank, res["full at ep 2"])
     assert "model.safetensors.index.json" in results[0]["files"]
     # DeepSpeed's own checkpoints of the same engines (every expert in its own weights file, each expert
     # group's partitions over its expert-data-parallel ranks), converted: collgrad's own states, bitwise

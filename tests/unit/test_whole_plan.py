@@ -109,6 +109,16 @@ def test_a_moe_layers_experts_take_the_order_they_have_at_expert_parallel_degree
     order = whole_order(_source(experts), ["a", *local, "z"])
     at_ep_1 = ["a", *[f"moe.experts.{g}.{p}" for g in range(4) for p in ("weight", "bias")], "z"]
     assert order == at_ep_1
+    # two MoE layers one after the other: each layer's run apart
+    two = {
+        n.replace("moe.", f"{layer}."): e._replace(
+            names=tuple(x.replace("moe.", f"{layer}.") for x in e.names), layer=layer
+        )
+        for layer in ("l1", "l2")
+        for n, e in experts.items()
+    }
+    order = whole_order(_source(two), ["a", *two, "z"])
+    assert order == ["a", *[x.replace("moe.", f"{layer}.") for layer in ("l1", "l2") for x in at_ep_1[1:-1]], "z"]
 
 
 def test_whole_values_are_narrowed_to_this_ranks_slice_and_its_own_experts():

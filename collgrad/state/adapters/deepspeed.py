@@ -457,7 +457,7 @@ def spread_experts(module: nn.Module) -> dict[str, Expert]:
                 names = tuple(f"{prefix}.deepspeed_experts.{e * local + i}.{rest}" for e in range(size))
                 position = groups._get_expert_parallel_rank(name)
                 holders = tuple(groups._get_expert_data_parallel_group_ranks(name))
-                out[f"{prefix}.deepspeed_experts.{i}.{rest}"] = Expert(names, position, holders, name)
+                out[f"{prefix}.deepspeed_experts.{i}.{rest}"] = Expert(names, position, holders, name, prefix)
     return out
 
 
@@ -488,7 +488,8 @@ def open_engine(engine: DeepSpeedEngine, named: list[tuple[str, nn.Parameter]], 
     if source.model_parallel - source.splits.keys():
         experts = spread_experts(engine.module)
         source.experts = {n: experts[n] for n in source.model_parallel if n in experts}
-        source.parallel_groups = {e.group: groups._get_expert_parallel_group(e.group) for e in source.experts.values()}
+        ep = {e.group: groups._get_expert_parallel_group(e.group) for e in source.experts.values()}
+        source.parallel_groups = {**source.parallel_groups, **ep}
     return source
 
 
