@@ -424,8 +424,8 @@ def set_full(
     """``given`` (name -> full value of ``state``, the same on every rank) written where this rank owns
     it, checked and agreed as ``safe_set_full_model_grads`` says; ``name``: the public function called.
     ``model_parallel="whole"``: ``given`` holds whole tensors under the unsharded model's names, of
-    which each rank writes its own slice (whole.narrowed): a write moves nothing between the ranks, so
-    its ranks agree over the data-parallel group either way."""
+    which each rank writes its own slice (whole.narrowed); every rank of the model agrees first, on the
+    names and a checksum of a sample of the whole values as given (the same on every rank)."""
     argument = "grads" if state == GRAD else "values"
     values: dict[str, torch.Tensor] = {}
     opened: list[Source] = []
@@ -434,6 +434,14 @@ def set_full(
         opened.append(source)
         whole = checked_mode(model_parallel)
         values.update(_checked(source, narrowed(source, given) if whole else given, argument))
+        if whole:  # every rank of the model was given the same whole values: compared as given
+            parts = tuple((n, 0, v.numel()) for n, v in given.items())
+            total = sampled_checksum(given, parts, source.scratch) if check else -1
+            return [
+                Field(f"names in {argument}=", _names_print(state.key, tuple(given)), shown=False),
+                Field(_CHECKSUM, total),
+                Field("the next rank's values (checksum)", total, compare=False),
+            ]
         mine = after = -1
         group = source.control_group
         if check and group is not None and group.size() > 1:
@@ -469,6 +477,7 @@ def set_full(
         optimizer=optimizer,
         extra=extra,
         meanwhile=lambda opened_call: _prepared(opened_call, values),
+        model_parallel=model_parallel,
     )
     told = call.extras
     if check and any(told[(i + 1) % len(told)][1] != row[2] for i, row in enumerate(told)):

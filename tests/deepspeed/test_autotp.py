@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_ranks
+from tests.harness import attempt, run_ranks
 
 TP = 2
 #: TPNet's splits (tests/deepspeed/models.autotp_config): up_proj column-parallel, down_proj row-parallel
@@ -69,7 +69,14 @@ def _whole(eng, grads_before_step: dict) -> dict:
     collgrad.safe_set_full_model_grads(eng, new, model_parallel="whole")
     back = collgrad.safe_get_full_model_grads(eng, model_parallel="whole")
     collgrad.safe_set_full_model_grads(eng, dict(whole), model_parallel="whole")  # as they were
+    # whole values that differ on one rank (a tensor-parallel peer of another data-parallel group):
+    # every rank of the model refuses them together, before anything is written
+    rank = dist.get_rank()
+    differing = {n: g + (rank == 3) for n, g in whole.items()}
+    refused = attempt(lambda: collgrad.safe_set_full_model_grads(eng, differing, model_parallel="whole"))["error"]
+    after = collgrad.safe_get_full_model_grads(eng, model_parallel="whole")
     return {
+        "refused": (refused, all(torch.equal(after[n], whole[n]) for n in whole)),
         "names": list(whole) == list(joined) and not whole.model_parallel,
         "unequal": [n for n in joined if not torch.equal(whole[n], joined[n])],
         "collectives": [c.collectives for c in whole.record.model_parallel_calls],
@@ -196,7 +203,14 @@ def test_autotp_shards_stay_local_read_written_and_counted_per_shard_and_are_sav
             assert entry["written"], (rank, stage)
             assert entry["state_equal"], (rank, stage)
             # whole: one all-gather over the tensor-parallel group for the bucket of shards
-            assert entry["whole"] == {"names": True, "unequal": [], "collectives": [1], "norms": True, "written": []}
+            assert entry["whole"] == {
+                "refused": ("ArgumentMismatchError", True),
+                "names": True,
+                "unequal": [],
+                "collectives": [1],
+                "norms": True,
+                "written": [],
+            }
             assert entry["state_whole"] == [] and entry["state_written"] == [], (rank, stage, entry)
             assert entry["trains"] == [], (rank, stage, entry["trains"])
             saved = entry["saved"]
