@@ -97,12 +97,17 @@ def check_reads(path: str, pieces: Sequence[hashes.Piece], items: Iterable[ReadI
     root = os.path.realpath(path)
     wanted: dict[tuple[str, int], hashes.Piece] = {}
     uncovered: list[str] = []
+    names: dict[str, str] = {}  # each file's name in the checkpoint, worked out once (relpath is slow)
     for item in items:
-        file, size, ranges = os.path.relpath(item.file, root), item.dtype.itemsize, item.ranges
+        file = names.get(item.file)
+        if file is None:
+            file = names[item.file] = os.path.relpath(item.file, root)
+        size, ranges = item.dtype.itemsize, item.ranges
         for k in range(ranges.rows):
             offset, length = item.offset + k * ranges.stride * size, ranges.length * size
             found = coverage.overlapping(file, offset, length)
             if sum(min(p.offset + p.length, offset + length) - max(p.offset, offset) for p in found) != length:
                 uncovered.append(file)
             wanted.update(((p.file, p.offset), p) for p in found)
-    return list(dict.fromkeys([*uncovered, *hashes.check(path, list(wanted.values()))]))
+    # one file at a time: a load runs on every rank of the node at once already
+    return list(dict.fromkeys([*uncovered, *hashes.check(path, list(wanted.values()), threads=1)]))
