@@ -185,11 +185,18 @@ def _worker(rank, world, path):
         back = collgrad.safe_get_full_model_fp32_params(eng, model_parallel="whole")
         out[stage]["state_written"] = [n for n in halved if not torch.equal(back[n], halved[n])]
         out[stage]["saved"] = _saved_whole(eng, os.path.join(path, f"zero{stage}"))
+        # the training state, and DeepSpeed's own checkpoint of it (per (tp, dp) rank), for convert
+        collgrad.save_training_state(eng, os.path.join(path, f"state{stage}"))
+        eng.save_checkpoint(os.path.join(path, f"ds{stage}"), tag="step1")
     return out
 
 
 def test_autotp_shards_stay_local_read_written_and_counted_per_shard_and_are_saved_whole(tmp_path):
+    from tests.deepspeed.test_tensor_parallel_resume import _converted
+
     results = run_ranks(_worker, 4, str(tmp_path), timeout=600)
+    # DeepSpeed's AutoTP checkpoints of both stages converted: collgrad's own training states, bitwise
+    assert _converted(str(tmp_path), "ds2", "state2") == [] and _converted(str(tmp_path), "ds3", "state3") == []
     for rank, res in enumerate(results):
         for stage, entry in res.items():
             assert entry["equal"], (rank, stage)
