@@ -34,13 +34,14 @@ from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in
 from collgrad.state.kinds import StateKind
 from collgrad.state.layout import Expert
 from collgrad.state.model_cache import Context
-from collgrad.state.whole import laid_out, refuse_unplaced, whole_name
+from collgrad.state.whole import laid_out, others, refuse_unplaced, whole_name
 
 __all__ = [
     "Opened",
     "opened",
     "refuse_layout",
     "refuse_unplaced",
+    "refuse_unshared_shards",
     "held",
     "SHARD_HOLDERS",
     "expert_holders",
@@ -103,6 +104,17 @@ def refuse_layout(model: adapters.Model) -> None:
             f"rank {_compat.rank()}: {first} is held under {layout}, which collgrad's whole-model checkpoints "
             "do not support: save and load this model with its framework's own checkpointing "
             "(engine.save_checkpoint / load_checkpoint)"
+        )
+
+
+def refuse_unshared_shards(sources: Iterable[Source], able: bool, needs: str) -> None:
+    """InvalidArgumentError (this rank) where ``sources`` hold tensor- or expert-parallel shards and the
+    ranks cannot write them into their whole tensors' places (``able`` False: the caller's verdict, the
+    same on every rank); ``needs`` says what it takes."""
+    if not able and any(source.splits or source.experts for source in sources):
+        raise InvalidArgumentError(
+            f"rank {_compat.rank()}: the model holds tensor- or expert-parallel shards, which their holders write "
+            f"into the whole tensors' places: {needs}"
         )
 
 
@@ -189,12 +201,6 @@ def shapes(source: Source) -> dict[str, tuple[int, ...]]:
     unsharded model has it (a tensor-parallel shard's whole tensor; an expert by its global index): what
     a load matches a checkpoint against. Local."""
     return {name: shape for slot, name, shape in laid_out(source) if name == whole_name(source, slot.name)}
-
-
-def others(source: Source) -> list[str]:
-    """The tensors a checkpoint of ``source``'s parameters holds that no part of is this rank's (other
-    expert-parallel ranks' experts): neither loaded here nor unexpected. Local."""
-    return [name for slot, name, _ in laid_out(source) if name != whole_name(source, slot.name)]
 
 
 def memory(

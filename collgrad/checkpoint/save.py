@@ -39,6 +39,7 @@ from collgrad.checkpoint.match import (
     persistent_buffers,
     refuse_layout,
     refuse_unplaced,
+    refuse_unshared_shards,
 )
 from collgrad.checkpoint.plan import EVERY_RANK, WHOLE, Files, Held, Holding, Ranges, WriteItem, lay_out, write_items
 from collgrad.checkpoint.safetensors import INDEX_NAME, SAFE_DTYPES, Entry, index_json, is_weights_file
@@ -160,11 +161,11 @@ def save_full_model(
         rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, everyone)),))
         shared = all(row[2] for row in rows)
     commit.unprobe(path, me)
-    if not shared and any(one.source.splits or one.source.experts for one in wanted):  # agreed above
-        raise InvalidArgumentError(
-            f"rank {me}: the model holds tensor- or expert-parallel shards, which their holders write into the whole "
-            f"tensors' places: every rank must see the directory {path} (a shared file system) and ranks be None"
-        )
+    refuse_unshared_shards(  # agreed above
+        (one.source for one in wanted),
+        shared,
+        f"every rank must see the directory {path} (a shared file system) and ranks be None",
+    )
     index = everyone.index(me) if shared else me
     files, items = _plan(entries, max_shard_bytes, index, len(everyone), None if shared else writers, wanted)
     mine = {item.tensor: item for item in items if item.held is not None}

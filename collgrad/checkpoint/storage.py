@@ -122,12 +122,7 @@ class Writer:
         if self.error is not None:
             return
         try:
-            data = values.reshape(-1) if values.dim() != 1 else values
-            if data.requires_grad:  # a parameter itself (a replicated group's)
-                data = data.detach()
-            copied = data.device.type != "cpu" or data.dtype != dtype or not data.is_contiguous()
-            if copied:
-                data = data.to("cpu", dtype).contiguous()
+            data, copied = _on_host(values, dtype)
             if not data.numel():
                 return
             held = self._held
@@ -167,9 +162,7 @@ class Writer:
             return
         try:
             self._let_go()
-            data = values.detach().reshape(-1)
-            if data.device.type != "cpu" or data.dtype != dtype or not data.is_contiguous():
-                data = data.to("cpu", dtype).contiguous()
+            data, _ = _on_host(values, dtype)
             fd, view = self._fd(path, size), bytes_of(data)
             for offset, lo, n in runs:
                 write_all(fd, view[lo : lo + n], offset)
@@ -257,6 +250,16 @@ def write(
                     write_values(writer, path, item, view, at)
             if after is not None:
                 after(item)
+
+
+def _on_host(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """``values`` flattened, contiguous, on the host in ``dtype`` (as bytes go to a file), and whether that
+    took a copy (else it is the caller's memory)."""
+    data = values.reshape(-1) if values.dim() != 1 else values
+    if data.requires_grad:  # a parameter itself (a replicated group's)
+        data = data.detach()
+    copied = data.device.type != "cpu" or data.dtype != dtype or not data.is_contiguous()
+    return (data.to("cpu", dtype).contiguous() if copied else data), copied
 
 
 def write_values(

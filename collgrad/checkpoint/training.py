@@ -71,6 +71,7 @@ from collgrad.checkpoint.match import (
     reads,
     refuse_layout,
     refuse_unmatched,
+    refuse_unshared_shards,
     shapes,
 )
 from collgrad.checkpoint.plan import Files, lay_out, read_items, write_items
@@ -334,13 +335,12 @@ def save_training_state(
     rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, ranks)),))
     commit.unprobe(path, me)
     shared = all(row[2] for row in rows)
-    split = any(one.source.splits or one.source.experts for one in held_.sources)
-    if split and (not shared or any(one.source.accessor is not None for one in held_.sources)):
-        raise InvalidArgumentError(  # the same on every rank: agreed above, or of the same optimizer
-            f"rank {me}: the model holds tensor- or expert-parallel shards, which their holders write into the "
-            f"whole tensors' places: every rank must see the directory {path} (a shared file system), and the "
-            "optimizer keep its states where collgrad reads them (not DeepSpeed's BF16_Optimizer or NVMe offload)"
-        )
+    refuse_unshared_shards(  # the same on every rank: agreed above, or of the same optimizer
+        (one.source for one in held_.sources),
+        shared and all(one.source.accessor is None for one in held_.sources),
+        f"every rank must see the directory {path} (a shared file system), and the optimizer keep its states "
+        "where collgrad reads them (not DeepSpeed's BF16_Optimizer or NVMe offload)",
+    )
     index, world = ranks.index(me), len(ranks)
     entries = _entries_of(held_)
     files = lay_out(entries, max_shard_bytes, file_names(generation, entries), held_.sources[0].source.scratch)

@@ -103,8 +103,8 @@ def check_reads(path: str, pieces: Sequence[hashes.Piece], items: Iterable[ReadI
         if file is None:
             file = names[item.file] = os.path.relpath(item.file, root)
         size, ranges = item.dtype.itemsize, item.ranges
-        for k in range(ranges.rows):
-            offset, length = item.offset + k * ranges.stride * size, ranges.length * size
+        for first, _ in ranges.runs():
+            offset, length = item.offset + (first - ranges.start) * size, ranges.length * size
             found = coverage.overlapping(file, offset, length)
             if sum(min(p.offset + p.length, offset + length) - max(p.offset, offset) for p in found) != length:
                 uncovered.append(file)

@@ -48,6 +48,7 @@ __all__ = [
     "refuse_unplaced",
     "whole_name",
     "laid_out",
+    "others",
     "whole_order",
     "fingerprint",
     "JoinBucket",
@@ -109,6 +110,12 @@ def laid_out(source: Source) -> list[tuple[ParamSlot, str, tuple[int, ...]]]:
     return out
 
 
+def others(source: Source) -> list[str]:
+    """The tensors of the unsharded model ``source``'s parameters stand for of which no part is this
+    rank's (other expert-parallel ranks' experts): in a checkpoint or a whole write, theirs. Local."""
+    return [name for slot, name, _ in laid_out(source) if name != whole_name(source, slot.name)]
+
+
 def whole_order(source: Source, names: Iterable[str]) -> list[str]:
     """``names`` (this rank's, in model order) as the unsharded model orders its tensors: each run of a
     MoE layer's experts (local indexes ``i``) becomes every expert-parallel rank's run in rank order
@@ -118,9 +125,9 @@ def whole_order(source: Source, names: Iterable[str]) -> list[str]:
     for name in [*names, ""]:
         expert = source.experts.get(name)
         first = source.experts[run[0]] if run else None
-        # a run ends where the experts' layer ends (the first expert's name up to its index differs)
+        # a run ends where its MoE layer's experts end
         if first is not None and (expert is None or (expert.group, expert.layer) != (first.group, first.layer)):
-            out += [source.experts[n].names[e] for e in range(len(source.experts[run[0]].names)) for n in run]
+            out += [source.experts[n].names[e] for e in range(len(first.names)) for n in run]
             run = []
         if expert is not None:
             run.append(name)
@@ -282,12 +289,12 @@ def narrowed(source: Source, values: Mapping[str, torch.Tensor]) -> dict[str, to
     given; another rank's experts are theirs to write. A name the unsharded model lacks stays, for the
     write's own check to name. Local."""
     mine = {whole_name(source, n): n for n in source.params}
-    others = {n for _, n, _ in laid_out(source)} - mine.keys()
+    theirs = set(others(source))
     out: dict[str, torch.Tensor] = {}
     for name, value in values.items():
         here = mine.get(name)
         if here is None:
-            if name not in others:
+            if name not in theirs:
                 out[name] = value
             continue
         split = source.splits.get(here)
