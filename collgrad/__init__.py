@@ -15,6 +15,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from collgrad.backends.decide import Capabilities
 from collgrad.backends.ops import Op, Primitive
 from collgrad.backends.policy import Policy
+from collgrad.checkpoint.background import PendingSave, async_save_training_state
 from collgrad.checkpoint.convert import Converted, convert_deepspeed_checkpoint
 from collgrad.checkpoint.load import LoadedModel, load_full_model
 from collgrad.checkpoint.save import SavedModel, save_full_model
@@ -79,6 +80,7 @@ __all__ = [
     "load_full_model",
     # The whole training state: saved once, resumed at any world size, stage or framework
     "save_training_state",
+    "async_save_training_state",
     "load_training_state",
     "convert_deepspeed_checkpoint",
     # What those calls return
@@ -93,6 +95,7 @@ __all__ = [
     "LoadedModel",
     "SavedTrainingState",
     "LoadedTrainingState",
+    "PendingSave",
     "Converted",
     # Coalesced collectives
     "all_reduce_coalesced",

@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
     parser.add_argument("--reps", type=int, default=d.reps)
     parser.add_argument("--pairs", type=int, default=d.pairs, help="pairs timed against each plan's floor")
+    parser.add_argument("--warmup", type=int, default=d.warmup, help="untimed calls of each method before its reps")
     parser.add_argument(
         "--methods",
         default="",
@@ -83,7 +84,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 
 #: The options that are the configuration's fields as they are (``--methods`` is split).
 _GIVEN: tuple[str, ...] = tuple(
-    "stage source dtype offload model tensors elements scale shard_mb bucket_mb reps pairs".split()
+    "stage source dtype offload model tensors elements scale shard_mb bucket_mb reps pairs warmup".split()
 )
 
 

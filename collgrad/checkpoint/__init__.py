@@ -12,5 +12,6 @@ agree.py         one phase of a call agreed by every rank (a failure anywhere ra
 save.py          save_full_model            \
 load.py          load_full_model             |  each job: check -> plan -> execute -> commit,
 training.py      save/load_training_state    |  top to bottom in its file
+background.py    async_save_training_state   |  (training.py's save, written by a thread)
 convert.py       convert_deepspeed_checkpoint (deepspeed_checkpoint.py: DeepSpeed's files, untrusted) /
 """

@@ -95,9 +95,11 @@ def convert_deepspeed_checkpoint(
     try:
         os.makedirs(os.path.join(path, STATE_DIR), exist_ok=True)
         items = write_items(files, holdings, 0, 1)
-        storage.write(
-            writer, items, memory, files.headers(), lambda f: commit.temporary(os.path.join(path, f)), written
-        )
+
+        def temporary(file: str) -> str:
+            return commit.temporary(os.path.join(path, file))
+
+        storage.write(writer, items, storage.in_memory(memory), files.headers(), temporary, written)
         writer.finish()
         if writer.error is not None:
             raise writer.error

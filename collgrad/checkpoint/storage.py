@@ -37,6 +37,9 @@ __all__ = [
     "Memory",
     "Writer",
     "write",
+    "in_memory",
+    "ValuesOf",
+    "Staging",
     "write_values",
     "Reader",
     "LoadPlan",
@@ -224,17 +227,27 @@ class Writer:
         self.opened.clear()
 
 
+#: The values of a write item, as views each with its first element among the item's: where ``write``
+#: takes them from.
+ValuesOf = Callable[[WriteItem], Sequence[tuple[torch.Tensor, int]]]
+
+
+def in_memory(memory: Sequence[Memory]) -> ValuesOf:
+    """An item's values as views of the memory its ``held`` names (``Memory.views``)."""
+    return lambda item: memory[item.held.source].views(item.held, item.ranges.numel) if item.held else ()
+
+
 def write(
     writer: Writer,
     items: Iterable[WriteItem],
-    memory: Sequence[Memory],
+    values_of: ValuesOf,
     headers: Mapping[str, bytes],
     path_of: Callable[[str], str],
     after: Callable[[WriteItem], None] | None = None,
 ) -> None:
     """Every item's bytes written into the file ``path_of(item.file)``: a header from ``headers`` (by
-    file), values from the memory its ``held`` names, each run at its offset; ``after(item)`` once it
-    is handed to the writer. Failures are kept in ``writer.error``. Local."""
+    file), values from ``values_of`` (``in_memory``, or a ``Staging``'s copy), each run at its offset;
+    ``after(item)`` once it is handed to the writer. Failures are kept in ``writer.error``. Local."""
     paths: dict[str, str] = {}
     with torch.no_grad():
         for item in items:
@@ -246,10 +259,51 @@ def write(
             if item.held is None:
                 writer.write_bytes(path, item.size, 0, headers[item.file])
             else:
-                for view, at in memory[item.held.source].views(item.held, item.ranges.numel):
+                for view, at in values_of(item):
                     write_values(writer, path, item, view, at)
             if after is not None:
                 after(item)
+
+
+class Staging:
+    """Host memory that write items' values are copied into, so that they can be written after their
+    owner has changed them (an async save: the state at the call, whatever steps follow): the values
+    as the files hold them (the item's dtype), in the items' order, back to back where their dtypes
+    align (the writer joins what follows on in memory and in the file into one write). Kept from one
+    copy to the next, grown when a copy needs more, pinned where the values lie on a device. Local;
+    one copy in use at a time."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def copy(self, items: Sequence[WriteItem], values_of: ValuesOf) -> ValuesOf:
+        """Every item's values copied here, waited for (a device's copies too); returns where ``write``
+        takes them from, valid until the next ``copy``."""
+        offsets, end = [], 0
+        for item in items:
+            width = item.dtype.itemsize
+            end = -(-end // width) * width  # a view of the bytes as the item's dtype must align
+            offsets.append(end)
+            end += item.ranges.numel * width if item.held is not None else 0
+        views = [list(values_of(item)) for item in items]
+        on_device = any(v.device.type != "cpu" for found in views for v, _ in found)
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < end or (on_device and not buffer.is_pinned()):
+            self._buffer = None  # the old one let go of first: at most one held
+            buffer = self._buffer = torch.empty(end, dtype=torch.uint8, pin_memory=on_device)
+        staged: dict[WriteItem, Sequence[tuple[torch.Tensor, int]]] = {}
+        with torch.no_grad():
+            for item, offset, found in zip(items, offsets, views):
+                if item.held is None:
+                    continue
+                values = buffer[offset : offset + item.ranges.numel * item.dtype.itemsize].view(item.dtype)
+                for view, at in found:
+                    flat = view.reshape(-1) if view.dim() != 1 else view
+                    values[at : at + flat.numel()].copy_(flat, non_blocking=on_device)
+                staged[item] = ((values, 0),)
+        if on_device:
+            torch.accelerator.synchronize()  # the copies above were queued on the device's stream
+        return lambda item: staged.get(item, ())
 
 
 def _on_host(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:

@@ -74,7 +74,7 @@ from collgrad.checkpoint.match import (
     refuse_unshared_shards,
     shapes,
 )
-from collgrad.checkpoint.plan import Files, lay_out, read_items, write_items
+from collgrad.checkpoint.plan import Files, WriteItem, lay_out, read_items, write_items
 from collgrad.checkpoint.safetensors import (
     INDEX_NAME,
     Checkpoint,
@@ -300,12 +300,73 @@ def save_training_state(
     """
     start = time.perf_counter()
     ctx = Context.of(dispatcher)
-    path = os.fspath(directory)
     entrance = adapters.enter(model)
+    phases = save_phases(ctx, entrance, "save_training_state")
+    save = begin_save(ctx, entrance, phases, os.fspath(directory), optimizer, lr_scheduler, max_shard_bytes)
+    writer = save.writer()
+    records: list[StateRecord] = []
+    if save.shared:  # each rank its own ranges, straight from its memory
+        storage.write(writer, save.items, storage.in_memory(save.memory), save.files.headers(), save.temporary)
+    try:
+        # each rank's directory its own: rank 0 writes every tensor as the streams bring it; else only
+        # what DeepSpeed's accessors read (BF16_Optimizer's masters and states, NVMe-swapped ZeRO-3)
+        records = _stream(ctx, entrance, save, optimizer, writer)
+    except (OSError, InvalidArgumentError) as caught:
+        writer.error = caught
+    return end_save(save, writer, phases, start, records)
+
+
+def save_phases(ctx: Context, entrance: adapters.Entrance, call: str) -> Phases:
+    """The agreements of a save named ``call``: over every rank that holds a part of the model (under
+    tensor parallelism, every shard's), within the dispatcher's bounded wait."""
+    compared = "arguments (directory, max_shard_bytes)"
+    return Phases(entrance.model_group, entrance.me, call, compared, ctx.dispatcher.timeout)
+
+
+@dataclass
+class Save:
+    """A training-state save between its check and its commit (``begin_save``): the directory, what this
+    rank holds, the files laid out (every rank the same), the manifest without its hashes, the save's
+    generation, this rank's place among the ``world`` ranks that write, whether they share the
+    directory, and where they do, this rank's write items and the memory behind them. Local."""
+
+    path: str
+    held: _Held
+    files: Files
+    manifest: Manifest
+    generation: str
+    index: int
+    world: int
+    shared: bool
+    items: list[WriteItem]
+    memory: list[storage.Memory]
+
+    def temporary(self, file: str) -> str:
+        """Where ``file`` is written before the commit."""
+        return _temporary(self.path, file)
+
+    def writer(self) -> storage.Writer:
+        """A writer hashing every byte of the save's files as it goes out (hashes.py)."""
+        return storage.Writer(hashes.Hasher({self.temporary(f): f for f in self.files.names()}))
+
+
+def begin_save(
+    ctx: Context,
+    entrance: adapters.Entrance,
+    phases: Phases,
+    path: str,
+    optimizer: Any,
+    lr_scheduler: Any,
+    max_shard_bytes: int,
+    needs: Callable[[Save], str | None] = lambda save: None,
+) -> Save:
+    """A save's check and plan: the model and arguments checked on every rank, the same non-per-element
+    state on every rank, the save's generation (rank 0's), whether the ranks share ``path``, the files
+    laid out and this rank's items. ``needs``: what a save of this kind needs that ``save`` lacks
+    (InvalidArgumentError on every rank, nothing written), the same on every rank. Collective over
+    ``phases``' group (two agreements); raises on every rank together."""
     resolved, error, group, me = entrance
-    # every rank that holds a part of the model (under tensor parallelism, every shard's) agrees and writes
-    everywhere = entrance.model_group
-    ranks = list(_compat.group_ranks(everywhere)) if everywhere is not None else [me]
+    ranks = list(_compat.group_ranks(phases.group)) if phases.group is not None else [me]
     held_: _Held | None = None
     fingerprint = 0
     try:
@@ -318,8 +379,6 @@ def save_training_state(
                 os.makedirs(os.path.join(path, STATE_DIR), exist_ok=True)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
-    compared = "arguments (directory, max_shard_bytes)"
-    phases = Phases(everywhere, me, "save_training_state", compared, ctx.dispatcher.timeout)
     arguments = stable_hash((path, max_shard_bytes))
     what = "check the model and make the directory"
     rows = phases.agree(error, what, arguments=arguments, extra=(fingerprint, secrets.randbits(62)))
@@ -345,33 +404,41 @@ def save_training_state(
     entries = _entries_of(held_)
     files = lay_out(entries, max_shard_bytes, file_names(generation, entries), held_.sources[0].source.scratch)
     manifest = _manifest(resolved, held_, files, generation, world)
-    writer = storage.Writer(hashes.Hasher({_temporary(path, f): f for f in files.names()}))
+    save = Save(path, held_, files, manifest, generation, index, world, shared, [], [])
+    lacking = needs(save)
+    if lacking is not None:
+        raise InvalidArgumentError(f"rank {me}: {lacking}")
+    if shared:
+        readable = [one for one in held_.sources if one.source.accessor is None]
+        among = holders(one.source for one in readable)
+        save.items = write_items(files, held(readable, held_.buffers), index, world, among=among)
+        save.memory = memory(readable, held_.buffers)
+    return save
+
+
+def end_save(
+    save: Save, writer: storage.Writer, phases: Phases, start: float, records: Sequence[StateRecord] = ()
+) -> SavedTrainingState:
+    """A save whose bytes ``writer`` has written, finished: flushed, this rank's hash file written, every
+    rank agreed (a failure anywhere: the new files removed, the old checkpoint intact), then rank 0
+    commits (commit.py): the files, the index, every rank's hash file, then the manifest recording them.
+    Collective over ``phases``' group (two agreements); raises on every rank together."""
+    path, files, index = save.path, save.files, save.index
     renames: list[tuple[str, str]] = []
-    records: list[StateRecord] = []
     mine: tuple[str, str] | None = None  # this rank's hash file: (temporary, final)
     told = (0, 0)  # whether this rank wrote one, and its digest (signed: the agreement carries int64s)
     try:
-        if shared:  # each rank its own ranges, straight from its memory
-            readable = [one for one in held_.sources if one.source.accessor is None]
-            among = holders(one.source for one in readable)
-            items = write_items(files, held(readable, held_.buffers), index, world, among=among)
-            storage.write(
-                writer, items, memory(readable, held_.buffers), files.headers(), lambda f: _temporary(path, f)
-            )
-        # each rank's directory its own: rank 0 writes every tensor as the streams bring it; else only
-        # what DeepSpeed's accessors read (BF16_Optimizer's masters and states, NVMe-swapped ZeRO-3)
-        records = _stream(ctx, entrance, held_, files, path, index == 0, optimizer, writer, every=not shared)
         writer.finish()
         pieces = writer.hasher.pieces if writer.hasher is not None else []
         if writer.error is None and pieces:  # what this rank wrote, hashed as it went out (hashes.py)
             body = hashes.pieces_json(pieces)
-            mine = commit.write_small(os.path.join(path, hashes.hash_file_name(generation, index)), body)
+            mine = commit.write_small(os.path.join(path, hashes.hash_file_name(save.generation, index)), body)
             value = hashes.digest(body)
             told = (1, value - (1 << 64) if value >= 1 << 63 else value)
         if index == 0 and writer.error is None:
-            renames = [(_temporary(path, f), os.path.join(path, f)) for f in files.names()]
+            renames = [(save.temporary(f), os.path.join(path, f)) for f in files.names()]
             renames.append(weights_index(path, files))
-            manifest.to_json()  # a value JSON cannot hold refused here, on every rank alike, before the agreement
+            save.manifest.to_json()  # a value JSON cannot hold refused here, on every rank alike, before the agreement
     except (OSError, InvalidArgumentError) as caught:  # a value JSON cannot hold: found on every rank alike
         writer.error = caught
     try:
@@ -380,11 +447,11 @@ def save_training_state(
         commit.discard(writer, renames + ([mine] if mine is not None else []))
         raise
     error = None
-    named = {hashes.hash_file_name(generation, k): row[3] % (1 << 64) for k, row in enumerate(rows) if row[2]}
+    named = {hashes.hash_file_name(save.generation, k): row[3] % (1 << 64) for k, row in enumerate(rows) if row[2]}
     if index == 0:
         try:  # every rank's hash file, then the manifest recording them: the commit
-            renames += [(_temporary(path, name), os.path.join(path, name)) for name in named]
-            final = replace(manifest, hashes=named).to_json()
+            renames += [(save.temporary(name), os.path.join(path, name)) for name in named]
+            final = replace(save.manifest, hashes=named).to_json()
             renames.append(commit.write_small(manifest_path(path), final))
             put_in_place(path, renames)
         except OSError as caught:
@@ -393,12 +460,12 @@ def save_training_state(
     return SavedTrainingState(
         path,
         (*files.names(), INDEX_NAME, *named, MANIFEST_NAME),
-        generation,
+        save.generation,
         len(files.placed),
         files.data_bytes(),
         writer.bytes_written,
         time.perf_counter() - start,
-        not shared,
+        not save.shared,
         tuple(records),
     )
 
@@ -433,25 +500,21 @@ def _earlier_state(name: str) -> bool:
 def _stream(
     ctx: Context,
     entrance: adapters.Entrance,
-    held: _Held,
-    files: Files,
-    path: str,
-    writing: bool,
+    save: Save,
     optimizer: Any,
     writer: storage.Writer,
-    every: bool,
 ) -> list[StateRecord]:
-    """Tensors written whole by one rank (``writing``) as streams bring them: ``every`` one, headers
-    included, where the ranks do not share the directory, else only the kinds read through DeepSpeed's
-    accessors. A kind partitioned among the ranks streamed to every rank a bucket at a time (one
-    collective per bucket), what every rank holds whole written as it is. Collective: every rank takes
-    part in every stream, whatever fails (failures are kept in ``writer.error``). Returns the streams'
-    records."""
+    """Tensors written whole by the first rank as streams bring them: every one, headers included, where
+    the ranks do not share the directory, else only the kinds read through DeepSpeed's accessors. A kind
+    partitioned among the ranks streamed to every rank a bucket at a time (one collective per bucket),
+    what every rank holds whole written as it is. Collective: every rank takes part in every stream,
+    whatever fails (failures are kept in ``writer.error``). Returns the streams' records."""
     streams: list[FullStateStream] = []
+    held, files, writing, every = save.held, save.files, save.index == 0, not save.shared
     if writing and every:
         for named in files.shards.values():
             for file, shard in named:
-                writer.write_bytes(_temporary(path, file), shard.size, 0, shard.header)
+                writer.write_bytes(save.temporary(file), shard.size, 0, shard.header)
     for one in held.sources:
         source = one.source
         if not every and source.accessor is None:
@@ -482,7 +545,7 @@ def _stream(
         for name, tensor in itertools.chain(tensors, held.buffers if one.stem == "model" and every else ()):
             if writing:
                 place = files.placed[(one.stem, name)]
-                writer.write(_temporary(path, place.file), place.size, place.offset, tensor, place.entry.dtype, False)
+                writer.write(save.temporary(place.file), place.size, place.offset, tensor, place.entry.dtype, False)
     return [stream.record() for stream in streams]  # once consumed: what each sent
 
 

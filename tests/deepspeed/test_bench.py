@@ -27,7 +27,7 @@ COLUMNS = {"median_ms", "min_ms", "max_ms", "call_ms", "page_faults", "peak_host
 def test_bench_runs_and_reports_every_method(tmp_path):
     out = tmp_path / "bench.json"
     # the default model (GPT-2-shaped): two blocks of 12 tensors, embeddings and a final norm
-    args = ["--tensors", "28", "--elements", "30000", "--reps", "2", "--pairs", "3", "--stage", "3"]
+    args = ["--tensors", "28", "--elements", "30000", "--reps", "1", "--pairs", "1", "--warmup", "0", "--stage", "3"]
     stdout = run_cli("bench", *args, "--json", str(out))
     report = json.loads(out.read_text())
     assert list(report["methods"]) == ROWS

@@ -114,6 +114,10 @@ def _fsdp2_recorded(net, opt) -> dict:
     return out
 
 
+def _fsdp2_steps(net, opt) -> dict:
+    return {**_fsdp2_recorded(net, opt), "steps": sorted({float(s["step"]) for s in opt.state.values()})}
+
+
 def _equal(ours: dict, theirs: dict, kinds=("fp32", *KEYS)) -> dict[str, bool]:
     """Per kind: every tensor of ``theirs`` bitwise equal in ``ours``."""
     return {
@@ -204,10 +208,45 @@ def _first(rank, world, root):
     eng = engines["zero2_offload"][0]
     load_training_state(eng, os.path.join(root, "fsdp2"))
     out["fsdp2 -> zero2_offload"] = {**_equal(_recorded(eng), fsdp2), "steps": _steps_of(eng)}
+    out["async"] = {
+        name: _async_save(root, name, eng, lambda e=eng: _train(e, rank, 4), lambda e=eng: _recorded(e))
+        for name in ("zero2_offload", "zero3_bf16")
+        for eng in [engines[name][0]]
+    }
+    out["async"]["fsdp2"] = _async_save(
+        root, "fsdp2", net, lambda: _fsdp2_train(net, opt, rank, 4, 2), lambda: _fsdp2_steps(net, opt), opt
+    )
     out["plain"] = _plain(rank, root)
     out["failed save"] = _failed_save(engines["zero1"][0], rank, root, engines["zero1"][1])
     out["refusals"] = _refusals(engines["zero3_bf16"][0], rank, world, root)
     return out
+
+
+def _async_save(root, name, model, train, record, optimizer=None) -> dict:
+    """An async save with two steps run beside its write (the second of two calls in a row: it waits for
+    the first), then loaded back: the state at the call, bitwise (masters, both moments, every module
+    weight, frozen ones too, the step counts), and the same two steps from it bitwise the ones run beside
+    the write."""
+    from collgrad import async_save_training_state, load_training_state
+
+    path = os.path.join(root, "async", name)
+    async_save_training_state(model, path, optimizer=optimizer)  # never waited for: the next call waits
+    before = record()
+    pending = async_save_training_state(model, path, optimizer=optimizer)
+    train()
+    beside = record()
+    saved = pending.wait()
+    load_training_state(model, path, optimizer=optimizer)
+    back = record()
+    train()
+    kinds = ("fp32", *KEYS, "weights")
+    return {
+        "at the call": _equal(back, before, kinds),
+        "steps": [back.get(k) == before.get(k) for k in ("steps", "optimizer steps")],
+        "stepped beside": not all(_equal(beside, before, kinds).values()),
+        "training on": _equal(record(), beside, kinds),
+        "saved": (saved.tensors, saved.bytes_written > 0, pending.done()),
+    }
 
 
 def _trains_as_plain(step, record, start: dict, world) -> dict[str, float]:
@@ -556,6 +595,15 @@ def test_fsdp2_trains_on_from_a_zero_checkpoint_as_plain_pytorch(results):
     for res in results[0]:
         worst = max(res["fsdp2 trains as plain pytorch"].values())
         assert worst < 1e-3, res["fsdp2 trains as plain pytorch"]
+
+
+@pytest.mark.parametrize("name", ["zero2_offload", "zero3_bf16", "fsdp2"])
+def test_an_async_save_holds_the_state_at_the_call_and_training_on_from_it_is_bitwise(results, name):
+    for res in results[0]:
+        entry = res["async"][name]
+        assert all(entry["at the call"].values()) and all(entry["steps"]), entry
+        assert entry["stepped beside"] and all(entry["training on"].values()), entry
+        assert entry["saved"][0] > 0 and entry["saved"][1:] == (True, True), entry
 
 
 def test_a_plain_module_resumes_bitwise_and_its_weights_load_as_from_pretrained_reads_them(results):

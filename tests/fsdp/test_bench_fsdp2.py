@@ -19,7 +19,8 @@ ROWS = FSDP2_ROWS
 def test_bench_fsdp2_runs_and_reports_every_method(tmp_path):
     out = tmp_path / "bench.json"
     # the default model (GPT-2-shaped): two blocks of 12 tensors, embeddings and a final norm
-    args = ["--source", "fsdp2", "--tensors", "28", "--elements", "30000", "--reps", "2", "--pairs", "3"]
+    args = ["--source", "fsdp2", "--tensors", "28", "--elements", "30000"]
+    args += ["--reps", "1", "--pairs", "1", "--warmup", "0"]  # every row, not its figures
     stdout = run_cli("bench", *args, "--json", str(out))
     report = json.loads(out.read_text())
     assert list(report["methods"]) == ROWS
