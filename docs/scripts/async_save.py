@@ -128,12 +128,12 @@ def main():
     found = run_local(_rank, 2, framework, elements, reps, timeout=3600, env={"DS_ACCELERATOR": "cpu"})[0]
     med = {k: statistics.median(v) for k, v in found.items() if isinstance(v, list)}
     print(json.dumps({"framework": framework, "elements": elements, "reps": reps, **found}, indent=None))
+    written = found["bytes_written"] / 1e6
+    print(f"{framework}, {elements / 1e6:.1f}M elements, rank 0 writes {written:.0f} MB, medians of {reps}:")
     print(
-        f"{framework}, {elements / 1e6:.1f}M elements, rank 0 writes {found['bytes_written'] / 1e6:.0f} MB, medians of {reps}:"
-    )
-    print(
-        f"  call {med['call'] * 1e3:.0f} ms; copy {med['copy'] * 1e3:.0f} ms; call / copy {med['call'] / med['copy']:.2f}x;"
-        f" sync save {med['sync'] * 1e3:.0f} ms; call / sync {med['call'] / med['sync']:.3f}x"
+        f"  call {med['call'] * 1e3:.0f} ms; copy {med['copy'] * 1e3:.0f} ms;"
+        f" call / copy {med['call'] / med['copy']:.2f}x; sync save {med['sync'] * 1e3:.0f} ms;"
+        f" call / sync {med['call'] / med['sync']:.3f}x"
     )
     print(
         f"  until durable: async {med['durable'] * 1e3:.0f} ms, sync {med['sync'] * 1e3:.0f} ms, unhashed sync"
