@@ -3,7 +3,7 @@
     python -m collgrad bench                       # DeepSpeed ZeRO-2 on 2 local ranks: collgrad vs the rest
     python -m collgrad probe --local 2             # 2 ranks over Gloo on this host
     python -m collgrad convert CKPT_DIR OUT_DIR    # a DeepSpeed checkpoint into a training state, offline
-    python -m collgrad verify DIR                  # a training state's bytes against its save's hashes
+    python -m collgrad verify DIR                  # a checkpoint's bytes against its save's hashes
     torchrun --nproc-per-node 8 -m collgrad probe  # under torchrun / the deepspeed launcher
     mpiexec -n 4 python -m collgrad probe          # under an MPI launcher (mpi4py optional)
 
@@ -165,9 +165,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from collgrad.checkpoint.verify import verify_training_state
+    from collgrad.checkpoint.verify import verify_directory
 
-    found = verify_training_state(args.directory, threads=args.threads)
+    found = verify_directory(args.directory, threads=args.threads)
     for problem in found.problems:
         print(f"collgrad verify: {problem}", file=sys.stderr)
     if found.intact:
@@ -209,9 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-shard-bytes", type=int, default=None, metavar="N", help="cut each kind's files at N bytes (default 5 GB)"
     )
     verify = sub.add_parser(
-        "verify", help="check a training state: every file there in full, every byte hashing to what its save recorded"
+        "verify",
+        help="check a checkpoint: every file there in full, every byte hashing to what its save recorded",
     )
-    verify.add_argument("directory", help="the directory save_training_state (or convert) wrote")
+    verify.add_argument(
+        "directory", help="a directory save_training_state (async too), convert or save_full_model wrote"
+    )
     verify.add_argument("--threads", type=int, default=4, metavar="N", help="files hashed at a time (default 4)")
     args = parser.parse_args(argv)
 

@@ -109,9 +109,10 @@ class RankError(RuntimeError):
 # module missing from an installed release is skipped (the forkserver ignores an ImportError), and the
 # rank imports what it needs itself.
 _SERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "collgrad")
-# collgrad's DeepSpeed adapter: it imports deepspeed and what a first engine imports (the adapter is
-# the one module of collgrad that imports deepspeed, the server's preload included).
-_DEEPSPEED_PRELOAD = ("collgrad.state.adapters.deepspeed",)
+# collgrad's DeepSpeed adapter: it imports deepspeed and what a first engine imports (the adapters are
+# the only modules of collgrad that import deepspeed, the server's preload included); then what the
+# server's ranks skip of DeepSpeed's per-process work (adapters/deepspeed_local.py).
+_DEEPSPEED_PRELOAD = ("collgrad.state.adapters.deepspeed", "collgrad.state.adapters.deepspeed_local")
 
 
 class _Server(TypedDict, total=False):

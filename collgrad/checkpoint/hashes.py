@@ -6,6 +6,9 @@ check: by ``collgrad verify`` (every byte of every file), and by a load (the pie
     training_state/hashes-<gen>-<rank>.json         each writing rank's pieces (the headers included)
     manifest.json "hashes": {"algorithm", "block",  every hash file and the XXH3-64 of its bytes; the
                    "files": {name: hex}, "digest"}  manifest's own digest over the rest of it
+    save_full_model's directory (a model directory, no manifest):
+    model.safetensors.hashes-<rank>.json            each writing rank's pieces
+    model.safetensors.hashes.json                   the record: {"hashes": as above, "digest"}
 
 XXH3-64 (``xxhash``): non-cryptographic, ~8 GB/s a core on the 2-vCPU VM (25 on a recent core), and it
 releases the GIL, so the pieces of a large file hash in parallel threads. A piece never crosses a
@@ -45,7 +48,9 @@ __all__ = [
 ALGORITHM = "xxh3_64"
 #: Pieces end at every BLOCK boundary of their file: the most a load reads beyond a range, either side.
 BLOCK = 4 << 20
-_HASH_FILE = re.compile(r"^training_state/hashes-[0-9a-f]+-\d{5,}\.json$")
+_HASH_FILE = re.compile(r"^(training_state/hashes-[0-9a-f]+-|model\.safetensors\.hashes-)\d{5,}\.json$")
+#: the record of a ``save_full_model`` directory's hash files (its manifest's ``hashes``)
+RECORD_NAME = "model.safetensors.hashes.json"
 
 
 def digest(data: bytes | memoryview) -> int:
@@ -53,9 +58,83 @@ def digest(data: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(data))
 
 
-def hash_file_name(generation: str, rank: int) -> str:
-    """A writing rank's hash file in a training state of ``generation``, relative to its directory."""
+def hash_file_name(generation: str | None, rank: int) -> str:
+    """A writing rank's hash file in a training state of ``generation`` (None: a ``save_full_model``
+    directory's), relative to its directory."""
+    if generation is None:
+        return f"model.safetensors.hashes-{rank:05d}.json"
     return f"training_state/hashes-{generation}-{rank:05d}.json"
+
+
+def canonical(document: Mapping[str, Any]) -> bytes:
+    """A document's JSON as written and as its digest covers it: compact (json's C encoder serves only
+    documents without indentation), keys sorted."""
+    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+
+def listed(named: Mapping[str, int]) -> dict[str, Any]:
+    """The ``hashes`` entry of a manifest or record: every hash file and the digest of its bytes."""
+    files = {name: f"{value:016x}" for name, value in named.items()}
+    return {"algorithm": ALGORITHM, "block": BLOCK, "files": files}
+
+
+def signed(document: dict[str, Any]) -> bytes:
+    """``document`` with its own ``digest`` over the rest of it, as written."""
+    document["digest"] = f"{digest(canonical(document)):016x}"
+    return canonical(document) + b"\n"
+
+
+def checked_digest(document: Mapping[str, Any], where: str) -> bool:
+    """Whether ``document`` records a digest (False: written without one); CheckpointError naming
+    ``where`` where the rest of it does not hash to it."""
+    found = document.get("digest")
+    if found is None:
+        return False
+    rest = {k: v for k, v in document.items() if k != "digest"}
+    if not isinstance(found, str) or found != f"{digest(canonical(rest)):016x}":
+        raise refused(where, "does not hash to the digest it records: it changed after it was written")
+    return True
+
+
+def read_listed(found: Any, where: str) -> dict[str, int]:
+    """A ``hashes`` entry (``listed``) read back: each hash file's name (checked) and digest;
+    CheckpointError naming ``where`` for anything else."""
+    if not isinstance(found, dict) or found.get("algorithm") != ALGORITHM or found.get("block") != BLOCK:
+        raise refused(where, f"its hashes are not {ALGORITHM} in blocks of {BLOCK}")
+    files = found.get("files")
+    if not isinstance(files, dict):
+        raise refused(where, "lists no hash files")
+    out = {}
+    for name, value in files.items():
+        if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{16}", value):
+            raise refused(where, f"records the digest {value!r} of {name}")
+        out[hash_file(name, where)] = int(value, 16)
+    return out
+
+
+def record_json(named: Mapping[str, int]) -> bytes:
+    """A ``save_full_model`` directory's record (``RECORD_NAME``) of its hash files."""
+    return signed({"hashes": listed(named)})
+
+
+def read_record(path: str) -> dict[str, int] | None:
+    """The hash files a ``save_full_model`` directory records and their digests, checked; None where it
+    records none (a ``save_pretrained`` directory, one file). CheckpointError naming the record else."""
+    where = os.path.join(path, RECORD_NAME)
+    try:
+        with open(where, "rb") as f:
+            data = f.read(1 << 24)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as error:
+        raise refused(where, f"cannot be read ({error.strerror or error})") from None
+    try:
+        document = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise refused(where, f"is not valid JSON ({error})") from None
+    if not isinstance(document, dict) or not checked_digest(document, where):
+        raise refused(where, "is not a record of hash files with its own digest")
+    return read_listed(document.get("hashes"), where)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from collgrad.checkpoint.agree import Phases
 from collgrad.checkpoint.match import (
     Matched,
     Opened,
+    held,
     match,
     opened,
     others,
@@ -40,7 +41,9 @@ from collgrad.checkpoint.match import (
     refuse_unmatched,
     shapes,
 )
+from collgrad.checkpoint.plan import read_items
 from collgrad.checkpoint.safetensors import Checkpoint, open_checkpoint
+from collgrad.checkpoint.verify import differing, differs, record_pieces
 from collgrad.core.dispatch import Dispatcher
 from collgrad.errors import CollgradError
 from collgrad.state import adapters
@@ -74,6 +77,7 @@ def load_full_model(
     *,
     strict: bool = True,
     params: Iterable[str | torch.Tensor] | None = None,
+    verify: bool = True,
     dispatcher: Dispatcher | None = None,
 ) -> LoadedModel:
     """Load the safetensors checkpoint at ``path`` (a directory holding ``model.safetensors`` or
@@ -94,7 +98,10 @@ def load_full_model(
     ``unexpected_keys``. A shape that differs raises either way. ``params``: only these parameters
     (names or tensors), and then no buffers. Files are untrusted: every header is checked against its
     file and the index before anything is read; any refusal raises on every rank and leaves the model
-    exactly as it was. An I/O error while reading raises on every rank too.
+    exactly as it was. An I/O error while reading raises on every rank too. ``verify``: where the
+    directory records content hashes (``save_full_model`` writes them; ``save_pretrained`` does not),
+    the bytes this rank reads are checked against them first, a file that differs refused on every
+    rank, naming it.
 
     When and where: on every rank of the model's data-parallel group, with the same arguments, outside
     ``forward()``/``step()``. Returns a ``LoadedModel``.
@@ -105,10 +112,13 @@ def load_full_model(
     resolved, error, group, me = entrance
     checked: Checked | None = None
     names: list[str] | None = None
+    differ = 0  # where this rank's reads differ from the save's hashes (verify.differing)
     try:
         if resolved is not None:
             names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
             checked = check(ctx, resolved, path, names, strict)
+            if verify:
+                differ = _differing(checked)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
     # what every rank must share: its arguments, and the checkpoint as it sees it (names, dtypes, shapes: all
@@ -120,8 +130,10 @@ def load_full_model(
     everywhere = entrance.model_group
     phases = Phases(everywhere, me, "load_full_model", compared, ctx.dispatcher.timeout)
     arguments = stable_hash((os.fspath(path), strict, names, seen))
-    phases.agree(error, "check the checkpoint against the model", arguments=arguments)
+    rows = phases.agree(error, "check the checkpoint against the model", arguments=arguments, extra=(differ,))
     assert checked is not None  # else the agreement raised
+    if any(row[2] for row in rows):  # a file some rank reads differs: every rank names the same one
+        raise differs(checked.checkpoint.directory, _relative(checked.checkpoint), [row[2] for row in rows if row[2]])
     bytes_read, error = storage.read(plan(checked))
     phases.agree(error, "read its part of the checkpoint")
     matched = checked.matched
@@ -169,6 +181,22 @@ def check(
     buffers = list(persistent_buffers(model.module)) if names is None else []  # as save_full_model writes them
     matched = _matched(model.module, sources[0], buffers, checkpoint, names is not None, strict)
     return Checked(sources, checkpoint, matched, [(n, b) for n, b in buffers if n in matched.stored])
+
+
+def _relative(checkpoint: Checkpoint) -> list[str]:
+    """The checkpoint's files by their names in its directory, sorted (the same on every rank)."""
+    return sorted(os.path.relpath(f, checkpoint.directory) for f in checkpoint.files)
+
+
+def _differing(checked: Checked) -> int:
+    """This rank's reads against the hashes its directory records (none: 0); verify.differing. Local."""
+    directory = checked.checkpoint.directory
+    pieces = record_pieces(directory) if os.path.isdir(directory) else None
+    if pieces is None:
+        return 0
+    stored = {(one.stem, n): s for one in checked.sources for n, s in checked.matched.stored.items()}
+    items = read_items(stored, held(checked.sources, checked.buffers, loading=True))
+    return differing(directory, pieces, _relative(checked.checkpoint), items)
 
 
 def plan(checked: Checked) -> storage.LoadPlan:

@@ -120,10 +120,8 @@ class Manifest:
             "counters": dict(self.counters),
         }
         if self.hashes is not None:
-            files = {name: f"{value:016x}" for name, value in self.hashes.items()}
-            document["hashes"] = {"algorithm": hashes.ALGORITHM, "block": hashes.BLOCK, "files": files}
-        document["digest"] = f"{hashes.digest(_canonical(document)):016x}"
-        return _canonical(document) + b"\n"
+            document["hashes"] = hashes.listed(self.hashes)
+        return hashes.signed(document)
 
     def files(self) -> tuple[str, ...]:
         """Every tensor file it names, each once, in order."""
@@ -133,34 +131,12 @@ class Manifest:
         return tuple(dict.fromkeys(names))
 
 
-def _canonical(document: Mapping[str, Any]) -> bytes:
-    """The manifest's JSON as written and as its digest covers it: compact (json's C encoder serves only
-    documents without indentation: a state per parameter), keys sorted."""
-    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-
-
 def _hashes(document: Mapping[str, Any], where: str) -> dict[str, int] | None:
     """The manifest's hash files and their digests, checked, after its own digest is checked against the
     rest of it; None for a manifest written without hashes."""
-    found = document.get("digest")
-    if found is None:
+    if not hashes.checked_digest(document, where) or document.get("hashes") is None:
         return None
-    rest = {k: v for k, v in document.items() if k != "digest"}
-    if not isinstance(found, str) or found != f"{hashes.digest(_canonical(rest)):016x}":
-        raise refused(where, "does not hash to the digest it records: it changed after it was written")
-    listed = document.get("hashes")
-    if listed is None:
-        return None
-    listed = _mapping(listed, where, "hashes")
-    if listed.get("algorithm") != hashes.ALGORITHM or listed.get("block") != hashes.BLOCK:
-        raise refused(where, f"its hashes are not {hashes.ALGORITHM} in blocks of {hashes.BLOCK}")
-    files = _mapping(listed.get("files"), where, "hashes.files")
-    out = {}
-    for name, value in files.items():
-        if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{16}", value):
-            raise refused(where, f"records the digest {value!r} of {name}")
-        out[hashes.hash_file(name, where)] = int(value, 16)
-    return out
+    return hashes.read_listed(document["hashes"], where)
 
 
 def _deduplicated(states: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

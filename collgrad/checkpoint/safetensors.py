@@ -322,6 +322,17 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return open_mapped(path, _weight_map(index), index)
 
 
+def model_files(path: str) -> tuple[str, ...]:
+    """The weights files of the model directory ``path``, by their names in it: those its index names
+    (each checked to lie inside it), else ``model.safetensors``; no header read. CheckpointError where
+    the index is malformed. Local."""
+    index = os.path.join(path, INDEX_NAME)
+    if not os.path.isfile(index):
+        return (SINGLE_NAME,)
+    shards = dict.fromkeys(_weight_map(index).values())
+    return tuple(os.path.relpath(inside(path, shard, index), path) for shard in shards)
+
+
 def open_mapped(path: str, weight_map: Mapping[str, str], index: str) -> Checkpoint:
     """The tensors ``weight_map`` places (name -> file, relative to the directory ``path``), as the index
     ``index`` (the file that holds the map, named in errors) gives them: every file checked to lie

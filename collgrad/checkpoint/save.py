@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
-from collgrad.checkpoint import commit
+from collgrad.checkpoint import commit, hashes
 from collgrad.checkpoint.agree import Phases
 from collgrad.checkpoint.match import (
     SHARD_HOLDERS,
@@ -43,7 +43,7 @@ from collgrad.checkpoint.match import (
 )
 from collgrad.checkpoint.plan import EVERY_RANK, WHOLE, Files, Held, Holding, Ranges, WriteItem, lay_out, write_items
 from collgrad.checkpoint.safetensors import INDEX_NAME, SAFE_DTYPES, Entry, index_json, is_weights_file
-from collgrad.checkpoint.storage import Writer, write_values
+from collgrad.checkpoint.storage import Writer, remove_all, write_values
 from collgrad.core.dispatch import Dispatcher
 from collgrad.errors import InvalidArgumentError
 from collgrad.state import adapters
@@ -170,8 +170,11 @@ def save_full_model(
     files, items = _plan(entries, max_shard_bytes, index, len(everyone), None if shared else writers, wanted)
     mine = {item.tensor: item for item in items if item.held is not None}
     into = {file: commit.temporary(os.path.join(path, file)) for file in files.names()}
-    writer = Writer()
+    # every byte hashed as it goes out where one directory holds every file (hashes.py)
+    recorded = shared or len(writers) == 1
+    writer = Writer(hashes.Hasher({into[f]: f for f in files.names()}) if recorded else None)
     streams: list[FullStateStream] = []
+    hashed: tuple[str, str] | None = None  # this rank's hash file: (temporary, final)
     try:
         headers = files.headers()
         for item in items:
@@ -187,14 +190,19 @@ def save_full_model(
             _put(writer, into, mine, tensors, kept=one.whole, source=one.source)
         _put(writer, into, mine, buffers, kept=True)
         writer.finish()
-        phases.agree(writer.error, "write its shards")
+        hashed, told = _hash_file(path, writer, index)
+        rows = phases.agree(writer.error, "write its shards", extra=told)
     except BaseException:
         writer.remove()
+        if hashed is not None:
+            remove_all([hashed[0]])
         raise
     here: list[str] = []
     error = None
+    named = {hashes.hash_file_name(None, k): row[3] % (1 << 64) for k, row in enumerate(rows) if row[2]}
     try:
-        here = _commit(path, files, items, into, index == 0 if shared else me == writers[0], shared)
+        first = index == 0 if shared else me == writers[0]
+        here = _commit(path, files, items, into, first, shared, named if recorded else None)
     except OSError as caught:
         error = caught
         writer.remove()
@@ -377,11 +385,18 @@ def _put(
 
 
 def _commit(
-    path: str, files: Files, items: Sequence[WriteItem], into: dict[str, str], first: bool, shared: bool
+    path: str,
+    files: Files,
+    items: Sequence[WriteItem],
+    into: dict[str, str],
+    first: bool,
+    shared: bool,
+    named: dict[str, int] | None,
 ) -> list[str]:
     """This rank's shards renamed to their final names (where the ranks share the writing: every shard,
-    by the first rank), and by the first the index added and an earlier save's weights files removed:
-    the files this rank put in place. OSError where the file system refuses."""
+    by the first rank), and by the first the index, every rank's hash file and the record of them
+    (``named``: each hash file's digest; None: none recorded) added and an earlier save's weights and
+    hash files removed: the files this rank put in place. OSError where the file system refuses."""
     written = dict.fromkeys(item.file for item in items)
     here = [f for f in files.names() if (first if shared else f in written)]
     renames = [(into[f], os.path.join(path, f)) for f in here]  # each file's temporary, as written
@@ -389,13 +404,35 @@ def _commit(
         final = os.path.join(path, INDEX_NAME)
         renames.append(commit.write_small(final, index_json(files.mapped("model"), files.data_bytes())))
         here.append(INDEX_NAME)
+    if first and named is not None:
+        renames += [(commit.temporary(os.path.join(path, name)), os.path.join(path, name)) for name in named]
+        renames.append(commit.write_small(os.path.join(path, hashes.RECORD_NAME), hashes.record_json(named)))
+        here += [*named, hashes.RECORD_NAME]
     every = [os.path.join(path, f) for f in files.names()]  # other writers' shards: never swept
     commit.commit(renames, [(path, _earlier)] if first else [], keep=every)
     return here
 
 
+def _hash_file(path: str, writer: Writer, index: int) -> tuple[tuple[str, str] | None, tuple[int, int]]:
+    """What this rank wrote, hashed as it went out, in its hash file's temporary: (temporary, final) and
+    what it tells the others (whether it wrote one, its digest signed for the agreement's int64s)."""
+    pieces = writer.hasher.pieces if writer.hasher is not None else []
+    if writer.error is not None or not pieces:
+        return None, (0, 0)
+    body = hashes.pieces_json(pieces)
+    try:
+        hashed = commit.write_small(os.path.join(path, hashes.hash_file_name(None, index)), body)
+    except OSError as error:
+        writer.error = error
+        return None, (0, 0)
+    value = hashes.digest(body)
+    return hashed, (1, value - (1 << 64) if value >= 1 << 63 else value)
+
+
 def _earlier(name: str) -> bool:
     """A weights file an earlier ``save_pretrained`` or ``save_full_model`` left (``from_pretrained``
-    would load ``model.safetensors`` before an index), as ``save_pretrained`` removes them; a training
-    state's generation-named files are its manifest's, left to it."""
-    return is_weights_file(name) and not _GENERATION.match(name)
+    would load ``model.safetensors`` before an index), as ``save_pretrained`` removes them, or an earlier
+    ``save_full_model``'s hash file; a training state's generation-named files are its manifest's, left
+    to it."""
+    hashed = name == hashes.RECORD_NAME or (name.startswith("model.safetensors.hashes-") and name.endswith(".json"))
+    return (is_weights_file(name) and not _GENERATION.match(name)) or hashed

@@ -86,9 +86,9 @@ from collgrad.checkpoint.safetensors import (
     refused,
 )
 from collgrad.checkpoint.save import DEFAULT_MAX_SHARD_BYTES, checked_shard_bytes
-from collgrad.checkpoint.verify import check_reads, recorded_pieces
+from collgrad.checkpoint.verify import differing, differs, recorded_pieces
 from collgrad.core.dispatch import Dispatcher
-from collgrad.errors import CheckpointError, CollgradError, InvalidArgumentError
+from collgrad.errors import CollgradError, InvalidArgumentError
 from collgrad.state import adapters
 from collgrad.state.adapters.base import OptimizerView, create_states
 from collgrad.state.call import OpenCall
@@ -639,7 +639,7 @@ def load_training_state(
         rows = phases.agree(error, what, arguments=seen, extra=(differ,))
         if any(row[2] for row in rows):  # a file some rank read differs: every rank names the same one
             assert manifest is not None  # else the agreement raised
-            raise _differs(path, manifest, sorted({row[2] for row in rows if row[2]}))
+            raise differs(path, sorted(manifest.files()), [row[2] for row in rows if row[2]])
     except CollgradError:
         if undo is not None:
             undo()
@@ -674,24 +674,9 @@ class _Matched:
 
 def _differing(path: str, manifest: Manifest, matched: _Matched) -> int:
     """The pieces of the files this rank reads that overlap its ranges, hashed against what the save
-    recorded (verify.py): 0 where they match, else 1 + the index of the first file that differs among
-    the manifest's files in order (the same list on every rank: the ranks agree on it). Local."""
+    recorded (verify.py's ``differing``: 0, or 1 + the index of a file that differs). Local."""
     items = read_items(matched.stored, held(matched.sources, matched.buffers, loading=True))
-    bad = check_reads(path, recorded_pieces(path, manifest), items)
-    files = sorted(manifest.files())
-    return 1 + files.index(bad[0]) if bad else 0
-
-
-def _differs(path: str, manifest: Manifest, told: list[int]) -> CheckpointError:
-    """What every rank raises where the ranks told (``told``: ``_differing``'s) that files differ."""
-    files = sorted(manifest.files())
-    named = [os.path.join(path, files[k - 1]) for k in told]
-    others = f" (and {', '.join(named[1:])})" if named[1:] else ""
-    return refused(
-        named[0],
-        f"does not hash to what its save recorded{others}: it changed or was cut since; nothing was loaded "
-        "(python -m collgrad verify names every such file)",
-    )
+    return differing(path, recorded_pieces(path, manifest), sorted(manifest.files()), items)
 
 
 def _checkpoints(path: str, manifest: Manifest) -> dict[str, Checkpoint]:

@@ -239,7 +239,7 @@ def test_tensor_parallel_shards_written_and_read_back_through_storage(tmp_path, 
     for t in range(tp):
         held, memory = shards(t)
         items = write_items(files, held, t, tp)
-        storage.write(writer, items, memory, headers, lambda f: os.path.join(tmp_path, f))
+        storage.write(writer, items, storage.in_memory(memory), headers, lambda f: os.path.join(tmp_path, f))
     writer.finish()
     assert writer.error is None
     path = os.path.join(tmp_path, "model.safetensors")

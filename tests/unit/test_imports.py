@@ -1,7 +1,8 @@
 """The dependency rule, enforced: each optional or private dependency is imported in one module only.
 
-deepspeed   collgrad/state/adapters/deepspeed.py (the adapter), collgrad/bench/frameworks.py (the
-            benchmark's engines and DeepSpeed's own paths it measures against)
+deepspeed   collgrad/state/adapters/deepspeed.py (the adapter) and deepspeed_local.py (what run_local's rank
+            server changes of DeepSpeed for its ranks, imported by that server alone),
+            collgrad/bench/frameworks.py (the benchmark's engines and DeepSpeed's own paths it measures against)
 mpi4py      collgrad/backends/mpi.py
 torch._C    collgrad/_compat.py (private bindings change between torch versions)
 FSDP2       collgrad/state/adapters/fsdp2.py (its internals tell an unreduced micro-step),
@@ -19,7 +20,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "collgrad"
 
 HOMES = {
-    "deepspeed": {"state/adapters/deepspeed.py", "bench/frameworks.py"},
+    "deepspeed": {"state/adapters/deepspeed.py", "state/adapters/deepspeed_local.py", "bench/frameworks.py"},
     "mpi4py": {"backends/mpi.py"},
     "torch._C": {"_compat.py"},
     "torch.distributed.fsdp": {"state/adapters/fsdp2.py", "bench/frameworks.py"},
