@@ -69,7 +69,7 @@ class SavedModel:
     """What ``save_full_model`` wrote: every file of the checkpoint (shards in order, then the index if
     there is one), the ones this rank wrote (where the ranks share the writing: put in place, by the
     first rank), how many tensors and bytes of tensor data, the seconds the call took on this rank,
-    and the records of the streams that gathered the tensors."""
+    the records of the streams that gathered the tensors, and the files of its content hashes."""
 
     directory: str
     files: tuple[str, ...]
@@ -83,6 +83,8 @@ class SavedModel:
     #: shards (headers and tensors) this rank wrote
     shared: bool = False
     bytes_written: int = 0
+    #: every writing rank's hash file and their record (hashes.py), where one directory holds every file
+    hash_files: tuple[str, ...] = ()
 
     @property
     def first_writer(self) -> bool:
@@ -208,11 +210,12 @@ def save_full_model(
         writer.remove()
     phases.agree(error, "give its shards their final names")
     finals = files.names() + ((INDEX_NAME,) if len(files.names()) > 1 else ())
+    hash_files = (*named, hashes.RECORD_NAME) if recorded else ()
     records = tuple(stream.record() for stream in streams)
     seconds = time.perf_counter() - start
-    return SavedModel(
-        path, finals, tuple(here), len(entries), files.data_bytes(), seconds, records, shared, writer.bytes_written
-    )
+    here = [f for f in here if f not in hash_files]
+    saved = (len(entries), files.data_bytes(), seconds, records, shared, writer.bytes_written, hash_files)
+    return SavedModel(path, finals, tuple(here), *saved)
 
 
 def _checked(ranks: Sequence[int] | None, dtype: torch.dtype | None, max_shard_bytes: int) -> tuple[int, ...]:

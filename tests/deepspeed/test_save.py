@@ -107,12 +107,15 @@ def _worker(rank, world, root):
             result["shared"] = (saved.shared, saved.bytes_written, saved.written_here)
             if rank == 0:
                 loaded, files = _load(directory)
-                result["files"] = files == sorted(saved.files)
+                # the shards, the index, each rank's hash file and their record
+                hashed = len(saved.hash_files) == world + 1
+                result["files"] = files == sorted(saved.files + saved.hash_files) and hashed
                 result["names"] = sorted(loaded) == sorted(expected)
                 result["equal"] = {k: torch.equal(loaded[k], expected[k]) for k in expected if k in loaded}
                 result["dtypes"] = sorted({str(t.dtype) for t in loaded.values()})
                 result["bytes"] = saved.bytes == sum(t.numel() * t.element_size() for t in loaded.values())
-                result["file_bytes"] = sum(os.path.getsize(os.path.join(directory, f)) for f in saved.files[:-1])
+                shards = [f for f in saved.files if f.endswith(".safetensors")]
+                result["file_bytes"] = sum(os.path.getsize(os.path.join(directory, f)) for f in shards)
             entry["fp32" if fp32 else "own"] = result
         out[name] = entry
         if name == "zero3_bf16":
