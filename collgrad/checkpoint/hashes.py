@@ -49,6 +49,8 @@ ALGORITHM = "xxh3_64"
 #: Pieces end at every BLOCK boundary of their file: the most a load reads beyond a range, either side.
 BLOCK = 4 << 20
 _HASH_FILE = re.compile(r"^(training_state/hashes-[0-9a-f]+-|model\.safetensors\.hashes-)\d{5,}\.json$")
+#: the most a hash file or record may hold (a piece per 4 MiB of a rank's writes is ~60 bytes)
+_MOST_JSON = 1 << 30
 #: the record of a ``save_full_model`` directory's hash files (its manifest's ``hashes``)
 RECORD_NAME = "model.safetensors.hashes.json"
 
@@ -121,17 +123,9 @@ def read_record(path: str) -> dict[str, int] | None:
     """The hash files a ``save_full_model`` directory records and their digests, checked; None where it
     records none (a ``save_pretrained`` directory, one file). CheckpointError naming the record else."""
     where = os.path.join(path, RECORD_NAME)
-    try:
-        with open(where, "rb") as f:
-            data = f.read(1 << 24)
-    except (FileNotFoundError, NotADirectoryError):
+    if not os.path.lexists(where):
         return None
-    except OSError as error:
-        raise refused(where, f"cannot be read ({error.strerror or error})") from None
-    try:
-        document = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as error:
-        raise refused(where, f"is not valid JSON ({error})") from None
+    document = _parsed(where, _read(where))
     if not isinstance(document, dict) or not checked_digest(document, where):
         raise refused(where, "is not a record of hash files with its own digest")
     return read_listed(document.get("hashes"), where)
@@ -216,17 +210,10 @@ def read_pieces(path: str, name: str, expected: int, where: str) -> list[Piece]:
     """A hash file's pieces (the file ``name`` in the checkpoint at ``path``), checked: its bytes hash
     to ``expected`` (the manifest's), every field of the right type, every file a name the caller
     checks. CheckpointError naming ``where`` otherwise."""
-    try:
-        with open(os.path.join(path, name), "rb") as f:
-            data = f.read()
-    except OSError as error:
-        raise refused(os.path.join(path, name), f"cannot be read ({error.strerror or error})") from None
+    data = _read(os.path.join(path, name))
     if digest(data) != expected:
         raise refused(os.path.join(path, name), "does not hash to what the manifest records: it changed")
-    try:
-        document = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as error:
-        raise refused(os.path.join(path, name), f"is not valid JSON ({error})") from None
+    document = _parsed(os.path.join(path, name), data)
     if not isinstance(document, dict) or document.get("algorithm") != ALGORITHM or document.get("block") != BLOCK:
         raise refused(os.path.join(path, name), f"is not a hash file of {ALGORITHM} in blocks of {BLOCK}")
     found = document.get("pieces")
@@ -288,3 +275,24 @@ def hash_file(name: Any, where: str) -> str:
     if not isinstance(name, str) or not _HASH_FILE.match(name):
         raise refused(where, f"names the hash file {name!r}, which is not a plain hash file name")
     return name
+
+
+def _read(where: str) -> bytes:
+    """The bytes of the small file ``where`` (a hash file or record: at most ``_MOST_JSON``);
+    CheckpointError naming it where it cannot be read or is larger."""
+    try:
+        with open(where, "rb") as f:
+            data = f.read(_MOST_JSON + 1)
+    except OSError as error:
+        raise refused(where, f"cannot be read ({error.strerror or error})") from None
+    if len(data) > _MOST_JSON:
+        raise refused(where, f"is larger than {_MOST_JSON} bytes: not a hash file or record")
+    return data
+
+
+def _parsed(where: str, data: bytes) -> Any:
+    """``data`` (the file ``where``'s) as JSON; CheckpointError naming the file where it is not."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise refused(where, f"is not valid JSON ({error})") from None

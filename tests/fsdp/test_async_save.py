@@ -155,6 +155,7 @@ def _full_disk(rank, world, path, killed):
     out["wait"] = attempt(pending.wait)
     async_save_training_state(net, path, optimizer=opt)  # fails too, never waited for
     out["next call"] = attempt(lambda: async_save_training_state(net, path, optimizer=opt))
+    torch.distributed.barrier()  # every rank's failed saves waited for: each removed what it wrote
     out["files"] = sorted(os.path.relpath(os.path.join(d, f), path) for d, _, names in os.walk(path) for f in names)
     net, opt = _model(SMALL, world)
     _step(net, opt, rank, 0)
