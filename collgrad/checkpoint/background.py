@@ -22,6 +22,7 @@ import copy
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -110,6 +111,12 @@ def _background_group(group: ProcessGroup | None) -> ProcessGroup | None:
     return found
 
 
+def _kept(value: Any) -> Any:
+    """An optimizer's state that is not per element (a step count: a tensor Adam adds to in place, or a
+    number), as it is now."""
+    return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
 def _needs(save: Save) -> str | None:
     """What an async save needs that ``save`` lacks: the same on every rank (agreed, or of the same
     optimizer)."""
@@ -159,8 +166,14 @@ def async_save_training_state(
     phases = save_phases(ctx, entrance, "async_save_training_state")
     path = os.fspath(directory)
     save = begin_save(ctx, entrance, phases, path, optimizer, lr_scheduler, max_shard_bytes, _needs)
-    # what the manifest holds that the training changes in place (step tensors, scheduler lists), as now
-    save.manifest = copy.deepcopy(save.manifest)
+    # what the manifest holds that the training changes in place (step tensors, the scheduler's lists), as now
+    manifest = save.manifest
+    states = {name: {k: _kept(v) for k, v in held.items()} for name, held in manifest.param_states.items()}
+    groups = tuple(
+        replace(g, hyperparameters={k: _kept(v) for k, v in g.hyperparameters.items()}) for g in manifest.param_groups
+    )
+    scheduler = copy.deepcopy(manifest.lr_scheduler)
+    save.manifest = replace(manifest, param_groups=groups, param_states=states, lr_scheduler=scheduler)
     staged = _staging.copy(save.items, storage.in_memory(save.memory))
     background = phases._replace(group=_background_group(phases.group))
     global _pending
