@@ -1,7 +1,7 @@
-"""The MPI path for real: ``mpiexec -n N`` ranks with mpi4py beside a Gloo group (tox -e cpu-mpi).
+"""The MPI path for real: ``mpiexec -n N`` ranks with mpi4py beside a Gloo group (tox -e cpu; alone: tox -e cpu-mpi).
 
-Skipped where mpi4py or mpiexec is missing, unless COLLGRAD_REQUIRE_MPI=1 (set by the cpu-mpi tox
-env, so that leg cannot pass by skipping).
+Skipped where mpi4py or mpiexec is missing, unless COLLGRAD_REQUIRE_MPI=1 (set by the cpu and cpu-mpi tox
+envs, so that leg cannot pass by skipping).
 """
 
 from __future__ import annotations

@@ -40,15 +40,16 @@ def test_the_verdict_does_not_depend_on_the_rank_that_reaches_it():
 def test_stable_hash_is_the_same_in_every_process():
     # hash() of a str is salted per process; the check's hashes must not be.
     code = "from collgrad.backends.agreement import stable_hash; print(stable_hash([('float32', 'cpu'), (3, 4)]))"
-    seen = {
-        subprocess.run(
+    runs = [  # two interpreters at once (each imports torch: seconds)
+        subprocess.Popen(
             [sys.executable, "-c", code],
             env={**os.environ, "PYTHONHASHSEED": seed},
-            check=True,
-            capture_output=True,
+            stdout=subprocess.PIPE,
             text=True,
-        ).stdout.strip()
+        )
         for seed in ("1", "2")
-    }
+    ]
+    seen = {run.communicate(timeout=120)[0].strip() for run in runs}
+    assert all(run.returncode == 0 for run in runs)
     assert seen == {str(stable_hash([("float32", "cpu"), (3, 4)]))}
     assert 0 <= stable_hash("x") < 2**63

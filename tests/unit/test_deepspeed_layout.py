@@ -14,7 +14,7 @@ from collgrad.checkpoint.deepspeed_checkpoint import flat_sizes_zero3, placement
 shapes = st.lists(st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple), min_size=1, max_size=8)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(shapes, min_size=1, max_size=3), st.integers(1, 5), st.data())
 def test_zero12_places_every_element_once_at_its_flat_offset(groups, world, data):
     named = [[(f"g{g}.p{j}", s) for j, s in enumerate(group)] for g, group in enumerate(groups)]
@@ -36,7 +36,7 @@ def test_zero12_places_every_element_once_at_its_flat_offset(groups, world, data
             at += math.prod(shape) + pad
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(shapes, min_size=1, max_size=3), st.integers(1, 5))
 def test_zero3_cuts_each_parameter_into_world_parts_back_to_back_on_every_rank(groups, world):
     named = [[(f"g{g}.p{j}", s) for j, s in enumerate(group)] for g, group in enumerate(groups)]

@@ -55,7 +55,7 @@ def _layout(gs):
     return StateLayout("test", gs, tuple(p.name for g in gs for p in g.params))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(groups, min_size=1, max_size=4), calls, st.lists(st.booleans(), min_size=4, max_size=4), st.booleans())
 def test_every_parameter_in_exactly_one_step_within_the_budget(gs, call, gather_ok, per_param):
     layout = _layout(gs)
@@ -76,7 +76,7 @@ def test_every_parameter_in_exactly_one_step_within_the_budget(gs, call, gather_
             assert gplan.kind is PlanKind.ACCESSOR and all(len(b) == 1 for b in gplan.batches)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(groups, min_size=1, max_size=3), calls, st.lists(st.booleans(), min_size=3, max_size=3))
 def test_the_same_plan_on_every_rank(gs, call, gather_ok):
     # Nothing rank-specific goes in: equal layouts built separately (as each rank builds its own) and

@@ -9,7 +9,7 @@ from collgrad.state.layout import owned_fragments
 from tests.groups import flat_group, sliced_group
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=12), st.integers(1, 5), st.sampled_from(["flat", "per_param"]))
 def test_every_element_is_owned_by_exactly_one_rank(sizes, world, kind):
     group = (flat_group if kind == "flat" else sliced_group)(sizes, world)

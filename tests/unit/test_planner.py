@@ -28,7 +28,7 @@ def _rules(tensors, capacity, primitive):
     return {(t.device, t.dtype): BucketRule(primitive, "gloo", t.dtype, capacity) for t in tensors}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(specs, st.integers(1, 200), primitives, st.sampled_from(list(Op)), st.integers(1, 8))
 def test_every_element_lands_exactly_once_and_no_bucket_exceeds_its_cap(tensors, capacity, prim, op, world):
     plan = plan_buckets(op, tensors, _rules(tensors, capacity, prim), world)
@@ -42,7 +42,7 @@ def test_every_element_lands_exactly_once_and_no_bucket_exceeds_its_cap(tensors,
     assert all(count == 1 for row in seen for count in row)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(specs, st.integers(1, 200), primitives)
 def test_plan_is_deterministic_and_rank_free(tensors, capacity, prim):
     rules = _rules(tensors, capacity, prim)
@@ -51,7 +51,7 @@ def test_plan_is_deterministic_and_rank_free(tensors, capacity, prim):
     assert first == again
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(specs, st.integers(1, 200))
 def test_bucket_count_is_minimal_per_device_and_dtype(tensors, capacity):
     plan = plan_buckets(Op.ALL_REDUCE, tensors, _rules(tensors, capacity, Primitive.FLAT), 2)
@@ -94,7 +94,7 @@ def test_bucket_capacity():
         bucket_capacity(Op.ALL_REDUCE, 0, torch.float32, 2, UNLIMITED)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(1, 300), max_size=25), st.integers(1, 200))
 def test_split_whole_never_cuts_a_tensor_and_fills_buckets_in_order(sizes, capacity):
     buckets = split_whole(list(enumerate(sizes)), capacity)

@@ -44,7 +44,7 @@ def _elements(blocks, sizes, owners):
     return read, credit
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 40), st.integers(0, 3)), max_size=30),
     st.sampled_from([0, 1, 5, 16, 64]),

@@ -50,7 +50,7 @@ sizes = st.lists(st.integers(0, 60), min_size=1, max_size=12)
 worlds = st.integers(1, 4)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(sizes, worlds, st.data())
 def test_reduce_step_fills_every_element_once(sizes, world, data):
     group = _flat(sizes, world) if data.draw(st.booleans()) else sliced_group(sizes, world)
@@ -76,7 +76,7 @@ def test_reduce_step_fills_every_element_once(sizes, world, data):
     assert set(every_rank) == set(range(at)) and all(v == 1 for v in every_rank.values())  # each element once
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=20), st.data())
 def test_copy_plan_places_each_fragment_where_the_step_says(frags, data):
     # fragments of a few repeated sizes, lying with gaps in the span, going to distinct bucket places
@@ -107,7 +107,7 @@ def test_copy_plan_places_each_fragment_where_the_step_says(frags, data):
     assert placed == Counter({f.param: 1 for f, _ in mine})
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(1, 2000), min_size=1, max_size=12), worlds, st.data())
 def test_slices_step_chunks_cover_the_span_and_runs_are_equal_and_contiguous(sizes, world, data):
     group = sliced_group(sizes, world)
@@ -179,7 +179,7 @@ def test_a_mixed_model_s_slices_go_in_a_few_strided_runs():
     assert len(step.strided) == 3 and {r.count for r in step.strided} == {4}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=8), st.data())
 def test_sent_pieces_put_the_main_run_first_then_the_rest_in_order(numels, data):
     starts = [sum(numels[:k]) for k in range(len(numels))]
@@ -197,7 +197,7 @@ def test_sent_pieces_put_the_main_run_first_then_the_rest_in_order(numels, data)
             at += numels[k]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.integers(1, 500), st.integers(0, 600), st.integers(1, 200), st.integers(0, 100))
 def test_flat_chunks_cover_the_partition_and_keep_the_head_apart_unless_a_collective_is_saved(
     partition, head, capacity, budget
@@ -223,7 +223,7 @@ def test_the_default_bench_partition_goes_in_two_collectives_not_three():
     assert flat_chunks(partition, 3_292_095, capacity) == ((0, capacity), (capacity, 15_295), (3_292_095, 2_277))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(sizes, st.integers(2, 4), st.data())
 def test_flat_views_give_each_parameter_lying_in_one_run_its_place_and_shape(sizes, world, data):
     group = _flat([max(1, n) for n in sizes], world)
