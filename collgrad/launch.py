@@ -108,6 +108,8 @@ class RankError(RuntimeError):
 # parent's os.environ as it is at the call (the server's own is as it was when the server started). A
 # module missing from an installed release is skipped (the forkserver ignores an ImportError), and the
 # rank imports what it needs itself.
+# COLLGRAD_PRELOAD (comma-separated module names) adds modules the ranks would each import (the tests set
+# Transformers' Trainer and models: ~8 s a rank, ~4 s once in the server); they must start no thread.
 _SERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "collgrad")
 # collgrad's DeepSpeed adapter: it imports deepspeed and what a first engine imports (the adapters are
 # the only modules of collgrad that import deepspeed, the server's preload included); then what the
@@ -133,7 +135,9 @@ def _context(backend: str, envs: list[dict[str, str]]) -> SpawnContext | ForkSer
     if not _server:  # the first run of this process: start the server, importing what it may
         wanted = envs[0].get("DS_ACCELERATOR")
         deepspeed = wanted == "cpu" and importlib.util.find_spec("deepspeed") is not None
-        ctx.set_forkserver_preload(list(_SERVER_PRELOAD) + (list(_DEEPSPEED_PRELOAD) if deepspeed else []))
+        extra = [m for m in os.environ.get("COLLGRAD_PRELOAD", "").split(",") if m.strip()]
+        preload = list(_SERVER_PRELOAD) + (list(_DEEPSPEED_PRELOAD) if deepspeed else []) + extra
+        ctx.set_forkserver_preload(preload)
         _server.update({"accelerator": wanted if deepspeed else None, "usable": _start_server(ctx, wanted)})
     if not _server["usable"]:
         return mp.get_context("spawn")

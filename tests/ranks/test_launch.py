@@ -36,8 +36,10 @@ def test_a_server_that_cannot_start_leaves_runs_to_spawn(tmp_path):
         "launch._SERVER_PRELOAD = launch._SERVER_PRELOAD + ('explodes_on_import',)\n"
         "print(launch.run_local(operator.add, 2, timeout=120), launch._server['usable'])\n"
     )
-    # without DS_ACCELERATOR: the server (which fails) would import deepspeed first, for nothing here
-    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"} | {"OMP_NUM_THREADS": "1"}
+    # without DS_ACCELERATOR or COLLGRAD_PRELOAD: the server (which fails) would import deepspeed or
+    # Transformers first, for nothing here
+    skipped = ("DS_ACCELERATOR", "COLLGRAD_PRELOAD")
+    env = {k: v for k, v in os.environ.items() if k not in skipped} | {"OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[2, 3] False", out.stdout
