@@ -142,10 +142,15 @@ def probe(directory: str, rank: int) -> None:
         f.write(b"0")
 
 
-def sees(directory: str, ranks: Sequence[int]) -> bool:
-    """Every rank of ``ranks``' probe file is there: this rank sees the directory they wrote into (call
-    once every rank probed, e.g. after an agreement)."""
-    return all(os.path.exists(os.path.join(directory, f"{PROBE}{r}")) for r in ranks)
+def sees(directory: str, ranks: Sequence[int], me: int) -> bool:
+    """The probe file of the rank after ``me`` in ``ranks`` (after the last: the first) is there: this
+    rank sees the directory that rank wrote into (call once every rank probed, e.g. after an agreement).
+    Every rank asks it of its own next; the ranks share the directory where all say yes. Seeing one
+    directory is the same for all ranks on one file system, so a ring of yeses joins them all, and ranks on
+    two file systems have an edge between them that says no: one look a rank, not one per rank of the
+    world."""
+    after = ranks[(ranks.index(me) + 1) % len(ranks)]
+    return os.path.exists(os.path.join(directory, f"{PROBE}{after}"))
 
 
 def unprobe(directory: str, rank: int) -> None:

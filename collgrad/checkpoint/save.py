@@ -159,8 +159,8 @@ def save_full_model(
     assert resolved is not None  # else the agreement raised
     everyone = list(_compat.group_ranks(everywhere)) if everywhere is not None else [me]
     shared = False
-    if ranks is None:  # every rank sees every rank's probe: they share the writing, each its turn of the bytes
-        rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, everyone)),))
+    if ranks is None:  # every rank sees the next rank's probe: they share the writing, each its turn of the bytes
+        rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, everyone, me)),))
         shared = all(row[2] for row in rows)
     commit.unprobe(path, me)
     refuse_unshared_shards(  # agreed above

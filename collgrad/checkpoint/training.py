@@ -18,7 +18,7 @@ exactly the module's weights (temporaries and files being removed are hidden and
 save   check: every rank opens the sources (weights, masters, each state), reads what is not per
          element, and writes a probe file -> agreement 1: arguments, those values the same on every
          rank, the save's generation (rank 0's)
-       shared: every rank sees every probe -> agreement 2 (else rank 0 writes it all, streamed to it)
+       shared: every rank sees the next rank's probe -> agreement 2 (else rank 0 writes it all, streamed)
        plan: the files laid out from the layouts (every rank the same); this rank's write items: the
          fragments it holds, its turn of what every rank holds whole, rank 0 the headers (plan.py)
        write: each item at its offset of the file's temporary; fsync -> agreement 3 (a failure
@@ -391,7 +391,7 @@ def begin_save(
             "them once, so they must be the same on every rank"
         )
     generation = f"{rows[0][3]:016x}"
-    rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, ranks)),))
+    rows = phases.agree(None, "look for the others' files", extra=(int(commit.sees(path, ranks, me)),))
     commit.unprobe(path, me)
     shared = all(row[2] for row in rows)
     refuse_unshared_shards(  # the same on every rank: agreed above, or of the same optimizer
