@@ -19,6 +19,7 @@ import secrets
 import threading
 from typing import Callable, Iterable, Sequence
 
+from collgrad.checkpoint import hashes
 from collgrad.checkpoint.storage import Writer, remove_all
 
 __all__ = [
@@ -58,6 +59,36 @@ def write_small(final: str, body: bytes) -> tuple[str, str]:
         f.flush()
         os.fdatasync(f.fileno())
     return path, final
+
+
+def hash_file(writer: Writer, path: str, name: str) -> tuple[tuple[str, str], int] | None:
+    """What ``writer`` wrote, hashed as it went out (hashes.py), flushed to the temporary of the hash file
+    ``name`` in ``path``: ((temporary, final), the digest of its bytes); None where it wrote nothing or
+    failed (an OSError kept in ``writer.error``). Local."""
+    pieces = writer.hasher.pieces if writer.hasher is not None else []
+    if writer.error is not None or not pieces:
+        return None
+    body = hashes.pieces_json(pieces)
+    try:
+        return write_small(os.path.join(path, name), body), hashes.digest(body)
+    except OSError as error:
+        writer.error = error
+        return None
+
+
+def told(hashed: tuple[tuple[str, str], int] | None) -> tuple[int, int]:
+    """What a rank tells the write's agreement of its hash file (``hash_file``'s): whether it wrote one,
+    and its digest as the agreement's int64 carries it (``recorded`` reads it back)."""
+    if hashed is None:
+        return (0, 0)
+    value = hashed[1]
+    return (1, value - (1 << 64) if value >= 1 << 63 else value)
+
+
+def recorded(rows: Sequence[Sequence[int]], name_of: Callable[[int], str]) -> dict[str, int]:
+    """Every rank's hash file (``name_of`` its index) and digest, from the write's agreement's rows (each
+    ``[code, arguments, *told]``), for the manifest or record that lists them."""
+    return {name_of(k): row[3] % (1 << 64) for k, row in enumerate(rows) if row[2]}
 
 
 def commit(

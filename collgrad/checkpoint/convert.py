@@ -105,11 +105,13 @@ def convert_deepspeed_checkpoint(
             raise writer.error
         renames = [(commit.temporary(os.path.join(path, f)), os.path.join(path, f)) for f in files.names()]
         renames.append(weights_index(path, files))
-        assert writer.hasher is not None
-        body = hashes.pieces_json(writer.hasher.pieces)  # what was written, hashed as it went out
         name = hashes.hash_file_name(generation, 0)
-        renames.append(commit.write_small(os.path.join(path, name), body))
-        manifest = replace(manifest, hashes={name: hashes.digest(body)})
+        hashed = commit.hash_file(writer, path, name)  # what was written, hashed as it went out
+        if hashed is None:  # its write failed (kept in writer.error): the headers were written, so hashed
+            assert isinstance(writer.error, OSError)
+            raise writer.error
+        renames.append(hashed[0])
+        manifest = replace(manifest, hashes={name: hashed[1]})
         renames.append(commit.write_small(manifest_path(path), manifest.to_json()))
         put_in_place(path, renames)
     except OSError as error:

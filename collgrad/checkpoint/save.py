@@ -176,7 +176,7 @@ def save_full_model(
     recorded = shared or len(writers) == 1
     writer = Writer(hashes.Hasher({into[f]: f for f in files.names()}) if recorded else None)
     streams: list[FullStateStream] = []
-    hashed: tuple[str, str] | None = None  # this rank's hash file: (temporary, final)
+    hashed = None  # this rank's hash file: ((temporary, final), digest)
     try:
         headers = files.headers()
         for item in items:
@@ -192,16 +192,16 @@ def save_full_model(
             _put(writer, into, mine, tensors, kept=one.whole, source=one.source)
         _put(writer, into, mine, buffers, kept=True)
         writer.finish()
-        hashed, told = _hash_file(path, writer, index)
-        rows = phases.agree(writer.error, "write its shards", extra=told)
+        hashed = commit.hash_file(writer, path, hashes.hash_file_name(None, index))
+        rows = phases.agree(writer.error, "write its shards", extra=commit.told(hashed))
     except BaseException:
         writer.remove()
         if hashed is not None:
-            remove_all([hashed[0]])
+            remove_all([hashed[0][0]])
         raise
     here: list[str] = []
     error = None
-    named = {hashes.hash_file_name(None, k): row[3] % (1 << 64) for k, row in enumerate(rows) if row[2]}
+    named = commit.recorded(rows, lambda k: hashes.hash_file_name(None, k))
     try:
         first = index == 0 if shared else me == writers[0]
         here = _commit(path, files, items, into, first, shared, named if recorded else None)
@@ -414,22 +414,6 @@ def _commit(
     every = [os.path.join(path, f) for f in files.names()]  # other writers' shards: never swept
     commit.commit(renames, [(path, _earlier)] if first else [], keep=every)
     return here
-
-
-def _hash_file(path: str, writer: Writer, index: int) -> tuple[tuple[str, str] | None, tuple[int, int]]:
-    """What this rank wrote, hashed as it went out, in its hash file's temporary: (temporary, final) and
-    what it tells the others (whether it wrote one, its digest signed for the agreement's int64s)."""
-    pieces = writer.hasher.pieces if writer.hasher is not None else []
-    if writer.error is not None or not pieces:
-        return None, (0, 0)
-    body = hashes.pieces_json(pieces)
-    try:
-        hashed = commit.write_small(os.path.join(path, hashes.hash_file_name(None, index)), body)
-    except OSError as error:
-        writer.error = error
-        return None, (0, 0)
-    value = hashes.digest(body)
-    return hashed, (1, value - (1 << 64) if value >= 1 << 63 else value)
 
 
 def _earlier(name: str) -> bool:

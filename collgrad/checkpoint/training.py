@@ -425,16 +425,10 @@ def end_save(
     Collective over ``phases``' group (two agreements); raises on every rank together."""
     path, files, index = save.path, save.files, save.index
     renames: list[tuple[str, str]] = []
-    mine: tuple[str, str] | None = None  # this rank's hash file: (temporary, final)
-    told = (0, 0)  # whether this rank wrote one, and its digest (signed: the agreement carries int64s)
+    hashed = None  # this rank's hash file: ((temporary, final), digest)
     try:
         writer.finish()
-        pieces = writer.hasher.pieces if writer.hasher is not None else []
-        if writer.error is None and pieces:  # what this rank wrote, hashed as it went out (hashes.py)
-            body = hashes.pieces_json(pieces)
-            mine = commit.write_small(os.path.join(path, hashes.hash_file_name(save.generation, index)), body)
-            value = hashes.digest(body)
-            told = (1, value - (1 << 64) if value >= 1 << 63 else value)
+        hashed = commit.hash_file(writer, path, hashes.hash_file_name(save.generation, index))
         if index == 0 and writer.error is None:
             renames = [(save.temporary(f), os.path.join(path, f)) for f in files.names()]
             renames.append(weights_index(path, files))
@@ -442,12 +436,12 @@ def end_save(
     except (OSError, InvalidArgumentError) as caught:  # a value JSON cannot hold: found on every rank alike
         writer.error = caught
     try:
-        rows = phases.agree(writer.error, "write its part of the files", extra=told)
+        rows = phases.agree(writer.error, "write its part of the files", extra=commit.told(hashed))
     except CollgradError:
-        commit.discard(writer, renames + ([mine] if mine is not None else []))
+        commit.discard(writer, renames + ([hashed[0]] if hashed is not None else []))
         raise
     error = None
-    named = {hashes.hash_file_name(save.generation, k): row[3] % (1 << 64) for k, row in enumerate(rows) if row[2]}
+    named = commit.recorded(rows, lambda k: hashes.hash_file_name(save.generation, k))
     if index == 0:
         try:  # every rank's hash file, then the manifest recording them: the commit
             renames += [(save.temporary(name), os.path.join(path, name)) for name in named]
