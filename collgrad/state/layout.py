@@ -47,6 +47,7 @@ __all__ = [
     "StateLayout",
     "Fragment",
     "owned_fragments",
+    "fragment_of",
     "Run",
     "strided_runs",
     "gathered_runs",
@@ -126,6 +127,13 @@ class LayoutGroup:
     def world(self) -> int:
         return len(self.group_ranks)
 
+    @functools.cached_property
+    def flat_index(self) -> FlatIndex:
+        """The parameters by where they start in a PARTITIONED_FLAT group's flat buffer: built once."""
+        order = sorted(range(len(self.params)), key=lambda k: (self.params[k].offset, self.params[k].numel))
+        ends = tuple(self.params[k].offset + self.params[k].numel for k in order)
+        return FlatIndex(tuple(order), tuple(self.params[k].offset for k in order), ends)
+
 
 @dataclass(frozen=True)
 class StateLayout:
@@ -168,24 +176,50 @@ class Fragment:
 
 
 def owned_fragments(group: LayoutGroup, rank_in_group: int) -> tuple[Fragment, ...]:
-    """The parts of each parameter this rank holds (padding excluded). Over all ranks, every element
-    of every parameter is held exactly once."""
-    out = []
+    """The parts of each parameter this rank holds (padding excluded), in parameter order. Over all
+    ranks, every element of every parameter is held exactly once. Costs what the rank holds: a
+    partition's parameters are found by bisection of the flat buffer's offsets (``FlatIndex``), not
+    by a scan of every parameter, so that the ranks' fragments of a 40,000-tensor model at 1,024 ranks
+    are 40,000 looks in all, not 40 million."""
     if group.kind is Partitioning.PARTITIONED_FLAT:
         lo, hi = rank_in_group * group.partition_numel, (rank_in_group + 1) * group.partition_numel
-        for k, p in enumerate(group.params):
-            start, end = max(p.offset, lo), min(p.offset + p.numel, hi)
-            if start < end:
-                out.append(Fragment(k, start - p.offset, start - lo, end - start))
-    elif group.kind is Partitioning.SLICED:
-        for k, p in enumerate(group.params):
-            start = rank_in_group * p.slice_numel
-            numel = min(p.slice_numel, p.numel - start)
-            if numel > 0:
-                out.append(Fragment(k, start, p.offset, numel))
-    else:
-        out = [Fragment(k, 0, 0, p.numel) for k, p in enumerate(group.params)]
-    return tuple(out)
+        found = (fragment_of(group, k, rank_in_group) for k in group.flat_index.overlapping(lo, hi))
+        return tuple(f for f in found if f is not None)
+    if group.kind is Partitioning.SLICED:
+        found = (fragment_of(group, k, rank_in_group) for k in range(len(group.params)))
+        return tuple(f for f in found if f is not None)
+    return tuple(Fragment(k, 0, 0, p.numel) for k, p in enumerate(group.params))
+
+
+def fragment_of(group: LayoutGroup, param: int, rank_in_group: int) -> Fragment | None:
+    """The part of parameter ``param`` (its index in ``group.params``) that rank ``rank_in_group`` holds,
+    or None where it holds none: one look, for a step that wants only its batch's parameters."""
+    p = group.params[param]
+    if group.kind is Partitioning.PARTITIONED_FLAT:
+        lo = rank_in_group * group.partition_numel
+        start, end = max(p.offset, lo), min(p.offset + p.numel, lo + group.partition_numel)
+        return Fragment(param, start - p.offset, start - lo, end - start) if start < end else None
+    if group.kind is Partitioning.SLICED:
+        start = rank_in_group * p.slice_numel
+        numel = min(p.slice_numel, p.numel - start)
+        return Fragment(param, start, p.offset, numel) if numel > 0 else None
+    return Fragment(param, 0, 0, p.numel)
+
+
+class FlatIndex(NamedTuple):
+    """A PARTITIONED_FLAT group's parameters by where they start in the flat buffer (DeepSpeed lays them
+    out in order, but nothing here relies on it): their indexes, and the offsets they start and end at,
+    both ascending (parameters do not overlap)."""
+
+    order: tuple[int, ...]
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+
+    def overlapping(self, lo: int, hi: int) -> list[int]:
+        """The parameters with an element in ``[lo, hi)`` of the flat buffer, in parameter order."""
+        first = bisect.bisect_right(self.ends, lo)  # the first that ends after lo
+        last = bisect.bisect_left(self.starts, hi)  # the first that starts at or after hi
+        return sorted(self.order[first:last])
 
 
 @dataclass(frozen=True)

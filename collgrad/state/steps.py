@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from collgrad.state.layout import Fragment, LayoutGroup, ParamSlot, owned_fragments, strided_runs
+from collgrad.state.layout import Fragment, LayoutGroup, ParamSlot, fragment_of, strided_runs
 
 __all__ = [
     "PIPELINE_CHUNKS",
@@ -91,7 +91,9 @@ def reduce_step(group: LayoutGroup, batch: tuple[int, ...], rank: int) -> Reduce
     for k in batch:
         where[k] = total
         total += group.params[k].numel
-    mine = tuple((f, where[f.param] + f.param_offset) for f in owned_fragments(group, rank) if f.param in where)
+    # the batch's own parameters looked at, not every parameter: a stream of many batches stays linear
+    found = (fragment_of(group, k, rank) for k in sorted(batch))
+    mine = tuple((f, where[f.param] + f.param_offset) for f in found if f is not None)
     gaps: list[tuple[int, int]] = []
     at = 0
     for f, lo in sorted(mine, key=lambda m: m[1]):
