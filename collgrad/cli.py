@@ -4,6 +4,7 @@
     python -m collgrad probe --local 2             # 2 ranks over Gloo on this host
     python -m collgrad convert CKPT_DIR OUT_DIR    # a DeepSpeed checkpoint into a training state, offline
     python -m collgrad verify DIR                  # a checkpoint's bytes against its save's hashes
+    python -m collgrad simulate --world 4096       # one rank's plans in a simulated world, no ranks
     torchrun --nproc-per-node 8 -m collgrad probe  # under torchrun / the deepspeed launcher
     mpiexec -n 4 python -m collgrad probe          # under an MPI launcher (mpi4py optional)
 
@@ -216,6 +217,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "directory", help="a directory save_training_state (async too), convert or save_full_model wrote"
     )
     verify.add_argument("--threads", type=int, default=4, metavar="N", help="files hashed at a time (default 4)")
+    simulate = sub.add_parser(
+        "simulate",
+        help="every job's plan for one rank of a simulated world of a synthetic transformer: planning time, "
+        "peak memory, I/O calls, bytes read, written and sent; no process group, no model",
+    )
+    from collgrad.bench import simulate as simulate_mod
+
+    simulate_mod.add_arguments(simulate)
     args = parser.parse_args(argv)
 
     if args.command == "bench":
@@ -224,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _convert(args)
     if args.command == "verify":
         return _verify(args)
+    if args.command == "simulate":
+        return simulate_mod.main(args)
     if args.local:
         report = run_local(probe_rank, args.local, args.group)[0]
         print(report)

@@ -184,10 +184,10 @@ def in_whole(holding: Holding, split: Split) -> list[Holding]:
     return out
 
 
-@dataclass(frozen=True)
-class Placed:
+class Placed(NamedTuple):
     """Where a tensor lies in a checkpoint being written: its file (relative to the checkpoint's
-    directory) and the file's size, the offset of its first byte, its entry."""
+    directory) and the file's size, the offset of its first byte, its entry. A tuple: a save places
+    every tensor of every kind (made at C speed)."""
 
     file: str
     size: int

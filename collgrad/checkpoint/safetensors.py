@@ -22,14 +22,13 @@ Spec: https://github.com/huggingface/safetensors
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -42,6 +41,7 @@ __all__ = [
     "Shard",
     "cut_shards",
     "lay_out_file",
+    "parse_header",
     "shard_name",
     "SINGLE_NAME",
     "INDEX_NAME",
@@ -98,14 +98,11 @@ class Shard:
     entries: tuple[Entry, ...]
     header: bytes
     offsets: tuple[int, ...]  # from the start of the file, per entry
+    data_bytes: int
 
-    @functools.cached_property
+    @property
     def size(self) -> int:
         return len(self.header) + self.data_bytes
-
-    @functools.cached_property
-    def data_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
 
 
 #: The names ``save_pretrained`` gives a checkpoint of one file, and the index of a sharded one.
@@ -125,19 +122,25 @@ def shard_name(index: int, count: int) -> str:
 
 def _cut(entries: list[Entry], max_shard_bytes: int, metadata: dict[str, str]) -> tuple[Shard, ...]:
     """``entries`` cut into shards in order, each laid out in the safetensors format (``cut_shards``). Pure."""
-    groups: list[list[Entry]] = []
+    groups: list[tuple[list[Entry], list[int]]] = []
     filled = 0
-    for entry in entries:
-        if entry.dtype not in SAFE_DTYPES:
-            raise InvalidArgumentError(
-                f"rank {_compat.rank()}: {entry.name} is {entry.dtype}, which safetensors cannot hold"
-            )
-        if not groups or (filled and filled + entry.nbytes > max_shard_bytes):
-            groups.append([])
+    for entry, nbytes in zip(entries, _nbytes(entries)):
+        if not groups or (filled and filled + nbytes > max_shard_bytes):
+            groups.append(([], []))
             filled = 0
-        groups[-1].append(entry)
-        filled += entry.nbytes
-    return tuple(lay_out_file(group, metadata) for group in groups)
+        groups[-1][0].append(entry)
+        groups[-1][1].append(nbytes)
+        filled += nbytes
+    return tuple(_laid_out(group, sizes, metadata) for group, sizes in groups)
+
+
+def _nbytes(entries: Sequence[Entry]) -> list[int]:
+    """Each entry's bytes; InvalidArgumentError (this rank) for a dtype safetensors cannot hold."""
+    for dtype in {e.dtype for e in entries}:
+        if dtype not in SAFE_DTYPES:
+            bad = next(e for e in entries if e.dtype == dtype)
+            raise InvalidArgumentError(f"rank {_compat.rank()}: {bad.name} is {dtype}, which safetensors cannot hold")
+    return [math.prod(e.shape) * _ITEMSIZE[e.dtype] for e in entries]
 
 
 def cut_shards(entries: tuple[Entry, ...], max_shard_bytes: int) -> tuple[Shard, ...]:
@@ -148,16 +151,21 @@ def cut_shards(entries: tuple[Entry, ...], max_shard_bytes: int) -> tuple[Shard,
 
 def lay_out_file(entries: list[Entry], metadata: dict[str, str]) -> Shard:
     """One safetensors file of ``entries`` in order: its header and each tensor's byte offset. Pure."""
+    return _laid_out(entries, _nbytes(entries), metadata)
+
+
+def _laid_out(entries: list[Entry], sizes: list[int], metadata: dict[str, str]) -> Shard:
     header: dict[str, object] = {"__metadata__": metadata}
     at, starts = 0, []
-    for e in entries:
-        header[e.name] = {"dtype": SAFE_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [at, at + e.nbytes]}
+    for e, nbytes in zip(entries, sizes):
+        header[e.name] = {"dtype": SAFE_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [at, at + nbytes]}
         starts.append(at)
-        at += e.nbytes
+        at += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     head = struct.pack("<Q", len(raw)) + raw
-    return Shard(tuple(entries), head, tuple(len(head) + s for s in starts))
+    first = len(head)
+    return Shard(tuple(entries), head, tuple(first + s for s in starts), at)
 
 
 def is_weights_file(name: str) -> bool:
@@ -175,6 +183,8 @@ def index_json(weight_map: Mapping[str, str], total_size: int) -> bytes:
 #: safetensors' own limit on a header (its reader refuses larger ones: "header too large").
 MAX_HEADER_BYTES = 100_000_000
 DTYPES = {name: dtype for dtype, name in SAFE_DTYPES.items()}
+#: Each dtype's bytes an element, looked up (``dtype.itemsize`` is a call into torch; a header holds thousands).
+_ITEMSIZE = {dtype: dtype.itemsize for dtype in SAFE_DTYPES}
 
 
 class Stored(NamedTuple):
@@ -230,6 +240,13 @@ def read_header(path: str) -> tuple[dict[str, Stored], int]:
             text = f.read(length)
     except OSError as error:
         raise refused(path, f"cannot be read ({error.strerror or error})") from error
+    return parse_header(path, text, size)
+
+
+def parse_header(path: str, text: bytes, size: int) -> tuple[dict[str, Stored], int]:
+    """``read_header``'s checks of a header's JSON ``text`` (the file's bytes after its 8-byte length), of
+    the file ``path`` of ``size`` bytes: its tensors and the size of its header. Pure."""
+    length = len(text)
     try:
         header = json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
@@ -244,16 +261,18 @@ def read_header(path: str) -> tuple[dict[str, Stored], int]:
     data_start, data_size = 8 + length, size - 8 - length
     out: dict[str, Stored] = {}
     spans = []
+    ordered, last = True, 0  # a save writes its entries in the order of their bytes: then no sort
     for name, entry in header.items():
         dtype, shape, begin, end = _well_formed(entry) or _entry(path, name, entry)
         if end > data_size:
             raise refused(path, f"{name!r} lies at bytes [{begin}, {end}) of a data section of {data_size}")
-        if end - begin != math.prod(shape) * dtype.itemsize:
+        if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
             raise refused(path, f"{name!r}: {end - begin} bytes for shape {list(shape)} of {dtype}")
         out[name] = Stored(path, dtype, shape, data_start + begin)
         spans.append((begin, end, name))
+        ordered, last = ordered and begin >= last, end
     at = 0
-    for begin, end, name in sorted(spans):
+    for begin, end, name in spans if ordered else sorted(spans):
         if begin != at:
             what = "overlaps the tensor before it" if begin < at else f"leaves bytes [{at}, {begin}) unused"
             raise refused(path, f"{name!r} {what}")

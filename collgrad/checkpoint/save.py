@@ -22,7 +22,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Collection, Hashable, Iterable, Mapping, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
@@ -50,13 +50,13 @@ from collgrad.state import adapters
 from collgrad.state.adapters.base import Source, select
 from collgrad.state.call import OpenCall
 from collgrad.state.kinds import FP32, WEIGHTS, StateKind
-from collgrad.state.layout import Partitioning
+from collgrad.state.layout import Partitioning, Split
 from collgrad.state.model_cache import Context
 from collgrad.state.read import FullStateStream
 from collgrad.state.record import StateRecord
 from collgrad.state.whole import laid_out, whole_name
 
-__all__ = ["save_full_model", "SavedModel", "DEFAULT_MAX_SHARD_BYTES", "checked_shard_bytes"]
+__all__ = ["save_full_model", "SavedModel", "DEFAULT_MAX_SHARD_BYTES", "checked_shard_bytes", "plan_full_model"]
 
 #: ``save_pretrained``'s default shard size ("5GB")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -344,22 +344,45 @@ def _plan(
     if isinstance(found, tuple) and found[0] == key:
         kept: tuple[Files, list[WriteItem]] = found[1]
         return kept
-    files = lay_out({"model": entries}, max_shard_bytes, memo=scratch)
+    planned = plan_full_model(
+        entries, max_shard_bytes, index, world, writers, splits, experts, elsewhere, among, scratch
+    )
+    scratch["save_full_model plan"] = (key, planned)
+    return planned
+
+
+def plan_full_model(
+    entries: Sequence[Entry],
+    max_shard_bytes: int,
+    index: int,
+    world: int,
+    writers: tuple[int, ...] | None = None,
+    splits: Mapping[str, Split] | None = None,
+    experts: Mapping[str, str] | None = None,
+    elsewhere: Collection[str] = (),
+    among: Mapping[str, tuple[int, int]] | None = None,
+    memo: dict[Hashable, Any] | None = None,
+) -> tuple[Files, list[WriteItem]]:
+    """The shards of ``entries`` laid out, and what rank ``index`` of ``world`` writes of them (``_plan``'s
+    work, as data): every tensor held whole by every rank (``Held(0, WHOLE, k)``: the k-th entry), or of
+    a tensor-parallel split (``splits``) its shard's slice of the whole tensor, held alike by the ranks
+    ``among`` names, or an expert (``experts``: its holders' set; those of other ranks, ``elsewhere``,
+    not held here). ``writers``: the ranks that write whole files, else every rank
+    its turn of the bytes. Pure but for ``memo`` (lay_out's)."""
+    files = lay_out({"model": list(entries)}, max_shard_bytes, memo=memo)
     everything = []
     for k, e in enumerate(entries):
-        split = splits.get(e.name)
+        split = (splits or {}).get(e.name)
         if e.name in elsewhere:
             continue
         if split is None:
-            held = experts.get(e.name, EVERY_RANK)
+            held = (experts or {}).get(e.name, EVERY_RANK)
             everything.append(Holding("model", e.name, Ranges(0, e.numel), Held(0, WHOLE, k), True, held))
         else:
             ranges = Ranges.slice(e.shape, split.dim, split.lo, split.hi)
             everything.append(Holding("model", e.name, ranges, Held(0, WHOLE, k), True, SHARD_HOLDERS))
     by_file = None if writers is None else [writers[k % len(writers)] for k in range(len(files.names()))]
-    planned = (files, write_items(files, everything, index, world, by_file, among))
-    scratch["save_full_model plan"] = (key, planned)
-    return planned
+    return files, write_items(files, everything, index, world, by_file, among)
 
 
 def _put(
