@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from collgrad.checkpoint import load
+from collgrad.checkpoint.agree import position
 from collgrad.checkpoint.safetensors import Checkpoint, Entry, lay_out_file
 from collgrad.checkpoint.storage import Reader, Run, bytes_of
 from collgrad.state import adapters
@@ -135,5 +136,7 @@ def read_plan(model: object, path: str | os.PathLike[str]) -> tuple[Run, ...]:
     """The runs of byte ranges ``load_full_model(model, path, strict=False)`` reads on this rank, in
     order, without reading them (the floor of a load times the same reads raw): the load's own check
     and plan (checkpoint/load.py). Local: no communication."""
-    checked = load.check(Context.of(None), adapters.resolve(model), path, None, strict=False)
-    return load.plan(checked).runs
+    entrance = adapters.enter(model)
+    assert entrance.model is not None, entrance.error
+    checked = load.check(Context.of(None), entrance.model, path, None, strict=False)
+    return load.plan(checked, *position(entrance.model_group, entrance.me))

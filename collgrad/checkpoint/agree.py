@@ -1,6 +1,8 @@
 """The outcome of one phase of a call that writes or reads files, agreed by every rank: each rank tells
 whether it failed (an errno, or 255 for any other error) and a hash of its arguments, in one small
-all-gather over the model's group; then every rank raises together, or all go on.
+all-gather over the model's group; then every rank raises together, or all go on. And a load's reads
+together (``read_together``): what the ranks hold alike read once between them and gathered, the one
+collective that moves checkpoint bytes between ranks (``gather_parts``).
 
     rank r:  [code, arguments]  ->  all-gather  ->  this rank failed?   its own error
                                                    another failed?     RankFailedError naming it
@@ -10,15 +12,19 @@ all-gather over the model's group; then every rank raises together, or all go on
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
+import torch
 from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.backends import agreement
+from collgrad.checkpoint import storage
+from collgrad.checkpoint.match import Opened, Reads, memory, reads
+from collgrad.core.dispatch import Dispatcher
 from collgrad.errors import ArgumentMismatchError, CollgradError, RankFailedError
 
-__all__ = ["agree_outcome", "Phases"]
+__all__ = ["agree_outcome", "Phases", "gather_parts", "position", "read_together"]
 
 
 def agree_outcome(
@@ -87,3 +93,49 @@ class Phases(NamedTuple):
             compared=self.compared,
             extra=extra,
         )
+
+
+def gather_parts(dispatcher: Dispatcher, group: ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The one collective that moves checkpoint bytes between ranks (``storage.read_shared``'s): every
+    rank's part (uint8, as long on every rank) gathered, rank-major, over ``group`` on a device its
+    backend takes (the host's bytes moved there and back where it is an accelerator's only), with the
+    dispatcher's buckets; the call is agreed already (no argument check). Collective over ``group``."""
+    device = _compat.agreement_device(agreement.control_device_type(group))
+
+    def gather(part: torch.Tensor) -> torch.Tensor:
+        part = part.to(device)
+        out = torch.empty(group.size() * part.numel(), dtype=torch.uint8, device=device)
+        dispatcher.all_gather([out], [part], group, atomic=False, check=False)
+        return out.cpu()
+
+    return gather
+
+
+def position(group: ProcessGroup | None, me: int) -> tuple[int, int]:
+    """This rank's index in ``group`` and the group's size (None: this process alone)."""
+    if group is None:
+        return 0, 1
+    ranks = list(_compat.group_ranks(group))
+    return ranks.index(me), len(ranks)
+
+
+def read_together(
+    sources: Sequence[Opened],
+    buffers: Sequence[tuple[str, torch.Tensor]],
+    planned: Reads,
+    dispatcher: Dispatcher,
+    group: ProcessGroup | None,
+) -> tuple[int, BaseException | None]:
+    """A load's reads (match.planned_reads): this rank's own (storage.read), then what the ranks of
+    ``group`` hold alike, each its turn, gathered (storage.read_shared). Collective over ``group``
+    where anything is shared: every rank calls it after the load's check agreed, whatever its own
+    reads did. Returns the bytes read and the first error, for the caller's agreement."""
+    bytes_read, error = storage.read(reads(sources, buffers, planned))
+    if not planned.shared:
+        return bytes_read, error
+    assert group is not None, "nothing is shared without a group"
+    into = memory(sources, buffers, loading=True)
+    more, late = storage.read_shared(
+        planned.shared, planned.index, into, gather_parts(dispatcher, group), planned.from_turn
+    )
+    return bytes_read + more, error or late

@@ -27,22 +27,23 @@ import torch
 
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import storage
-from collgrad.checkpoint.agree import Phases
+from collgrad.checkpoint.agree import Phases, position, read_together
 from collgrad.checkpoint.match import (
     Matched,
     Opened,
-    held,
+    Reads,
     match,
     opened,
     others,
     persistent_buffers,
+    planned_reads,
     reads,
     refuse_layout,
     refuse_unmatched,
     shapes,
 )
-from collgrad.checkpoint.plan import read_items
-from collgrad.checkpoint.safetensors import Checkpoint, open_checkpoint
+from collgrad.checkpoint.plan import turn_runs
+from collgrad.checkpoint.safetensors import Checkpoint, Stored, open_checkpoint
 from collgrad.checkpoint.verify import differing, differs, record_pieces
 from collgrad.core.dispatch import Dispatcher
 from collgrad.errors import CollgradError
@@ -111,14 +112,18 @@ def load_full_model(
     entrance = adapters.enter(model)
     resolved, error, group, me = entrance
     checked: Checked | None = None
+    planned: Reads | None = None
     names: list[str] | None = None
     differ = 0  # where this rank's reads differ from the save's hashes (verify.differing)
+    everywhere = entrance.model_group
+    index, world = position(everywhere, me)
     try:
         if resolved is not None:
             names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
             checked = check(ctx, resolved, path, names, strict)
+            planned = planned_reads(checked.sources, checked.buffers, _stored(checked), index, world)
             if verify:
-                differ = _differing(checked)
+                differ = _differing(checked, planned)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
     # what every rank must share: its arguments, and the checkpoint as it sees it (names, dtypes, shapes: all
@@ -127,14 +132,13 @@ def load_full_model(
         None if checked is None else sorted((n, str(s.dtype), s.shape) for n, s in checked.checkpoint.tensors.items())
     )
     compared = "arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes)"
-    everywhere = entrance.model_group
     phases = Phases(everywhere, me, "load_full_model", compared, ctx.dispatcher.timeout)
-    arguments = stable_hash((os.fspath(path), strict, names, seen))
+    arguments = stable_hash((os.fspath(path), strict, names, seen, None if planned is None else planned.fingerprint()))
     rows = phases.agree(error, "check the checkpoint against the model", arguments=arguments, extra=(differ,))
-    assert checked is not None  # else the agreement raised
+    assert checked is not None and planned is not None  # else the agreement raised
     if any(row[2] for row in rows):  # a file some rank reads differs: every rank names the same one
         raise differs(checked.checkpoint.directory, _relative(checked.checkpoint), [row[2] for row in rows if row[2]])
-    bytes_read, error = storage.read(plan(checked))
+    bytes_read, error = read_together(checked.sources, checked.buffers, planned, ctx.dispatcher, everywhere)
     phases.agree(error, "read its part of the checkpoint")
     matched = checked.matched
     files = tuple(sorted({s.file for s in matched.stored.values()}))
@@ -188,22 +192,30 @@ def _relative(checkpoint: Checkpoint) -> list[str]:
     return sorted(os.path.relpath(f, checkpoint.directory) for f in checkpoint.files)
 
 
-def _differing(checked: Checked) -> int:
-    """This rank's reads against the hashes its directory records (none: 0); verify.differing. Local."""
+def _differing(checked: Checked, planned: Reads) -> int:
+    """The bytes this rank reads from the files (``planned.here()``) against the hashes its directory
+    records (none: 0); verify.differing. Local."""
     directory = checked.checkpoint.directory
     pieces = record_pieces(directory) if os.path.isdir(directory) else None
     if pieces is None:
         return 0
-    stored = {(one.stem, n): s for one in checked.sources for n, s in checked.matched.stored.items()}
-    items = read_items(stored, held(checked.sources, checked.buffers, loading=True))
-    return differing(directory, pieces, _relative(checked.checkpoint), items)
+    return differing(directory, pieces, _relative(checked.checkpoint), planned.here())
 
 
-def plan(checked: Checked) -> storage.LoadPlan:
-    """This rank's reads (match.py's ``reads``): its holdings of each source as read items, resolved
-    against its memory, kept for the next load alike. Local."""
-    stored = {(one.stem, n): s for one in checked.sources for n, s in checked.matched.stored.items()}
-    return reads(checked.sources, checked.buffers, stored)
+def plan(checked: Checked, index: int = 0, world: int = 1) -> tuple[storage.Run, ...]:
+    """The runs of byte ranges this rank's load reads from the files, without reading them, as rank
+    ``index`` of a data-parallel group of ``world``: its own (adjacent ones joined, as the load joins
+    them), then its turn of what the ranks hold alike (bytes, no place). Local."""
+    planned = planned_reads(checked.sources, checked.buffers, _stored(checked), index, world)
+    turns = (
+        storage.Run(f, at, n, torch.uint8, None, ()) for w in planned.shared for f, at, _, n in turn_runs(w, index)
+    )
+    return (*reads(checked.sources, checked.buffers, planned).runs, *turns)
+
+
+def _stored(checked: Checked) -> dict[tuple[str, str], Stored]:
+    """The stored tensor each source's holdings are read from, by (stem, name)."""
+    return {(one.stem, n): s for one in checked.sources for n, s in checked.matched.stored.items()}
 
 
 def _matched(

@@ -28,6 +28,7 @@ before they reach the disk is one more item kind between holdings and writes.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterator, Mapping, NamedTuple, Sequence
@@ -54,6 +55,13 @@ __all__ = [
     "ReadItem",
     "read_items",
     "turns",
+    "SharedRead",
+    "SHARED_WINDOW_BYTES",
+    "shared_reads",
+    "turn_runs",
+    "in_turn",
+    "SplitReads",
+    "split_reads",
 ]
 
 
@@ -280,11 +288,15 @@ def turns(sizes: Sequence[int], index: int, world: int) -> list[int]:
     """Of items of ``sizes`` bytes one after another that every rank holds, those rank ``index`` of
     ``world`` writes: item k by the rank whose turn its first byte falls in, counting through the bytes
     in order (a contiguous run per rank, about 1/world of the bytes each). Pure."""
+    return [k for k, owner in enumerate(owners(sizes, world)) if owner == index]
+
+
+def owners(sizes: Sequence[int], world: int) -> list[int]:
+    """Whose turn each of items of ``sizes`` bytes one after another is (``turns``), in one pass. Pure."""
     total = sum(sizes) or 1
     out, at = [], 0
-    for k, size in enumerate(sizes):
-        if min(world - 1, at * world // total) == index:
-            out.append(k)
+    for size in sizes:
+        out.append(min(world - 1, at * world // total))
         at += size
     return out
 
@@ -369,3 +381,135 @@ def read_items(stored: Mapping[tuple[str, str], Stored], held: Sequence[Holding]
             kind, name, ranges = holding.kind, holding.tensor, holding.ranges
             out.append(ReadItem(found.file, offset, found.dtype, kind, name, ranges, holding.held, found.shape))
     return out
+
+
+class SharedRead(NamedTuple):
+    """One window of what every rank of a group holds alike and reads once between them (a ZeRO-1/2
+    model's weights, the buffers): the items in the files' byte order, each read by one rank (``owner``,
+    its turn, as ``turns`` gives) into its part at byte ``at``; then every rank's part is all-gathered
+    (each padded to ``part_bytes``, the widest) and every rank puts each item in place from it."""
+
+    items: tuple[ReadItem, ...]
+    owner: tuple[int, ...]
+    at: tuple[int, ...]
+    part_bytes: int
+
+
+#: The most bytes of what the ranks read alike that one window gathers (each rank holds a window's
+#: gather at a time: ``world`` parts of about 1/world of it each).
+SHARED_WINDOW_BYTES = 256 * 2**20
+
+
+def shared_reads(items: Sequence[ReadItem], world: int, window_bytes: int = SHARED_WINDOW_BYTES) -> list[SharedRead]:
+    """``items`` (what every rank of a group of ``world`` reads alike, the same on every rank) as windows
+    of at most ``window_bytes`` (an item larger than that alone), each item read by one rank in turn: in
+    each window a contiguous run of its bytes per rank, so each rank reads a few large ranges and about
+    1/world of the bytes. Pure."""
+    ordered = sorted(items, key=lambda item: (item.file, item.offset))
+    windows: list[list[ReadItem]] = []
+    filled = 0
+    for item in ordered:
+        nbytes = item.ranges.numel * item.dtype.itemsize
+        if not windows or (filled and filled + nbytes > window_bytes):
+            windows.append([])
+            filled = 0
+        windows[-1].append(item)
+        filled += nbytes
+    out = []
+    for window in windows:
+        sizes = [item.ranges.numel * item.dtype.itemsize for item in window]
+        owner = owners(sizes, world)
+        filled_by = [0] * world
+        at = []
+        for k, size in enumerate(sizes):
+            at.append(filled_by[owner[k]])
+            filled_by[owner[k]] += size
+        widest = -(-max(filled_by) // 8) * 8  # each part starts on 8 bytes: its elements view as any dtype
+        out.append(SharedRead(tuple(window), tuple(owner), tuple(at), widest))
+    return out
+
+
+def turn_runs(window: SharedRead, index: int) -> list[tuple[str, int, int, int]]:
+    """Rank ``index``'s turn of ``window`` as reads: (file, byte offset, offset in its part, bytes), items
+    whose bytes follow on in one file and in the part joined. Pure."""
+    runs: list[tuple[str, int, int, int]] = []
+    for item, owner, at in zip(window.items, window.owner, window.at):
+        if owner != index:
+            continue
+        nbytes = item.ranges.numel * item.dtype.itemsize
+        if (
+            runs
+            and runs[-1][0] == item.file
+            and runs[-1][1] + runs[-1][3] == item.offset
+            and runs[-1][2] + runs[-1][3] == at
+        ):
+            file, offset, first, length = runs[-1]
+            runs[-1] = (file, offset, first, length + nbytes)
+        else:
+            runs.append((item.file, item.offset, at, nbytes))
+    return runs
+
+
+def in_turn(
+    own: Sequence[ReadItem], windows: Sequence[SharedRead], index: int
+) -> tuple[list[ReadItem], tuple[tuple[tuple[ReadItem, int], ...], ...]]:
+    """``own`` (what rank ``index`` reads alone) less the items whose bytes lie in its turn of a window of
+    ``windows`` (a ZeRO-1/2 rank's fp32 partition is about its turn of the masters its weights are
+    read from): those, per window, with where their bytes start in its part, to be put in place from
+    there. Pure."""
+    runs: dict[str, list[tuple[int, int, int, int]]] = {}  # by file: (offset, end, at, window)
+    for w, window in enumerate(windows):
+        for file, offset, at, nbytes in turn_runs(window, index):
+            runs.setdefault(file, []).append((offset, offset + nbytes, at, w))
+    if not runs:
+        return list(own), ()
+    for listed in runs.values():
+        listed.sort()
+    starts = {file: [r[0] for r in listed] for file, listed in runs.items()}
+    left: list[ReadItem] = []
+    taken: list[list[tuple[ReadItem, int]]] = [[] for _ in windows]
+    for item in own:
+        listed = runs.get(item.file)
+        if listed is None or item.ranges.rows != 1:
+            left.append(item)
+            continue
+        j = bisect.bisect_right(starts[item.file], item.offset) - 1
+        end = item.offset + item.ranges.numel * item.dtype.itemsize
+        if j >= 0 and end <= listed[j][1]:
+            offset, _, at, w = listed[j]
+            taken[w].append((item, at + item.offset - offset))
+        else:
+            left.append(item)
+    return left, tuple(tuple(t) for t in taken)
+
+
+class SplitReads(NamedTuple):
+    """A load's read items on rank ``index`` of a group: its own (read alone), the windows of what the
+    group's ranks hold alike (read once between them), and per window its own items taken from its
+    part (``in_turn``)."""
+
+    own: list[ReadItem]
+    shared: list[SharedRead]
+    from_turn: tuple[tuple[tuple[ReadItem, int], ...], ...]
+
+
+def split_reads(
+    stored: Mapping[tuple[str, str], Stored],
+    held: Sequence[Holding],
+    index: int,
+    world: int,
+    min_bytes: int,
+    window_bytes: int = SHARED_WINDOW_BYTES,
+) -> SplitReads:
+    """What rank ``index`` of a group of ``world`` reads of ``stored`` for ``held``: what every rank of the
+    group holds alike (``replica`` among EVERY_RANK, not through a setter; the caller passes only
+    holdings whose replicas the whole group holds) read once between them where that is at least
+    ``min_bytes`` (less is not worth the gather), the rest alone. Pure."""
+    alike = [h for h in held if h.replica and h.among == EVERY_RANK and h.held.group != SETTER] if world > 1 else []
+    shared = read_items(stored, alike)
+    if not shared or sum(item.ranges.numel * item.dtype.itemsize for item in shared) < min_bytes:
+        return SplitReads(read_items(stored, held), [], ())
+    chosen = set(map(id, alike))
+    windows = shared_reads(shared, world, window_bytes)
+    own, from_turn = in_turn(read_items(stored, [h for h in held if id(h) not in chosen]), windows, index)
+    return SplitReads(own, windows, from_turn)

@@ -28,7 +28,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Mapping, Sequence, Ty
 import torch
 
 from collgrad.checkpoint.hashes import Hasher
-from collgrad.checkpoint.plan import SETTER, WHOLE, Held, Ranges, ReadItem, WriteItem
+from collgrad.checkpoint.plan import SETTER, WHOLE, Held, Ranges, ReadItem, SharedRead, WriteItem, turn_runs
 from collgrad.checkpoint.safetensors import Stored
 from collgrad.core.buffers import Pieces, adjacent_view
 from collgrad.errors import CollgradError
@@ -48,6 +48,7 @@ __all__ = [
     "Target",
     "load_plan",
     "read",
+    "read_shared",
     "reads",
     "joined_runs",
     "with_moves",
@@ -612,6 +613,59 @@ def read(plan: LoadPlan) -> tuple[int, BaseException | None]:
     finally:
         reader.close()
     return reader.bytes_read, error
+
+
+def read_shared(
+    windows: Sequence[SharedRead],
+    index: int,
+    memory: Sequence[Memory],
+    gather: Callable[[torch.Tensor], torch.Tensor],
+    from_turn: Sequence[Sequence[tuple[ReadItem, int]]] = (),
+) -> tuple[int, BaseException | None]:
+    """What the ranks of a group read alike, read once between them (plan.shared_reads): in each window
+    this rank's turn read into its part (runs of bytes that follow on in a file and in the part, one
+    call each), every rank's part gathered (``gather``: this rank's part -> every rank's parts back to
+    back, rank-major: one collective), and every item put in place from its owner's part (converted
+    to its place's dtype); this rank's own items that lie in its turn (``from_turn``, per window: the
+    item and where its bytes start in the part) put in place from its part. Every rank of the group
+    calls it with the same windows whatever failed before or fails here (the gathers are collective):
+    a read that fails stops the reads and what is put in place, not the gathers; it is returned for
+    the caller's agreement. Returns the bytes read."""
+    reader = Reader()
+    error: BaseException | None = None
+    try:
+        with torch.no_grad():
+            for w, window in enumerate(windows):
+                part = torch.empty(window.part_bytes, dtype=torch.uint8)
+                if error is None:
+                    try:
+                        for file, offset, at, nbytes in turn_runs(window, index):
+                            reader.read_at(file, offset, part[at : at + nbytes])
+                    except (OSError, CollgradError) as caught:
+                        error = caught
+                gathered = gather(part).view(-1, window.part_bytes)
+                if error is None:
+                    for item, owner, at in zip(window.items, window.owner, window.at):
+                        _put_from(item, gathered[owner], at, memory[item.held.source])
+                    for item, at in from_turn[w] if from_turn else ():  # this rank's own, in its turn
+                        _put_from(item, part, at, memory[item.held.source])
+    except (OSError, CollgradError) as caught:
+        error = error or caught
+    finally:
+        reader.close()
+    return reader.bytes_read, error
+
+
+def _put_from(item: ReadItem, part: torch.Tensor, at: int, memory: Memory) -> None:
+    """``item``'s elements, stored at byte ``at`` of ``part`` (its owner's, uint8), put in place."""
+    nbytes = item.ranges.numel * item.dtype.itemsize
+    raw = part[at : at + nbytes]
+    if at % item.dtype.itemsize:  # a view as wider elements must start on one of them
+        raw = raw.clone()
+    values = raw.view(item.dtype)
+    for target in _targets(item, memory):
+        lo = target.at - item.ranges.start
+        target.write(values[lo : lo + target.numel])
 
 
 def joined_runs(runs: Iterable[Run]) -> list[Run]:

@@ -47,7 +47,7 @@ import torch
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import commit, hashes, storage
-from collgrad.checkpoint.agree import Phases
+from collgrad.checkpoint.agree import Phases, position, read_together
 from collgrad.checkpoint.load import LoadedModel
 from collgrad.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -60,6 +60,7 @@ from collgrad.checkpoint.manifest import (
 )
 from collgrad.checkpoint.match import (
     Opened,
+    Reads,
     held,
     holders,
     listed,
@@ -68,13 +69,13 @@ from collgrad.checkpoint.match import (
     opened,
     others,
     persistent_buffers,
-    reads,
+    planned_reads,
     refuse_layout,
     refuse_unmatched,
     refuse_unshared_shards,
     shapes,
 )
-from collgrad.checkpoint.plan import Files, WriteItem, lay_out, read_items, write_items
+from collgrad.checkpoint.plan import Files, WriteItem, lay_out, write_items
 from collgrad.checkpoint.safetensors import (
     INDEX_NAME,
     Checkpoint,
@@ -608,6 +609,9 @@ def load_training_state(
     scheduler = None
     header_bytes = 0
     differ = 0  # where this rank's reads differ from the save's hashes (see _differing)
+    planned: Reads | None = None
+    everywhere = entrance.model_group
+    index, world = position(everywhere, me)
     try:
         if resolved is not None:
             refuse_layout(resolved)
@@ -620,15 +624,16 @@ def load_training_state(
             if manifest.optimizer:
                 undo = create_states(view)
             matched = _match(ctx, resolved, view, optimizer, manifest, checkpoints, strict)
+            planned = planned_reads(matched.sources, matched.buffers, matched.stored, index, world)
             if verify:  # the bytes this rank reads, against the save's hashes, before anything changes
-                differ = _differing(path, manifest, matched)
+                differ = _differing(path, manifest, planned)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
     compared = "arguments or checkpoints (directory, strict; or the files' names, dtypes and shapes)"
-    everywhere = entrance.model_group
     phases = Phases(everywhere, me, "load_training_state", compared, ctx.dispatcher.timeout)
     try:
-        seen = stable_hash((path, strict, None if matched is None else matched.seen))
+        shared = None if planned is None else planned.fingerprint()
+        seen = stable_hash((path, strict, None if matched is None else matched.seen, shared))
         what = "check the training state against the model"
         rows = phases.agree(error, what, arguments=seen, extra=(differ,))
         if any(row[2] for row in rows):  # a file some rank read differs: every rank names the same one
@@ -639,7 +644,8 @@ def load_training_state(
             undo()
         raise
     assert manifest is not None and matched is not None and view is not None and resolved is not None
-    bytes_read, error = storage.read(reads(matched.sources, matched.buffers, matched.stored))
+    assert planned is not None  # with the rest: else the agreement raised
+    bytes_read, error = read_together(matched.sources, matched.buffers, planned, ctx.dispatcher, everywhere)
     phases.agree(error, "read its part of the training state")
     _apply(resolved, view, scheduler, manifest, matched)
     files = sorted({s.file for s in matched.stored.values()})
@@ -666,11 +672,10 @@ class _Matched:
     unexpected: tuple[str, ...] = ()
 
 
-def _differing(path: str, manifest: Manifest, matched: _Matched) -> int:
-    """The pieces of the files this rank reads that overlap its ranges, hashed against what the save
-    recorded (verify.py's ``differing``: 0, or 1 + the index of a file that differs). Local."""
-    items = read_items(matched.stored, held(matched.sources, matched.buffers, loading=True))
-    return differing(path, recorded_pieces(path, manifest), sorted(manifest.files()), items)
+def _differing(path: str, manifest: Manifest, planned: Reads) -> int:
+    """The pieces of the files this rank reads (``planned.here()``) that overlap its ranges, hashed against
+    what the save recorded (verify.py's ``differing``: 0, or 1 + the index of a file that differs). Local."""
+    return differing(path, recorded_pieces(path, manifest), sorted(manifest.files()), planned.here())
 
 
 def _checkpoints(path: str, manifest: Manifest) -> dict[str, Checkpoint]:

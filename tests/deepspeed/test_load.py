@@ -95,8 +95,11 @@ def _worker(rank, world, root):
     file = {k: v.detach().clone() for k, v in source.state_dict().items() if k != "tied_out.weight"}
     single = os.path.join(root, f"single-{world}.safetensors")
     sharded = os.path.join(root, f"sharded-{world}")
+    shifted_path = os.path.join(root, f"shifted-{world}.safetensors")
+    shifted = {k: v + 1 for k, v in file.items()}
     if rank == 0:
         save_file(file, single)
+        save_file(shifted, shifted_path)
     collgrad.save_full_model(source, sharded, max_shard_bytes=SHARD)  # a plain module: rank 0 writes
     torch.distributed.barrier()
     plain = _model()  # a plain module (replicated, as under DDP): every rank reads every tensor whole
@@ -112,11 +115,13 @@ def _worker(rank, world, root):
     for name, (stage, dtype, offload) in CONFIGS.items():
         eng = models.engine(_config(stage, dtype, offload), _model())
         path = single if name.startswith("zero2") else sharded
+        low = eng.module.inp.weight.dtype
+        shared = _shared_load(eng, shifted_path, shifted, low)  # first: the load below puts the file back
         with count_collectives() as seen:
             loaded = collgrad.load_full_model(eng, path)
         weights, masters, seen_buffer = _state(eng)
-        low = eng.module.inp.weight.dtype
         entry = {
+            "shared": shared,
             "calls": (seen.data, seen.agreements),
             "weights": {
                 n: torch.equal(w, file[n if n != "tied_out.weight" else "tied_in.weight"].to(low))
@@ -142,6 +147,29 @@ def _worker(rank, world, root):
             out["refusals"] = _refusals(eng, rank, world, root)
         out[name] = entry
     return out
+
+
+def _shared_load(eng, path, file, low):
+    """``eng`` loaded from ``path`` with what the ranks hold alike read once between them whatever its size
+    (COLLGRAD_SHARED_READ_BYTES=0): each rank its turn, then one gather: the same state, bitwise."""
+    import collgrad
+    from tests.counting import count_collectives
+
+    os.environ["COLLGRAD_SHARED_READ_BYTES"] = "0"
+    try:
+        with count_collectives() as seen:
+            loaded = collgrad.load_full_model(eng, path)
+    finally:
+        del os.environ["COLLGRAD_SHARED_READ_BYTES"]
+    weights, masters, buffer = _state(eng)
+    named = lambda n: n if n != "tied_out.weight" else "tied_in.weight"  # noqa: E731
+    return {
+        "equal": all(torch.equal(w, file[named(n)].to(low)) for n, w in weights.items())
+        and all(torch.equal(m, file[named(n)].float()) for n, m in masters.items())
+        and torch.equal(buffer, file["seen"]),
+        "calls": (seen.data, seen.agreements),
+        "bytes_read": loaded.bytes_read,
+    }
 
 
 def _kept_plan(rank, root, world, plain, file) -> list[bool]:
@@ -297,6 +325,24 @@ def test_every_weight_and_master_is_the_files_tensor(results, config):
         assert all(entry["masters"].values()), {k: v for k, v in entry["masters"].items() if not v}
         assert entry["collgrad_masters"] and entry["buffer"]
         assert entry["loaded"] == (13, (), ())  # 12 parameters (the tied one once) and the buffer
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_what_every_rank_holds_alike_read_once_between_them_loads_the_same(results, config):
+    """With sharing forced on (COLLGRAD_SHARED_READ_BYTES=0): every weight, master and the buffer the
+    file's, bitwise; one gather carries what the ranks hold alike; below ZeRO-3 (every rank holds the
+    weights whole) each rank reads less than the whole file and together they read it about once."""
+    world, per_rank = results
+    total = sum(t.numel() * t.element_size() for k, t in _pretrained().state_dict().items() if k != "tied_out.weight")
+    for res in per_rank:
+        shared = res[config]["shared"]
+        assert shared["equal"], config
+        data, agreements = shared["calls"]
+        # one gather window and the load's two agreements (the first gather on the group agrees its capabilities)
+        assert data == 1 and agreements in (2, 3), (config, shared["calls"])
+    if CONFIGS[config][0] < 3 and config != "zero1_bf16_optimizer":  # BF16_Optimizer: masters through its setter
+        read = [res[config]["shared"]["bytes_read"] for res in per_rank]
+        assert all(r < total for r in read) and sum(read) < 1.5 * total, (config, read, total)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

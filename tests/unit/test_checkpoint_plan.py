@@ -20,12 +20,15 @@ from collgrad.checkpoint.plan import (
     Holding,
     Ranges,
     holdings,
+    in_turn,
     in_whole,
     lay_out,
     read_items,
+    shared_reads,
+    turn_runs,
     write_items,
 )
-from collgrad.checkpoint.safetensors import Entry, Stored, read_header
+from collgrad.checkpoint.safetensors import Entry, Stored, parse_header, read_header
 from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, Split, StateLayout
 from tests.groups import flat_group, sliced_group
 
@@ -259,3 +262,104 @@ def test_tensor_parallel_shards_written_and_read_back_through_storage(tmp_path, 
 def test_a_temporary_is_no_file_a_loader_of_the_directory_reads(tmp_path):
     name = commit.temporary(str(tmp_path / "model-00001-of-00002.safetensors"))
     assert os.path.basename(name).startswith(".") and not name.endswith(".safetensors")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(sorted(GROUPS)), shapes), min_size=1, max_size=3),
+    st.integers(1, 5),
+    st.sampled_from(DTYPES),
+    st.integers(1, 400),
+    st.integers(1, 300),
+)
+def test_what_the_ranks_hold_alike_is_read_once_between_them_and_each_ends_with_its_holdings(
+    groups, world, dtype, shard, window
+):
+    """``shared_reads`` and ``in_turn``, no process group, as a ZeRO-1/2 load has them (the weights, which
+    every rank holds whole, and its own partitions of the same tensors, from the same files): every byte
+    of what the ranks hold alike is read by exactly one rank; each rank's turn of a window is whole items
+    back to back in its part (every part as wide, on 8 bytes); and each rank ends with exactly its
+    holdings: every own item either read by itself or taken from its part where its turn holds its bytes."""
+    layout = _layout([k for k, _ in groups], [s for _, s in groups], world)
+    params = [p for g in layout.groups for p in g.params]
+    whole = LayoutGroup(
+        0,
+        Partitioning.REPLICATED,
+        tuple(range(world)),
+        0,
+        dtype,
+        dtype,
+        tuple(ParamSlot(p.name, p.shape, p.numel, 0, p.numel) for p in params),
+    )
+    weights = StateLayout("weights", (whole,), layout.order)
+    files = lay_out({"model": _entries(layout, [], dtype)}, shard)
+    stored = {("model", n): s for n, s in _stored(files).items()}
+    first = None
+    read_bytes: dict[tuple[str, int], int] = {}
+    for rank in range(world):
+        alike = read_items(stored, holdings("model", 0, weights, [rank]))
+        mine = holdings("model", 1, layout, [rank] * len(layout.groups))
+        own = read_items(stored, [h for h in mine if not h.replica])
+        windows = shared_reads(alike, world, window)
+        first = windows if first is None else first
+        assert windows == first  # the same windows on every rank
+        assert sorted(i for w in windows for i in w.items) == sorted(alike)
+        for w in windows:
+            sizes = [i.ranges.numel * i.dtype.itemsize for i in w.items]
+            assert w.part_bytes % 8 == 0 and (sum(sizes) <= window or len(sizes) == 1)
+            at = 0
+            for item, owner, start in zip(w.items, w.owner, w.at):  # back to back in its part, in file order
+                if owner == rank:
+                    assert start == at
+                    at += item.ranges.numel * item.dtype.itemsize
+            assert at <= w.part_bytes
+            for file, offset, _, nbytes in turn_runs(w, rank):
+                for b in range(offset, offset + nbytes):
+                    read_bytes[(file, b)] = read_bytes.get((file, b), 0) + 1
+        left, taken = in_turn(own, windows, rank)
+        assert sorted(left + [item for per in taken for item, _ in per]) == sorted(own)  # each once
+        for w, per in zip(windows, taken):
+            runs = turn_runs(w, rank)
+            for item, at in per:  # its bytes are where its part holds them
+                run = next(r for r in runs if r[0] == item.file and r[1] <= item.offset < r[1] + r[3])
+                assert at == run[2] + item.offset - run[1]
+                assert item.offset + item.ranges.numel * item.dtype.itemsize <= run[1] + run[3]
+    expected = {(i.file, b) for w in first or () for i in w.items for b in _bytes_of(i)}
+    assert set(read_bytes) == expected and all(c == 1 for c in read_bytes.values())
+
+
+def _bytes_of(item) -> range:
+    return range(item.offset, item.offset + item.ranges.numel * item.dtype.itemsize)
+
+
+def _stored(files) -> dict[str, Stored]:
+    """Every tensor's place as a load reads it from ``files``' headers (no file: parse_header)."""
+    out: dict[str, Stored] = {}
+    for named in files.shards.values():
+        for file, shard in named:
+            out.update(parse_header(file, shard.header[8:], shard.size)[0])
+    return out
+
+
+def test_a_zero2_ranks_partition_in_its_turn_is_taken_from_its_part_not_read_again():
+    """Two ranks, four tensors of 8 fp32 elements in one file: each rank's turn of the weights is two
+    tensors, which its flat partition holds: both come from its part, nothing is read twice."""
+    group = _flat_group(0, [(8,)] * 4, 2)
+    layout = StateLayout("zero2", (group,), tuple(p.name for p in group.params))
+    whole = LayoutGroup(
+        0,
+        Partitioning.REPLICATED,
+        (0, 1),
+        0,
+        torch.float32,
+        torch.float32,
+        tuple(ParamSlot(p.name, p.shape, p.numel, 0, p.numel) for p in group.params),
+    )
+    files = lay_out({"model": _entries(layout, [], torch.float32)}, 10**6)
+    stored = {("model", n): s for n, s in _stored(files).items()}
+    for rank in range(2):
+        alike = read_items(stored, holdings("model", 0, StateLayout("w", (whole,), layout.order), [rank]))
+        own = read_items(stored, holdings("model", 1, layout, [rank]))
+        windows = shared_reads(alike, 2)
+        left, taken = in_turn(own, windows, rank)
+        assert left == [] and [item.tensor for item, _ in taken[0]] == [f"g0.p{2 * rank}", f"g0.p{2 * rank + 1}"]
