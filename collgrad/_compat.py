@@ -32,6 +32,7 @@ __all__ = [
     "all_reduce",
     "all_gather_flat",
     "all_gather_list",
+    "all_to_all",
     "allreduce_coalesced",
     "all_gather_coalesced",
     "gloo_has_all_gather_coalesced",
@@ -145,6 +146,15 @@ def all_gather_flat(output: torch.Tensor, inp: torch.Tensor, group: ProcessGroup
     """One all-gather of ``inp`` into ``output`` (world_size * inp.numel() elements, rank-major)."""
     work: dist.Work = _all_gather_single(output, inp, group=group, async_op=True)
     return work
+
+
+def all_to_all(
+    output: torch.Tensor, inp: torch.Tensor, received: Sequence[int], sent: Sequence[int], group: ProcessGroup
+) -> None:
+    """One all-to-all of 1-D ``inp`` (``sent[d]`` elements to rank d of ``group``, back to back) into
+    ``output`` (``received[s]`` from rank s, back to back); blocking. Gloo (CPU), NCCL, MPI and XCCL all
+    take split sizes (``alltoall_base``)."""
+    dist.all_to_all_single(output, inp, list(received), list(sent), group=group)
 
 
 def all_gather_list(outputs: list[torch.Tensor], inp: torch.Tensor, group: ProcessGroup) -> dist.Work:

@@ -45,6 +45,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
+from collgrad.checkpoint.match import io_costs, shared_min_bytes
 from collgrad.checkpoint.plan import (
     WHOLE,
     Files,
@@ -52,9 +53,13 @@ from collgrad.checkpoint.plan import (
     Holding,
     ReadItem,
     WriteItem,
+    exchanged_reads,
+    exchanged_writes,
     holdings,
     lay_out,
-    read_items,
+    small_slices,
+    split_reads,
+    turn_runs,
     write_items,
 )
 from collgrad.checkpoint.safetensors import Entry, Stored, parse_header
@@ -132,6 +137,12 @@ class Simulated:
     @property
     def model_dtype(self) -> torch.dtype:
         return torch.float32 if self.framework == "fsdp2" else torch.bfloat16
+
+    @property
+    def keeps_masters(self) -> bool:
+        """The optimizer keeps fp32 masters apart from the module's weights, so a load writes both (the
+        adapters' ``load_kinds``: DeepSpeed's ZeRO optimizers); FSDP2 steps the weights themselves."""
+        return self.framework != "fsdp2"
 
     def layout(self, stem: str) -> StateLayout:
         """The layout of a kind: ``grads``, or a training state's stem (``model``: the module's weights),
@@ -377,14 +388,48 @@ def _grads_of(layout: StateLayout, rank: int, streaming: bool) -> _Io:
 
 def _load_full_model(sim: Simulated) -> _Io:
     """``load_full_model`` of what ``save_full_model`` wrote: every header parsed, this rank's holdings of
-    the module's weights as read items."""
+    the module's weights as read items, and of the masters where the optimizer keeps its own (read from
+    the same tensors of the file: load.py's sources, each by its stem)."""
     files = lay_out({"model": _entries(sim, "model")}, DEFAULT_MAX_SHARD_BYTES)
     stored, header_bytes = _stored(files)
     held = holdings("model", 0, sim.layout("model"), [sim.rank])
-    memory = sim.memory("model")
-    io = _read(read_items(stored, held), memory.place, lambda h: memory.dtype)
+    if sim.keeps_masters:
+        held += holdings("fp32", 1, sim.layout("fp32"), [sim.rank])
+        stored.update({("fp32", name): stored[("model", name)] for name, _ in sim.tensors})
+    stems = ["model", "fp32"] if sim.keeps_masters else ["model"]
+    io = _loaded(sim, stored, held, stems, ["model", "fp32"])
     headers = len(files.names())
     return io._replace(calls=io.calls + headers, read=io.read + header_bytes, files=headers)
+
+
+def _loaded(
+    sim: Simulated,
+    stored: Mapping[tuple[str, str], Stored],
+    held: list[Holding],
+    stems: list[str],
+    by_source: list[str],
+) -> _Io:
+    """A load's reads of ``held`` (``by_source[k]``: the stem of source k, whose memory it lies in), as
+    match.planned_reads plans them: what every rank holds alike read once between the ranks (each its
+    turn, one gather a window), small slices read by one rank each and exchanged (one all-to-all a
+    window), the rest read where it lies."""
+    memories = [sim.memory(stem) for stem in by_source]
+    split = split_reads(stored, held, sim.rank, sim.world, shared_min_bytes())
+    size = lambda t: stored[t].dtype.itemsize if t in stored else None  # noqa: E731
+    small = small_slices([(stem, sim.layout(stem)) for stem in stems], size, io_costs())
+    own, exchanged = exchanged_reads(stored, split.own, small, sim.rank, sim.world)
+    io = _read(own, lambda h: memories[h.source].place(h), lambda h: memories[h.source].dtype)
+    calls, read, sent = io.calls, io.read, 0
+    for window in split.shared:
+        runs = turn_runs(window, sim.rank)
+        calls += sum(_pieces(n) for *_, n in runs)
+        read += sum(n for *_, n in runs)
+        sent += window.part_bytes
+    for one in exchanged:
+        calls += sum(_pieces(n) for *_, n in one.runs)
+        read += sum(n for *_, n in one.runs)
+        sent += sum(one.sent)
+    return _Io(calls, read, 0, sent, io.files)
 
 
 def _training_files(sim: Simulated) -> tuple[Files, list[list[Holding]]]:
@@ -399,18 +444,33 @@ def _save_training_state(sim: Simulated) -> _Io:
     items (its fragments, its turn of the headers and of what every rank holds whole)."""
     files, held = _training_files(sim)
     items = write_items(files, [h for one in held for h in one], sim.rank, sim.world)
+    placed = files.placed
+    size = lambda t: placed[t].entry.dtype.itemsize if t in placed else None  # noqa: E731
+    small = small_slices([(stem, sim.layout(stem)) for stem in STEMS], size, io_costs())
+    direct, exchanged = exchanged_writes(files, items, small, sim.rank, sim.world)
     memories = [sim.memory(stem) for stem in STEMS]
-    return _written(items, lambda h: memories[h.source].place(h), kept=True)
+    io = _written(direct, lambda h: memories[h.source].place(h), kept=True)
+    calls, written, sent = io.calls, io.written, 0
+    touched = {item.file for item in direct}
+    for one in exchanged:  # its runs, each written at once, then the next window's
+        calls += sum(_pieces(n) for *_, n in one.runs)
+        written += sum(n for *_, n in one.runs)
+        sent += sum(one.sent)
+        touched.update(file for file, *_ in one.runs)
+    return _Io(calls, 0, written, sent, len(touched))
 
 
 def _load_training_state(sim: Simulated) -> _Io:
     """``load_training_state`` of what ``save_training_state`` wrote at the same layout: every header
-    parsed, this rank's holdings of every kind as read items."""
+    parsed (the module's weights' files too), this rank's holdings as read items: of the module's
+    weights from the fp32 masters' tensors (training.py's ``_match``: trainable weights are the masters
+    in the module's dtype; the weights' files are not read), of the masters where the optimizer keeps
+    its own, of Adam's two states."""
     files, held = _training_files(sim)
     stored, header_bytes = _stored(files)
-    memories = [sim.memory(stem) for stem in STEMS]
-    items = read_items(stored, [h for one in held for h in one])
-    io = _read(items, lambda h: memories[h.source].place(h), lambda h: memories[h.source].dtype)
+    stored.update({("model", name): stored[("fp32", name)] for name, _ in sim.tensors})
+    stems = [stem for stem in STEMS if stem != "fp32" or sim.keeps_masters]
+    io = _loaded(sim, stored, [h for k, stem in enumerate(STEMS) if stem in stems for h in held[k]], stems, list(STEMS))
     headers = len(files.names())
     return io._replace(calls=io.calls + headers, read=io.read + header_bytes, files=headers)
 
@@ -427,7 +487,9 @@ _JOBS: Mapping[str, Callable[[Simulated], _Io]] = {
 
 def simulate(sim: Simulated, jobs: Iterable[str] = JOBS, reps: int = 3) -> list[Figures]:
     """Each job's ``Figures`` for ``sim``'s rank: its plan built ``reps`` times (the median taken), once
-    more under tracemalloc for the peak. Pure: no process group, no file, no model."""
+    more under tracemalloc for the peak. Pure: no process group, no file, no model. Call it in a process
+    whose native threads do not allocate (not inside a rank with a process group running): before
+    CPython 3.12.9 and 3.13.2, starting and stopping tracemalloc races with them (gh-128679, a segfault)."""
     out = []
     sim.prepare()
     for job in jobs:

@@ -1,8 +1,9 @@
 """The outcome of one phase of a call that writes or reads files, agreed by every rank: each rank tells
 whether it failed (an errno, or 255 for any other error) and a hash of its arguments, in one small
 all-gather over the model's group; then every rank raises together, or all go on. And a load's reads
-together (``read_together``): what the ranks hold alike read once between them and gathered, the one
-collective that moves checkpoint bytes between ranks (``gather_parts``).
+together (``read_together``): what the ranks hold alike read once between them and gathered
+(``gather_parts``); small pieces moved to the ranks that write them (``exchange_parts``): the
+collectives that move checkpoint bytes between ranks.
 
     rank r:  [code, arguments]  ->  all-gather  ->  this rank failed?   its own error
                                                    another failed?     RankFailedError naming it
@@ -24,7 +25,7 @@ from collgrad.checkpoint.match import Opened, Reads, memory, reads
 from collgrad.core.dispatch import Dispatcher
 from collgrad.errors import ArgumentMismatchError, CollgradError, RankFailedError
 
-__all__ = ["agree_outcome", "Phases", "gather_parts", "position", "read_together"]
+__all__ = ["agree_outcome", "Phases", "gather_parts", "exchange_parts", "position", "read_together"]
 
 
 def agree_outcome(
@@ -126,16 +127,36 @@ def read_together(
     dispatcher: Dispatcher,
     group: ProcessGroup | None,
 ) -> tuple[int, BaseException | None]:
-    """A load's reads (match.planned_reads): this rank's own (storage.read), then what the ranks of
-    ``group`` hold alike, each its turn, gathered (storage.read_shared). Collective over ``group``
+    """A load's reads (match.planned_reads): this rank's own (storage.read), its small pieces read by the
+    ranks whose turn they are and exchanged (storage.read_exchanged), then what the ranks of ``group``
+    hold alike, each its turn, gathered (storage.read_shared). Collective over ``group``
     where anything is shared: every rank calls it after the load's check agreed, whatever its own
     reads did. Returns the bytes read and the first error, for the caller's agreement."""
     bytes_read, error = storage.read(reads(sources, buffers, planned))
-    if not planned.shared:
+    if not planned.shared and not planned.exchanged:
         return bytes_read, error
-    assert group is not None, "nothing is shared without a group"
+    assert group is not None, "nothing is shared or exchanged without a group"
     into = memory(sources, buffers, loading=True)
+    if planned.exchanged:  # small pieces: each rank reads its turn of the tensors, the holders get them
+        more, late = storage.read_exchanged(planned.exchanged, into, exchange_parts(group))
+        bytes_read, error = bytes_read + more, error or late
+        if not planned.shared:
+            return bytes_read, error
     more, late = storage.read_shared(
-        planned.shared, planned.index, into, gather_parts(dispatcher, group), planned.from_turn
+        planned.shared, planned.position, into, gather_parts(dispatcher, group), planned.from_turn
     )
     return bytes_read + more, error or late
+
+
+def exchange_parts(group: ProcessGroup) -> Callable[[torch.Tensor, Sequence[int], Sequence[int]], torch.Tensor]:
+    """The all-to-all that moves small pieces to the ranks that write them (``storage.write_exchanged``):
+    this rank's bytes (uint8, ``sent[d]`` to rank d back to back) in, what every rank sent it (``received[s]``
+    from rank s) out, over ``group`` on a device its backend takes. Collective over ``group``."""
+    device = _compat.agreement_device(agreement.control_device_type(group))
+
+    def exchange(part: torch.Tensor, sent: Sequence[int], received: Sequence[int]) -> torch.Tensor:
+        out = torch.empty(sum(received), dtype=torch.uint8, device=device)
+        _compat.all_to_all(out, part.to(device), received, sent, group)
+        return out.cpu()
+
+    return exchange

@@ -77,7 +77,7 @@ class PendingSave:
 
     def _run(self, save: Save, staged: storage.ValuesOf, writer: storage.Writer, phases: Phases, start: float) -> None:
         try:
-            storage.write(writer, save.items, staged, save.files.headers(), save.temporary)
+            save.write(writer, staged, phases.group)  # the small pieces exchanged over the background's group
             self._result = end_save(save, writer, phases, start)
         except BaseException as error:  # noqa: BLE001 - raised by wait() on this rank, never lost
             self._error = error
@@ -174,7 +174,7 @@ def async_save_training_state(
     )
     scheduler = copy.deepcopy(manifest.lr_scheduler)
     save.manifest = replace(manifest, param_groups=groups, param_states=states, lr_scheduler=scheduler)
-    staged = _staging.copy(save.items, storage.in_memory(save.memory))
+    staged = _staging.copy(save.staged_items(), storage.in_memory(save.memory))
     background = phases._replace(group=_background_group(phases.group))
     global _pending
     pending = _pending = PendingSave(path, entrance.me)

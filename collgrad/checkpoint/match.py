@@ -28,11 +28,18 @@ from torch import nn
 
 from collgrad import _compat
 from collgrad.checkpoint.plan import (
+    WHOLE,
+    Held,
     Holding,
+    IoCosts,
+    Ranges,
+    ReadExchange,
     ReadItem,
     SharedRead,
+    exchanged_reads,
     holdings,
     in_whole,
+    small_slices,
     split_reads,
 )
 from collgrad.checkpoint.safetensors import Stored, refused
@@ -41,7 +48,7 @@ from collgrad.errors import InvalidArgumentError, LayoutChangedError
 from collgrad.state import adapters
 from collgrad.state.adapters.base import LocalGrads, Problem, Source, rank_in
 from collgrad.state.kinds import StateKind
-from collgrad.state.layout import Expert
+from collgrad.state.layout import Expert, StateLayout
 from collgrad.state.model_cache import Context
 from collgrad.state.whole import laid_out, others, refuse_unplaced, whole_name
 
@@ -60,6 +67,9 @@ __all__ = [
     "memory",
     "Reads",
     "SHARED_MIN_BYTES",
+    "shared_min_bytes",
+    "io_costs",
+    "plain_kinds",
     "planned_reads",
     "reads",
     "persistent_buffers",
@@ -239,26 +249,33 @@ def _whole(
 class Reads(NamedTuple):
     """A load's reads on this rank: what it reads alone (its holdings' read items), and what every rank
     of its group holds alike, read once between them (``plan.shared_reads``' windows: ``storage.read_shared``);
-    ``index``: this rank's in the group; ``key``: what the items depend on beyond the memory."""
+    ``position``: this rank's in the group; ``key``: what the items depend on beyond the memory."""
 
     own: list[ReadItem]
     shared: list[SharedRead]
-    index: int
+    position: int
     key: Hashable
     #: per window of ``shared``, this rank's own items that lie in its turn of the window's bytes, each
     #: with where its bytes start in its part: put in place from there, not read a second time
     from_turn: tuple[tuple[tuple[ReadItem, int], ...], ...] = ()
+    #: the windows of small pieces read by one rank each and moved to their holders (plan.exchanged_reads)
+    exchanged: tuple[ReadExchange, ...] = ()
 
-    def fingerprint(self) -> tuple[int, int]:
+    def fingerprint(self) -> tuple[int, int, int]:
         """What every rank's shared reads must have alike (the gathers are collective): their windows and
         the bytes of each rank's part of them, together."""
-        return len(self.shared), sum(w.part_bytes for w in self.shared)
+        return len(self.shared), sum(w.part_bytes for w in self.shared), len(self.exchanged)
 
     def here(self) -> list[ReadItem]:
         """Every item this rank reads from the files itself: its own, and its turn of what is shared
         (what a verified load checks against the save's hashes)."""
-        mine = (item for w in self.shared for item, owner in zip(w.items, w.owner) if owner == self.index)
-        return [*self.own, *mine]
+        mine = (item for w in self.shared for item, owner in zip(w.items, w.owner) if owner == self.position)
+        runs = (
+            ReadItem(file, offset, torch.uint8, "", "", Ranges(0, n), Held(0, WHOLE, 0), (n,))
+            for w in self.exchanged
+            for file, offset, n in w.runs
+        )
+        return [*self.own, *mine, *runs]
 
 
 #: What the ranks hold alike is read once between them from this many bytes on: less is not worth
@@ -270,13 +287,34 @@ SHARED_MIN_BYTES = 1 << 20
 
 def shared_min_bytes() -> int:
     """``SHARED_MIN_BYTES``, or ``COLLGRAD_SHARED_READ_BYTES`` where it is set (0: share whatever there is)."""
-    given = os.environ.get("COLLGRAD_SHARED_READ_BYTES", "")
+    return int(_number("COLLGRAD_SHARED_READ_BYTES", SHARED_MIN_BYTES))
+
+
+def io_costs() -> IoCosts:
+    """The costs the plans weigh (plan.IoCosts), ``COLLGRAD_IO_CALL_SECONDS`` and
+    ``COLLGRAD_NETWORK_BYTES_PER_SECOND`` where set (the same on every rank: a save's check compares them)."""
+    default = IoCosts()
+    return IoCosts(
+        _number("COLLGRAD_IO_CALL_SECONDS", default.call_seconds),
+        _number("COLLGRAD_NETWORK_BYTES_PER_SECOND", default.network_bytes_per_second),
+    )
+
+
+def _number(name: str, default: float) -> float:
+    given = os.environ.get(name, "")
     try:
-        return int(given) if given else SHARED_MIN_BYTES
+        found = float(given) if given else default
     except ValueError:
-        raise InvalidArgumentError(
-            f"rank {_compat.rank()}: COLLGRAD_SHARED_READ_BYTES={given!r} is not a number of bytes"
-        ) from None
+        found = -1.0
+    if found < 0:
+        raise InvalidArgumentError(f"rank {_compat.rank()}: {name}={given!r} is not a number of at least 0")
+    return found
+
+
+def plain_kinds(sources: Sequence[Opened]) -> list[tuple[str, StateLayout]]:
+    """The kinds of ``sources`` (stem, layout) whose slices the group's ranks alone hold: all but those of
+    a model with tensor- or expert-parallel shards (other sets of ranks hold theirs). Local."""
+    return [(one.stem, one.source.layout) for one in sources if not (one.source.splits or one.source.experts)]
 
 
 def planned_reads(
@@ -311,7 +349,9 @@ def planned_reads(
     # a tensor- or expert-parallel shard's replicas are held by other sets of ranks than the group
     parallel = any(one.source.splits or one.source.experts for one in sources)
     split = split_reads(stored, mine, index, 1 if parallel else world, shared_min_bytes())
-    planned = Reads(split.own, split.shared, index, key, split.from_turn)
+    small = small_slices(plain_kinds(sources), lambda t: stored[t].dtype.itemsize if t in stored else None, io_costs())
+    own, exchanged = exchanged_reads(stored, split.own, small, index, world)
+    planned = Reads(own, split.shared, index, key, split.from_turn, tuple(exchanged))
     scratch["planned reads"] = (key, planned)
     return planned
 

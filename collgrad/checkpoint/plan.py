@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -62,6 +62,13 @@ __all__ = [
     "in_turn",
     "SplitReads",
     "split_reads",
+    "Exchange",
+    "IoCosts",
+    "EXCHANGE_WINDOW_BYTES",
+    "exchanged_writes",
+    "ReadExchange",
+    "exchanged_reads",
+    "small_slices",
 ]
 
 
@@ -469,14 +476,14 @@ def in_turn(
     left: list[ReadItem] = []
     taken: list[list[tuple[ReadItem, int]]] = [[] for _ in windows]
     for item in own:
-        listed = runs.get(item.file)
-        if listed is None or item.ranges.rows != 1:
+        in_file = runs.get(item.file)
+        if in_file is None or item.ranges.rows != 1:
             left.append(item)
             continue
         j = bisect.bisect_right(starts[item.file], item.offset) - 1
         end = item.offset + item.ranges.numel * item.dtype.itemsize
-        if j >= 0 and end <= listed[j][1]:
-            offset, _, at, w = listed[j]
+        if j >= 0 and end <= in_file[j][1]:
+            offset, _, at, w = in_file[j]
             taken[w].append((item, at + item.offset - offset))
         else:
             left.append(item)
@@ -513,3 +520,241 @@ def split_reads(
     windows = shared_reads(shared, world, window_bytes)
     own, from_turn = in_turn(read_items(stored, [h for h in held if id(h) not in chosen]), windows, index)
     return SplitReads(own, windows, from_turn)
+
+
+# ------------------------------------------------------------------------------- small pieces, exchanged
+
+
+class Exchange(NamedTuple):
+    """One window of small pieces moved over the group to the ranks that write them, so that each rank
+    writes a few contiguous runs of each file instead of a write per piece. This rank sends ``sends``
+    (its items, by destination rank in rank order; ``sent[d]`` bytes to rank d) and receives
+    ``received[s]`` bytes from rank s, back to back in rank order; ``moves`` lay what it received out
+    as the files hold it (offset in what it received, offset in its runs, bytes), and ``runs`` are
+    written one after another from that: (file, file's size, byte offset, bytes)."""
+
+    sends: tuple[WriteItem, ...]
+    sent: tuple[int, ...]
+    received: tuple[int, ...]
+    moves: tuple[tuple[int, int, int], ...]
+    runs: tuple[tuple[str, int, int, int], ...]
+
+
+class IoCosts(NamedTuple):
+    """What the planner weighs when it chooses how a piece reaches the disk: a call to the file system
+    (a write or read of any size: a parallel file system's or object store's round trip) against moving
+    the piece's bytes to another rank first. A piece goes straight to the disk where its bytes take
+    longer to send than a call takes: at or above ``call_seconds * network_bytes_per_second`` bytes."""
+
+    #: one I/O call (a Lustre or GPFS operation, an object store's request): ~1 ms
+    call_seconds: float = 1e-3
+    #: the bytes per second a rank moves to another over the network (~1 GB/s a rank, conservative)
+    network_bytes_per_second: float = 1e9
+
+    @property
+    def small_below(self) -> int:
+        """Pieces of fewer bytes than this are exchanged, larger ones written (or read) where they lie."""
+        return int(self.call_seconds * self.network_bytes_per_second)
+
+
+#: The most bytes of small pieces one window of an exchange moves (each rank holds its part of a window's
+#: pieces twice: sent, received).
+EXCHANGE_WINDOW_BYTES = 256 * 2**20
+
+
+def exchanged_writes(
+    files: Files,
+    items: Sequence[WriteItem],
+    small: Mapping[tuple[str, str], int],
+    index: int,
+    world: int,
+    window_bytes: int = EXCHANGE_WINDOW_BYTES,
+) -> tuple[list[WriteItem], list[Exchange]]:
+    """``items`` (rank ``index``'s writes, ``write_items``) with the pieces of the tensors ``small`` names
+    moved to the ranks that write them: ``small[(kind, name)]`` is the slice each rank of the group
+    holds of that tensor (elements ``[r * slice, (r + 1) * slice)`` by rank r: ZeRO-3's and FSDP2's
+    slices), the same on every rank. Those tensors, in the files' byte order, in windows of at most
+    ``window_bytes``; each window's tensors written whole by one rank each, in turn (a contiguous run
+    of each file per rank, about 1/world of the bytes: ``owners``). Returns the items still written
+    where they lie and the windows. Over all ranks every byte of every file is written once. Pure."""
+    if world == 1 or not small:
+        return list(items), []
+    order = {file: k for k, file in enumerate(files.names())}
+    mine = {(item.kind, item.tensor): item for item in items if (item.kind, item.tensor) in small}
+    direct = [item for item in items if (item.kind, item.tensor) not in small]
+    tensors = sorted(small, key=lambda t: (order[files.placed[t].file], files.placed[t].offset))
+    windows: list[list[tuple[str, str]]] = []
+    filled = 0
+    for t in tensors:
+        nbytes = files.placed[t].entry.nbytes
+        if not windows or (filled and filled + nbytes > window_bytes):
+            windows.append([])
+            filled = 0
+        windows[-1].append(t)
+        filled += nbytes
+    return direct, [_exchange(files, window, small, mine, index, world) for window in windows]
+
+
+def _exchange(
+    files: Files,
+    window: list[tuple[str, str]],
+    small: Mapping[tuple[str, str], int],
+    mine: Mapping[tuple[str, str], WriteItem],
+    index: int,
+    world: int,
+) -> Exchange:
+    placed = [files.placed[t] for t in window]
+    owner = owners([p.entry.nbytes for p in placed], world)
+    sends: list[list[WriteItem]] = [[] for _ in range(world)]
+    for t, dest in zip(window, owner):
+        item = mine.get(t)
+        if item is not None:
+            sends[dest].append(item)
+    sent = tuple(sum(i.ranges.numel * i.dtype.itemsize for i in to) for to in sends)
+    # what this rank writes: its tensors whole, back to back, runs where their bytes follow in a file
+    runs: list[tuple[str, int, int, int]] = []
+    at: dict[tuple[str, str], int] = {}  # where each of its tensors starts among its runs' bytes
+    filled = 0
+    for t, p, dest in zip(window, placed, owner):
+        if dest != index:
+            continue
+        at[t] = filled
+        if runs and runs[-1][0] == p.file and runs[-1][2] + runs[-1][3] == p.offset:
+            runs[-1] = (p.file, p.size, runs[-1][2], runs[-1][3] + p.entry.nbytes)
+        else:
+            runs.append((p.file, p.size, p.offset, p.entry.nbytes))
+        filled += p.entry.nbytes
+    # from each rank, its slices of this rank's tensors in window order
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # per source: (offset in runs, bytes)
+    for t, p in zip(window, placed):
+        if t not in at:
+            continue
+        per, numel, size = small[t], p.entry.numel, p.entry.dtype.itemsize
+        for s in range(min(world, -(-numel // per)) if per else 0):
+            n = min(per, numel - s * per)
+            pieces[s].append((at[t] + s * per * size, n * size))
+    received = tuple(sum(n for _, n in from_s) for from_s in pieces)
+    moves, got = [], 0
+    for from_s in pieces:
+        for dst, n in from_s:
+            moves.append((got, dst, n))
+            got += n
+    return Exchange(tuple(i for to in sends for i in to), sent, received, tuple(moves), tuple(runs))
+
+
+class ReadExchange(NamedTuple):
+    """One window of small pieces read by the ranks whose turn their tensors are, then moved to the ranks
+    that hold them, so that each rank reads a few contiguous runs of each file instead of a read per
+    piece. This rank reads ``runs`` (file, byte offset, bytes) back to back into its buffer, sends
+    ``sent[d]`` bytes to rank d (``moves``: offset in its buffer, offset in what it sends, bytes),
+    receives ``received[s]`` bytes from rank s (back to back in rank order) and puts ``takes`` (its own
+    items, each with where its bytes start in what it received) in place."""
+
+    runs: tuple[tuple[str, int, int], ...]
+    moves: tuple[tuple[int, int, int], ...]
+    sent: tuple[int, ...]
+    received: tuple[int, ...]
+    takes: tuple[tuple[ReadItem, int], ...]
+
+
+def exchanged_reads(
+    stored: Mapping[tuple[str, str], Stored],
+    items: Sequence[ReadItem],
+    small: Mapping[tuple[str, str], int],
+    index: int,
+    world: int,
+    window_bytes: int = EXCHANGE_WINDOW_BYTES,
+) -> tuple[list[ReadItem], list[ReadExchange]]:
+    """``items`` (rank ``index``'s own reads) with the pieces of the tensors ``small`` names read by one
+    rank each and moved to their holders (``exchanged_writes`` the other way round): ``small[(kind, name)]``
+    is the slice each rank holds of that tensor (elements ``[r * slice, (r + 1) * slice)``), the same on
+    every rank, as are ``stored`` and the windows. Returns the items still read where they lie and
+    the windows. Each rank ends with exactly its holdings. Pure."""
+    if world == 1 or not small:
+        return list(items), []
+    mine = {(item.kind, item.tensor): item for item in items if (item.kind, item.tensor) in small}
+    direct = [item for item in items if (item.kind, item.tensor) not in small]
+    # each stored tensor read once, for every kind that takes it (the weights and the masters alike)
+    by_place: dict[tuple[str, int], list[tuple[str, str]]] = {}
+    for t in sorted(t for t in small if t in stored):
+        by_place.setdefault((stored[t].file, stored[t].start), []).append(t)
+    windows: list[list[list[tuple[str, str]]]] = []
+    filled = 0
+    for place in sorted(by_place):
+        keys = by_place[place]
+        nbytes = stored[keys[0]].nbytes
+        if not windows or (filled and filled + nbytes > window_bytes):
+            windows.append([])
+            filled = 0
+        windows[-1].append(keys)
+        filled += nbytes
+    return direct, [_read_exchange(stored, window, small, mine, index, world) for window in windows]
+
+
+def _read_exchange(
+    stored: Mapping[tuple[str, str], Stored],
+    window: list[list[tuple[str, str]]],
+    small: Mapping[tuple[str, str], int],
+    mine: Mapping[tuple[str, str], ReadItem],
+    index: int,
+    world: int,
+) -> ReadExchange:
+    """One window: its stored tensors (each with the kinds that take it, sorted) in the files' order."""
+    found = [stored[keys[0]] for keys in window]
+    owner = owners([s.nbytes for s in found], world)
+    runs: list[tuple[str, int, int]] = []
+    outgoing: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # per holder: (offset in buffer, bytes)
+    filled = 0
+    for keys, s, reader in zip(window, found, owner):
+        if reader != index:
+            continue
+        if runs and runs[-1][0] == s.file and runs[-1][1] + runs[-1][2] == s.start:
+            runs[-1] = (s.file, runs[-1][1], runs[-1][2] + s.nbytes)
+        else:
+            runs.append((s.file, s.start, s.nbytes))
+        numel, size = s.numel, s.dtype.itemsize
+        for t in keys:
+            per = small[t]
+            for holder in range(min(world, -(-numel // per)) if per else 0):
+                outgoing[holder].append((filled + holder * per * size, min(per, numel - holder * per) * size))
+        filled += s.nbytes
+    moves, at = [], 0
+    for to in outgoing:
+        for src, n in to:
+            moves.append((src, at, n))
+            at += n
+    incoming: list[list[ReadItem]] = [[] for _ in range(world)]  # per reader: this rank's items, in order
+    for keys, reader in zip(window, owner):
+        for t in keys:
+            item = mine.get(t)
+            if item is not None:
+                incoming[reader].append(item)
+    takes, got = [], 0
+    for from_reader in incoming:
+        for item in from_reader:
+            takes.append((item, got))
+            got += item.ranges.numel * item.dtype.itemsize
+    sent = tuple(sum(n for _, n in to) for to in outgoing)
+    received = tuple(sum(i.ranges.numel * i.dtype.itemsize for i in came) for came in incoming)
+    return ReadExchange(tuple(runs), tuple(moves), sent, received, tuple(takes))
+
+
+def small_slices(
+    kinds: Iterable[tuple[str, StateLayout]], itemsize: Callable[[tuple[str, str]], int | None], costs: IoCosts
+) -> dict[tuple[str, str], int]:
+    """The tensors of ``kinds`` (stem, layout; by (stem, name)) whose every rank's slice is small enough to
+    be moved to or from the rank that writes or reads it rather than written or read where it lies
+    (below ``costs.small_below`` bytes in the file's dtype: ``itemsize``, None for a tensor the file
+    lacks), with the slice's elements: the sliced groups (ZeRO-3, FSDP2) of more than one rank. The
+    same on every rank. Pure."""
+    out: dict[tuple[str, str], int] = {}
+    below = costs.small_below
+    for stem, layout in kinds:
+        for group in layout.groups:
+            if group.kind is not Partitioning.SLICED or group.world == 1:
+                continue
+            for slot in group.params:
+                size = itemsize((stem, slot.name))
+                if size is not None and slot.slice_numel * size < below:
+                    out[(stem, slot.name)] = slot.slice_numel
+    return out

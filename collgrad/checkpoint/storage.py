@@ -28,7 +28,18 @@ from typing import Callable, Hashable, Iterable, Iterator, Mapping, Sequence, Ty
 import torch
 
 from collgrad.checkpoint.hashes import Hasher
-from collgrad.checkpoint.plan import SETTER, WHOLE, Held, Ranges, ReadItem, SharedRead, WriteItem, turn_runs
+from collgrad.checkpoint.plan import (
+    SETTER,
+    WHOLE,
+    Exchange,
+    Held,
+    Ranges,
+    ReadExchange,
+    ReadItem,
+    SharedRead,
+    WriteItem,
+    turn_runs,
+)
 from collgrad.checkpoint.safetensors import Stored
 from collgrad.core.buffers import Pieces, adjacent_view
 from collgrad.errors import CollgradError
@@ -37,6 +48,7 @@ __all__ = [
     "Memory",
     "Writer",
     "write",
+    "write_exchanged",
     "in_memory",
     "ValuesOf",
     "Staging",
@@ -49,6 +61,7 @@ __all__ = [
     "load_plan",
     "read",
     "read_shared",
+    "read_exchanged",
     "reads",
     "joined_runs",
     "with_moves",
@@ -143,8 +156,8 @@ class Writer:
         except Exception as error:  # noqa: BLE001 - told to every rank by the caller
             self.error = error
 
-    def write_bytes(self, path: str, size: int, offset: int, data: bytes) -> None:
-        """``data`` at byte ``offset`` of ``path`` (a header)."""
+    def write_bytes(self, path: str, size: int, offset: int, data: bytes | memoryview) -> None:
+        """``data`` at byte ``offset`` of ``path`` (a header; a run of exchanged pieces)."""
         if self.error is None:
             self._let_go()
             self._pwrite(path, size, offset, memoryview(data))
@@ -264,6 +277,47 @@ def write(
                     write_values(writer, path, item, view, at)
             if after is not None:
                 after(item)
+
+
+def write_exchanged(
+    writer: Writer,
+    windows: Sequence[Exchange],
+    values_of: ValuesOf,
+    path_of: Callable[[str], str],
+    exchange: Callable[[torch.Tensor, Sequence[int], Sequence[int]], torch.Tensor],
+) -> None:
+    """Small pieces written by the ranks whose turn their tensors are (plan.exchanged_writes): per window,
+    this rank's pieces (their values as the files hold them, by destination) sent and every rank's for
+    this rank received (``exchange``: one all-to-all), laid out as the files hold them, and written as
+    a few contiguous runs. Every rank of the group calls it with its windows whatever failed before
+    (the exchanges are collective): after a failure its pieces still go out (as they are), nothing
+    more is written, the failure stays in ``writer.error``."""
+    for window in windows:
+        part = torch.empty(sum(window.sent), dtype=torch.uint8)
+        if writer.error is None:
+            try:
+                at, out = 0, bytes_of(part)
+                with torch.no_grad():
+                    for item in window.sends:
+                        size = item.dtype.itemsize
+                        for view, first in values_of(item):
+                            data, _ = _on_host(view, item.dtype)
+                            nbytes = data.numel() * size
+                            out[at + first * size : at + first * size + nbytes] = bytes_of(data)
+                        at += item.ranges.numel * size
+            except Exception as error:  # noqa: BLE001 - told to every rank by the caller
+                writer.error = error
+        got = exchange(part, window.sent, window.received)
+        if writer.error is not None:
+            continue
+        runs = torch.empty(sum(n for *_, n in window.runs), dtype=torch.uint8)
+        into, came = bytes_of(runs), bytes_of(got)
+        for src, dst, n in window.moves:
+            into[dst : dst + n] = came[src : src + n]
+        at = 0
+        for file, size, offset, n in window.runs:
+            writer.write_bytes(path_of(file), size, offset, into[at : at + n])
+            at += n
 
 
 class Staging:
@@ -649,6 +703,47 @@ def read_shared(
                         _put_from(item, gathered[owner], at, memory[item.held.source])
                     for item, at in from_turn[w] if from_turn else ():  # this rank's own, in its turn
                         _put_from(item, part, at, memory[item.held.source])
+    except (OSError, CollgradError) as caught:
+        error = error or caught
+    finally:
+        reader.close()
+    return reader.bytes_read, error
+
+
+def read_exchanged(
+    windows: Sequence[ReadExchange],
+    memory: Sequence[Memory],
+    exchange: Callable[[torch.Tensor, Sequence[int], Sequence[int]], torch.Tensor],
+) -> tuple[int, BaseException | None]:
+    """Small pieces read by the ranks whose turn their tensors are and moved to their holders
+    (plan.exchanged_reads): per window, this rank's runs read into its buffer, each holder's slices
+    sent (``exchange``: one all-to-all), and this rank's items put in place from what it received
+    (converted to their places' dtype). Every rank of the group calls it with its windows whatever
+    failed before or fails here (the exchanges are collective): after a failure its pieces still go
+    out (as they are), nothing is put in place; the failure is returned for the caller's agreement.
+    Returns the bytes read."""
+    reader = Reader()
+    error: BaseException | None = None
+    try:
+        with torch.no_grad():
+            for window in windows:
+                buffer = torch.empty(sum(n for *_, n in window.runs), dtype=torch.uint8)
+                if error is None:
+                    try:
+                        at = 0
+                        for file, offset, n in window.runs:
+                            reader.read_at(file, offset, buffer[at : at + n])
+                            at += n
+                    except (OSError, CollgradError) as caught:
+                        error = caught
+                part = torch.empty(sum(window.sent), dtype=torch.uint8)
+                into, have = bytes_of(part), bytes_of(buffer)
+                for src, dst, n in window.moves:
+                    into[dst : dst + n] = have[src : src + n]
+                got = exchange(part, window.sent, window.received)
+                if error is None:
+                    for item, at in window.takes:
+                        _put_from(item, got, at, memory[item.held.source])
     except (OSError, CollgradError) as caught:
         error = error or caught
     finally:

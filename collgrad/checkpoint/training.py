@@ -39,15 +39,16 @@ import itertools
 import os
 import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
+from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import commit, hashes, storage
-from collgrad.checkpoint.agree import Phases, position, read_together
+from collgrad.checkpoint.agree import Phases, exchange_parts, position, read_together
 from collgrad.checkpoint.load import LoadedModel
 from collgrad.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -63,19 +64,30 @@ from collgrad.checkpoint.match import (
     Reads,
     held,
     holders,
+    io_costs,
     listed,
     match,
     memory,
     opened,
     others,
     persistent_buffers,
+    plain_kinds,
     planned_reads,
     refuse_layout,
     refuse_unmatched,
     refuse_unshared_shards,
     shapes,
 )
-from collgrad.checkpoint.plan import Files, WriteItem, lay_out, write_items
+from collgrad.checkpoint.plan import (
+    Exchange,
+    Files,
+    IoCosts,
+    WriteItem,
+    exchanged_writes,
+    lay_out,
+    small_slices,
+    write_items,
+)
 from collgrad.checkpoint.safetensors import (
     INDEX_NAME,
     Checkpoint,
@@ -306,8 +318,8 @@ def save_training_state(
     save = begin_save(ctx, entrance, phases, os.fspath(directory), optimizer, lr_scheduler, max_shard_bytes)
     writer = save.writer()
     records: list[StateRecord] = []
-    if save.shared:  # each rank its own ranges, straight from its memory
-        storage.write(writer, save.items, storage.in_memory(save.memory), save.files.headers(), save.temporary)
+    if save.shared:  # each rank its own ranges, straight from its memory (small pieces exchanged first)
+        save.write(writer, storage.in_memory(save.memory), phases.group)
     try:
         # each rank's directory its own: rank 0 writes every tensor as the streams bring it; else only
         # what DeepSpeed's accessors read (BF16_Optimizer's masters and states, NVMe-swapped ZeRO-3)
@@ -320,7 +332,7 @@ def save_training_state(
 def save_phases(ctx: Context, entrance: adapters.Entrance, call: str) -> Phases:
     """The agreements of a save named ``call``: over every rank that holds a part of the model (under
     tensor parallelism, every shard's), within the dispatcher's bounded wait."""
-    compared = "arguments (directory, max_shard_bytes)"
+    compared = "arguments (directory, max_shard_bytes; COLLGRAD_IO_CALL_SECONDS, COLLGRAD_NETWORK_BYTES_PER_SECOND)"
     return Phases(entrance.model_group, entrance.me, call, compared, ctx.dispatcher.timeout)
 
 
@@ -341,6 +353,21 @@ class Save:
     shared: bool
     items: list[WriteItem]
     memory: list[storage.Memory]
+    #: the windows of small pieces moved to the ranks that write them (plan.exchanged_writes)
+    exchanged: list[Exchange] = field(default_factory=list)
+
+    def write(self, writer: storage.Writer, values_of: storage.ValuesOf, group: ProcessGroup | None) -> None:
+        """This rank's bytes written (``values_of``: its memory, or a copy of it): its items where they lie,
+        then its small pieces exchanged over ``group`` (collective where there are any: every rank of
+        the save calls it, whatever failed). Failures are kept in ``writer.error``."""
+        storage.write(writer, self.items, values_of, self.files.headers(), self.temporary)
+        if self.exchanged:
+            assert group is not None, "nothing is exchanged without a group"
+            storage.write_exchanged(writer, self.exchanged, values_of, self.temporary, exchange_parts(group))
+
+    def staged_items(self) -> list[WriteItem]:
+        """Every item whose values this rank writes or sends: what an async save copies at the call."""
+        return [*self.items, *(item for window in self.exchanged for item in window.sends)]
 
     def temporary(self, file: str) -> str:
         """Where ``file`` is written before the commit."""
@@ -370,7 +397,9 @@ def begin_save(
     ranks = list(_compat.group_ranks(phases.group)) if phases.group is not None else [me]
     held_: _Held | None = None
     fingerprint = 0
+    costs = IoCosts()
     try:
+        costs = io_costs()  # the plan's choice of what is exchanged: the same on every rank (compared below)
         if resolved is not None:
             checked_shard_bytes(max_shard_bytes)
             held_ = _held(ctx, resolved, optimizer, lr_scheduler)
@@ -380,7 +409,7 @@ def begin_save(
                 os.makedirs(os.path.join(path, STATE_DIR), exist_ok=True)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
-    arguments = stable_hash((path, max_shard_bytes))
+    arguments = stable_hash((path, max_shard_bytes, costs))
     what = "check the model and make the directory"
     rows = phases.agree(error, what, arguments=arguments, extra=(fingerprint, secrets.randbits(62)))
     assert resolved is not None and held_ is not None  # else an agreement raised
@@ -412,7 +441,11 @@ def begin_save(
     if shared:
         readable = [one for one in held_.sources if one.source.accessor is None]
         among = holders(one.source for one in readable)
-        save.items = write_items(files, held(readable, held_.buffers), index, world, among=among)
+        items = write_items(files, held(readable, held_.buffers), index, world, among=among)
+        placed = files.placed
+        size = lambda t: placed[t].entry.dtype.itemsize if t in placed else None  # noqa: E731
+        small = small_slices(plain_kinds(readable), size, costs)
+        save.items, save.exchanged = exchanged_writes(files, items, small, index, world)
         save.memory = memory(readable, held_.buffers)
     return save
 

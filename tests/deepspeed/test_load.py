@@ -338,19 +338,26 @@ def test_what_every_rank_holds_alike_read_once_between_them_loads_the_same(resul
         shared = res[config]["shared"]
         assert shared["equal"], config
         data, agreements = shared["calls"]
-        # one gather window and the load's two agreements (the first gather on the group agrees its capabilities)
-        assert data == 1 and agreements in (2, 3), (config, shared["calls"])
+        # one gather window (under ZeRO-3 also the exchange of its small slices) and the load's two
+        # agreements (the first gather on the group agrees its capabilities)
+        assert data == 1 + _exchanges(config) and agreements in (2, 3), (config, shared["calls"])
     if CONFIGS[config][0] < 3 and config != "zero1_bf16_optimizer":  # BF16_Optimizer: masters through its setter
         read = [res[config]["shared"]["bytes_read"] for res in per_rank]
         assert all(r < total for r in read) and sum(read) < 1.5 * total, (config, read, total)
 
 
+def _exchanges(config: str) -> int:
+    """The all-to-alls of a load of this small model: under ZeRO-3 every slice is small (a few hundred
+    bytes): each tensor read by one rank and its slices sent to their holders, in one window."""
+    return 1 if CONFIGS[config][0] == 3 else 0
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_no_collective_carries_a_weight(results, config):
+def test_no_collective_carries_a_weight_but_small_slices_exchanged(results, config):
     _, per_rank = results
     for res in per_rank:
         data, agreements = res[config]["calls"]
-        assert data == 0 and agreements == 2, (config, data, agreements)
+        assert data == _exchanges(config) and agreements == 2, (config, data, agreements)
 
 
 def test_a_plain_module_loads_whole_on_every_rank(results):
@@ -370,7 +377,8 @@ def test_each_rank_reads_only_its_share_under_zero3(results):
     total = sum(t.numel() * t.element_size() for k, t in _pretrained().state_dict().items() if k != "tied_out.weight")
     buffer = 3 * 4  # read whole by every rank
     read = [res["zero3_fp32"]["bytes_read"] for res in per_rank]
-    # every element of every parameter read exactly once over the ranks, the buffer by each
+    # every element of every parameter read exactly once over the ranks (small slices: each tensor by one
+    # rank, which sends the others theirs), the buffer by each
     assert sum(read) == total - buffer + world * buffer, read
     assert all(r < total for r in read)
     # below ZeRO-3 every rank holds the module's weights whole: it reads them whole, once

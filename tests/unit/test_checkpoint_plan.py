@@ -19,6 +19,8 @@ from collgrad.checkpoint.plan import (
     Held,
     Holding,
     Ranges,
+    exchanged_reads,
+    exchanged_writes,
     holdings,
     in_turn,
     in_whole,
@@ -363,3 +365,145 @@ def test_a_zero2_ranks_partition_in_its_turn_is_taken_from_its_part_not_read_aga
         windows = shared_reads(alike, 2)
         left, taken = in_turn(own, windows, rank)
         assert left == [] and [item.tensor for item, _ in taken[0]] == [f"g0.p{2 * rank}", f"g0.p{2 * rank + 1}"]
+
+
+def _values(name: str, lo: int, n: int, dtype: torch.dtype) -> bytes:
+    """Elements ``[lo, lo + n)`` of the tensor ``name`` (its elements numbered from a number of its name),
+    as ``dtype``'s bytes."""
+    base = sum(map(ord, name)) * 64
+    return torch.arange(base + lo, base + lo + n, dtype=torch.float64).to(dtype).view(torch.uint8).numpy().tobytes()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["sliced", "flat"]), shapes), min_size=1, max_size=3),
+    st.integers(2, 5),
+    st.sampled_from(DTYPES),
+    st.integers(1, 400),
+    st.integers(1, 200),
+    st.integers(0, 80),
+)
+def test_small_pieces_exchanged_every_byte_written_once_with_its_holders_values(
+    groups, world, dtype, shard, window, threshold
+):
+    """``exchanged_writes``, no process group: the tensors whose slices are small are moved to the ranks
+    that write them (an all-to-all emulated here: what rank s sends rank d is the ``sent[d]`` bytes of
+    its sends from their start), then written as runs: over all ranks every byte of every file written
+    exactly once, each with the value its holder holds; every run a contiguous range of one file."""
+    layout = _layout([k for k, _ in groups], [s for _, s in groups], world)
+    files = lay_out({"model": _entries(layout, [], dtype)}, shard)
+    size = dtype.itemsize
+    small = {
+        ("model", p.name): p.slice_numel
+        for g in layout.groups
+        if g.kind is Partitioning.SLICED
+        for p in g.params
+        if p.slice_numel * size < threshold
+    }
+    planned = []
+    for rank in range(world):
+        held = holdings("model", 0, layout, [rank] * len(layout.groups))
+        planned.append(exchanged_writes(files, write_items(files, held, rank, world), small, rank, world, window))
+    written = {file: bytearray(shard.size) for named in files.shards.values() for file, shard in named}
+    counts = {file: [0] * shard.size for named in files.shards.values() for file, shard in named}
+
+    def put(file: str, offset: int, data: bytes) -> None:
+        written[file][offset : offset + len(data)] = data
+        for b in range(offset, offset + len(data)):
+            counts[file][b] += 1
+
+    for direct, _ in planned:
+        for item in direct:
+            if item.held is None:
+                put(item.file, 0, files.headers()[item.file])
+            else:
+                assert (item.kind, item.tensor) not in small
+                put(item.file, item.offset, _values(item.tensor, item.ranges.start, item.ranges.numel, dtype))
+    for w in range(len(planned[0][1])):
+        windows = [exchanges[w] for _, exchanges in planned]
+        sent = [b"".join(_values(i.tensor, i.ranges.start, i.ranges.numel, dtype) for i in ex.sends) for ex in windows]
+        for d, ex in enumerate(windows):
+            got = b""
+            for s, other in enumerate(windows):
+                start = sum(other.sent[:d])
+                got += sent[s][start : start + other.sent[d]]
+            assert len(got) == sum(ex.received)
+            runs = bytearray(sum(n for *_, n in ex.runs))
+            for src, dst, n in ex.moves:
+                runs[dst : dst + n] = got[src : src + n]
+            at = 0
+            for file, file_size, offset, n in ex.runs:
+                assert file_size == len(written[file]) and offset + n <= file_size
+                put(file, offset, bytes(runs[at : at + n]))
+                at += n
+    assert all(c == 1 for per_file in counts.values() for c in per_file), {f: set(c) for f, c in counts.items()}
+    for file, data in written.items():  # every tensor's bytes are its values
+        for (_, name), place in files.placed.items():
+            if place.file == file:
+                expected = _values(name, 0, place.entry.numel, dtype)
+                assert bytes(data[place.offset : place.offset + len(expected)]) == expected, name
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["sliced", "flat"]), shapes), min_size=1, max_size=3),
+    st.integers(2, 5),
+    st.sampled_from(DTYPES),
+    st.integers(1, 400),
+    st.integers(1, 200),
+    st.integers(0, 80),
+)
+def test_small_pieces_read_by_one_rank_each_reach_exactly_their_holders(groups, world, dtype, shard, window, threshold):
+    """``exchanged_reads``, no process group: the tensors whose slices are small are read whole by one rank
+    each (runs of the files) and their slices sent to their holders (an all-to-all emulated here), for
+    two kinds read from the same tensors (a load's weights and masters): each rank ends with exactly
+    its holdings, every item either read where it lies or taken once, with the file's values; every
+    byte of those tensors read by exactly one rank, once."""
+    layout = _layout([k for k, _ in groups], [s for _, s in groups], world)
+    files = lay_out({"model": _entries(layout, [], dtype)}, shard)
+    stored = {(kind, n): s for n, s in _stored(files).items() for kind in ("model", "fp32")}
+    content = {f: bytearray(shard.size) for named in files.shards.values() for f, shard in named}
+    for (_, name), place in files.placed.items():
+        data = _values(name, 0, place.entry.numel, dtype)
+        content[place.file][place.offset : place.offset + len(data)] = data
+    small = {
+        (kind, p.name): p.slice_numel
+        for g in layout.groups
+        if g.kind is Partitioning.SLICED
+        for p in g.params
+        if p.slice_numel * dtype.itemsize < threshold
+        for kind in ("model", "fp32")
+    }
+    own, planned = [], []
+    for rank in range(world):
+        ranks = [rank] * len(layout.groups)
+        items = read_items(stored, holdings("model", 0, layout, ranks) + holdings("fp32", 1, layout, ranks))
+        own.append(items)
+        planned.append(exchanged_reads(stored, items, small, rank, world, window))
+    read_count: dict[tuple[str, int], int] = {}
+    taken: list[list] = [[] for _ in range(world)]
+    for w in range(len(planned[0][1])):
+        windows = [exchanges[w] for _, exchanges in planned]
+        sent = []
+        for ex in windows:
+            buffer = b""
+            for file, offset, n in ex.runs:
+                buffer += bytes(content[file][offset : offset + n])
+                for b in range(offset, offset + n):
+                    read_count[(file, b)] = read_count.get((file, b), 0) + 1
+            out = bytearray(sum(ex.sent))
+            for src, dst, n in ex.moves:
+                out[dst : dst + n] = buffer[src : src + n]
+            sent.append(bytes(out))
+        for d, ex in enumerate(windows):
+            got = b"".join(sent[s][sum(o.sent[:d]) : sum(o.sent[:d]) + o.sent[d]] for s, o in enumerate(windows))
+            assert len(got) == sum(ex.received)
+            for item, at in ex.takes:
+                n = item.ranges.numel * dtype.itemsize
+                assert got[at : at + n] == _values(item.tensor, item.ranges.start, item.ranges.numel, dtype)
+                taken[d].append(item)
+    for rank, (direct, _) in enumerate(planned):
+        assert sorted(direct + taken[rank]) == sorted(own[rank])  # exactly its holdings, each once
+        assert not any((i.kind, i.tensor) in small for i in direct)
+    expected = {(s.file, b) for t, s in stored.items() if t in small for b in range(s.start, s.start + s.nbytes)}
+    assert set(read_count) == expected and all(c == 1 for c in read_count.values())
