@@ -53,7 +53,6 @@ from collgrad.checkpoint.plan import (
     Holding,
     ReadItem,
     WriteItem,
-    exchanged_reads,
     exchanged_writes,
     holdings,
     lay_out,
@@ -414,11 +413,12 @@ def _loaded(
     turn, one gather a window), small slices read by one rank each and exchanged (one all-to-all a
     window), the rest read where it lies."""
     memories = [sim.memory(stem) for stem in by_source]
-    split = split_reads(stored, held, sim.rank, sim.world, shared_min_bytes())
+    costs = io_costs()
     size = lambda t: stored[t].dtype.itemsize if t in stored else None  # noqa: E731
-    small = small_slices([(stem, sim.layout(stem)) for stem in stems], size, io_costs())
-    own, exchanged = exchanged_reads(stored, split.own, small, sim.rank, sim.world)
-    io = _read(own, lambda h: memories[h.source].place(h), lambda h: memories[h.source].dtype)
+    small = small_slices([(stem, sim.layout(stem)) for stem in stems], size, costs, sim.world)
+    split = split_reads(stored, held, sim.rank, sim.world, costs.shares(sim.world), shared_min_bytes(), small)
+    exchanged = split.exchanged
+    io = _read(split.own, lambda h: memories[h.source].place(h), lambda h: memories[h.source].dtype)
     calls, read, sent = io.calls, io.read, 0
     for window in split.shared:
         runs = turn_runs(window, sim.rank)
@@ -446,7 +446,7 @@ def _save_training_state(sim: Simulated) -> _Io:
     items = write_items(files, [h for one in held for h in one], sim.rank, sim.world)
     placed = files.placed
     size = lambda t: placed[t].entry.dtype.itemsize if t in placed else None  # noqa: E731
-    small = small_slices([(stem, sim.layout(stem)) for stem in STEMS], size, io_costs())
+    small = small_slices([(stem, sim.layout(stem)) for stem in STEMS], size, io_costs(), sim.world)
     direct, exchanged = exchanged_writes(files, items, small, sim.rank, sim.world)
     memories = [sim.memory(stem) for stem in STEMS]
     io = _written(direct, lambda h: memories[h.source].place(h), kept=True)

@@ -40,10 +40,11 @@ def _state_loop_reading(s: Setting, call: Call) -> Reading:
 
 
 def _of_saved(s: Setting, call: Call) -> Reading:
-    """One more save; its streams' records."""
+    """One more save; its streams' records, and a training state's exchanges of small slices."""
     saved: Any = call()
     records = saved.records
-    return Reading(sum(r.collectives for r in records), sum(r.bytes for r in records))
+    moved = (getattr(saved, "collectives", 0), getattr(saved, "bytes_sent", 0))  # save_full_model's: none
+    return Reading(sum(r.collectives for r in records) + moved[0], sum(r.bytes for r in records) + moved[1])
 
 
 def _consolidated_reading(s: Setting, call: Call) -> Reading:
@@ -218,13 +219,14 @@ def _broadcast_load(s: Setting) -> Call:
 
 
 def _of_loaded(s: Setting, call: Call) -> Reading:
-    """One more load: no collective carries a weight (its two agreements are not counted); the bytes
-    each rank read, gathered from every rank."""
+    """One more load: the collectives that moved bytes other ranks read (small slices exchanged, what the
+    ranks hold alike gathered; its two agreements are not counted); the bytes each rank read, gathered
+    from every rank."""
     loaded: Any = call()
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, loaded.bytes_read)
     data = sum(t.nbytes for t in open_checkpoint(s.checkpoint()).tensors.values())
-    return Reading(0, 0, read_bytes=tuple(every), checkpoint_bytes=data)
+    return Reading(loaded.collectives, loaded.bytes_sent, read_bytes=tuple(every), checkpoint_bytes=data)
 
 
 def _training_save(s: Setting) -> Call:
@@ -312,11 +314,12 @@ def _zero_to_fp32(s: Setting) -> Call:
 
 
 def _of_training_loaded(s: Setting, call: Call) -> Reading:
-    """One more resume: no collective carries state; the bytes each rank read, gathered from every rank."""
+    """One more resume: the collectives that moved bytes other ranks read (as ``_of_loaded``); the bytes
+    each rank read, gathered from every rank."""
     loaded: Any = call()
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, loaded.bytes_read)
-    return Reading(0, 0, read_bytes=tuple(every))
+    return Reading(loaded.collectives, loaded.bytes_sent, read_bytes=tuple(every))
 
 
 def _getters(s: Setting, functions: Mapping[str, Callable[..., Any]] | None) -> list[Any]:

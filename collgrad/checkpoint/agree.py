@@ -13,6 +13,7 @@ collectives that move checkpoint bytes between ranks.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -25,7 +26,7 @@ from collgrad.checkpoint.match import Opened, Reads, memory, reads
 from collgrad.core.dispatch import Dispatcher
 from collgrad.errors import ArgumentMismatchError, CollgradError, RankFailedError
 
-__all__ = ["agree_outcome", "Phases", "gather_parts", "exchange_parts", "position", "read_together"]
+__all__ = ["agree_outcome", "Phases", "Tally", "gather_parts", "exchange_parts", "position", "read_together"]
 
 
 def agree_outcome(
@@ -96,20 +97,48 @@ class Phases(NamedTuple):
         )
 
 
-def gather_parts(dispatcher: Dispatcher, group: ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The one collective that moves checkpoint bytes between ranks (``storage.read_shared``'s): every
-    rank's part (uint8, as long on every rank) gathered, rank-major, over ``group`` on a device its
-    backend takes (the host's bytes moved there and back where it is an accelerator's only), with the
-    dispatcher's buckets; the call is agreed already (no argument check). Collective over ``group``."""
+@dataclass
+class Tally:
+    """The collectives that moved checkpoint bytes between ranks in one call (the gathers of what the ranks
+    hold alike, the exchanges of small slices), and this rank's bytes into them."""
+
+    collectives: int = 0
+    bytes: int = 0
+
+
+def gather_parts(dispatcher: Dispatcher, group: ProcessGroup, tally: Tally) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gather of what the ranks read alike (``storage.read_shared``'s): every rank's part (uint8, as
+    long on every rank) gathered, rank-major, over ``group`` on a device its backend takes (the host's
+    bytes moved there and back where it is an accelerator's only), with the dispatcher's buckets; the
+    call is agreed already (no argument check). Counted in ``tally``. Collective over ``group``."""
     device = _compat.agreement_device(agreement.control_device_type(group))
 
     def gather(part: torch.Tensor) -> torch.Tensor:
         part = part.to(device)
         out = torch.empty(group.size() * part.numel(), dtype=torch.uint8, device=device)
-        dispatcher.all_gather([out], [part], group, atomic=False, check=False)
+        record = dispatcher.all_gather([out], [part], group, atomic=False, check=False)
+        tally.collectives, tally.bytes = tally.collectives + record.collectives, tally.bytes + record.bytes
         return out.cpu()
 
     return gather
+
+
+def exchange_parts(
+    group: ProcessGroup, tally: Tally
+) -> Callable[[torch.Tensor, Sequence[int], Sequence[int]], torch.Tensor]:
+    """The all-to-all that moves small slices between the ranks that hold them and the ranks that write
+    or read their tensors (``storage.write_exchanged``, ``read_exchanged``): this rank's bytes (uint8,
+    ``sent[d]`` to rank d back to back) in, what every rank sent it (``received[s]`` from rank s) out,
+    over ``group`` on a device its backend takes. Counted in ``tally``. Collective over ``group``."""
+    device = _compat.agreement_device(agreement.control_device_type(group))
+
+    def exchange(part: torch.Tensor, sent: Sequence[int], received: Sequence[int]) -> torch.Tensor:
+        out = torch.empty(sum(received), dtype=torch.uint8, device=device)
+        _compat.all_to_all(out, part.to(device), received, sent, group)
+        tally.collectives, tally.bytes = tally.collectives + 1, tally.bytes + part.numel()
+        return out.cpu()
+
+    return exchange
 
 
 def position(group: ProcessGroup | None, me: int) -> tuple[int, int]:
@@ -126,37 +155,24 @@ def read_together(
     planned: Reads,
     dispatcher: Dispatcher,
     group: ProcessGroup | None,
-) -> tuple[int, BaseException | None]:
-    """A load's reads (match.planned_reads): this rank's own (storage.read), its small pieces read by the
-    ranks whose turn they are and exchanged (storage.read_exchanged), then what the ranks of ``group``
-    hold alike, each its turn, gathered (storage.read_shared). Collective over ``group``
-    where anything is shared: every rank calls it after the load's check agreed, whatever its own
-    reads did. Returns the bytes read and the first error, for the caller's agreement."""
+) -> tuple[int, BaseException | None, Tally]:
+    """A load's reads (match.planned_reads): this rank's own (storage.read), its small slices read by the
+    ranks whose turn their tensors are and exchanged (storage.read_exchanged), then what the ranks of
+    ``group`` hold alike, each its turn, gathered (storage.read_shared). Collective over ``group`` where
+    anything is exchanged or shared: every rank calls it after the load's check agreed, whatever its
+    own reads did. Returns the bytes read, the first error (for the caller's agreement) and the
+    collectives that moved bytes."""
+    tally = Tally()
     bytes_read, error = storage.read(reads(sources, buffers, planned))
     if not planned.shared and not planned.exchanged:
-        return bytes_read, error
+        return bytes_read, error, tally
     assert group is not None, "nothing is shared or exchanged without a group"
     into = memory(sources, buffers, loading=True)
-    if planned.exchanged:  # small pieces: each rank reads its turn of the tensors, the holders get them
-        more, late = storage.read_exchanged(planned.exchanged, into, exchange_parts(group))
+    if planned.exchanged:  # small slices: each rank reads its turn of the tensors, the holders get theirs
+        more, late = storage.read_exchanged(planned.exchanged, into, exchange_parts(group, tally))
         bytes_read, error = bytes_read + more, error or late
-        if not planned.shared:
-            return bytes_read, error
-    more, late = storage.read_shared(
-        planned.shared, planned.position, into, gather_parts(dispatcher, group), planned.from_turn
-    )
-    return bytes_read + more, error or late
-
-
-def exchange_parts(group: ProcessGroup) -> Callable[[torch.Tensor, Sequence[int], Sequence[int]], torch.Tensor]:
-    """The all-to-all that moves small pieces to the ranks that write them (``storage.write_exchanged``):
-    this rank's bytes (uint8, ``sent[d]`` to rank d back to back) in, what every rank sent it (``received[s]``
-    from rank s) out, over ``group`` on a device its backend takes. Collective over ``group``."""
-    device = _compat.agreement_device(agreement.control_device_type(group))
-
-    def exchange(part: torch.Tensor, sent: Sequence[int], received: Sequence[int]) -> torch.Tensor:
-        out = torch.empty(sum(received), dtype=torch.uint8, device=device)
-        _compat.all_to_all(out, part.to(device), received, sent, group)
-        return out.cpu()
-
-    return exchange
+    if planned.shared:
+        gather = gather_parts(dispatcher, group, tally)
+        more, late = storage.read_shared(planned.shared, planned.position, into, gather, planned.from_turn)
+        bytes_read, error = bytes_read + more, error or late
+    return bytes_read, error, tally

@@ -1,5 +1,6 @@
-"""``load_full_model``: a checkpoint's tensors put back where the model keeps them, each rank reading only
-the bytes it holds, with no collective carrying a weight.
+"""``load_full_model``: a checkpoint's tensors put back where the model keeps them, each rank reading the
+bytes it holds, or its turn of what the ranks hold alike or of small slices, the rest brought by the
+group's ranks.
 
     check    every rank: the model resolved, the sources of what a load writes opened (the module's
              weights; the fp32 masters where an optimizer keeps its own), every header and the index
@@ -9,7 +10,10 @@ the bytes it holds, with no collective carrying a weight.
              holds whole: replicated weights, ZeRO-3's persistent parameters, buffers) -> read items,
              each a range of one file (plan.py, pure)
     execute  the items resolved against this rank's memory and read, each range once, straight into
-             place where it can be, else into a buffer of its own and copied (storage.py)
+             place where it can be, else into a buffer of its own and copied (storage.py); tensors
+             whose slices are small read by one rank each and their slices exchanged (one all-to-all
+             a window); what every rank holds alike (ZeRO-1/2's weights) read once between the ranks,
+             each its turn, and gathered (one all-gather a window) (agree.read_together)
              -> one more agreement: an I/O error on any rank raises on every rank
 
 dtypes: a 16-bit file into fp32 masters is an exact upcast; the module's weights get the file's values
@@ -60,7 +64,8 @@ class LoadedModel:
     """What ``load_full_model`` did on this rank: the checkpoint's path and the files it read, how many of
     its tensors it loaded (a tied weight once), the bytes of tensor data this rank read and of headers
     and index, the seconds it took; with ``strict=False`` the model's keys the checkpoint lacks and the
-    checkpoint's keys the model lacks."""
+    checkpoint's keys the model lacks; the collectives that moved checkpoint bytes and this rank's bytes
+    into them."""
 
     path: str
     files: tuple[str, ...]
@@ -70,6 +75,10 @@ class LoadedModel:
     seconds: float
     missing_keys: tuple[str, ...] = ()
     unexpected_keys: tuple[str, ...] = ()
+    #: the collectives that brought this rank bytes others read (small slices exchanged, what the ranks
+    #: hold alike gathered), and its bytes into them (the two agreements are not counted)
+    collectives: int = 0
+    bytes_sent: int = 0
 
 
 def load_full_model(
@@ -89,10 +98,13 @@ def load_full_model(
     both start from the file. Optimizer states are left as they are. Names are the module's
     ``state_dict()`` names; a tied weight is found under any of its names.
 
-    Each rank reads only the bytes of the parts it holds (ZeRO-3 partitions, FSDP2 shards, ZeRO-1/2
-    master partitions), straight from the files; what it holds whole (ZeRO-0/1/2's replicated weights,
-    ZeRO-3's persistent parameters, buffers) it reads whole. No collective carries a weight, only two
-    small agreements.
+    Each rank reads the bytes of the parts it holds (ZeRO-3 partitions, FSDP2 shards, ZeRO-1/2 master
+    partitions) straight from the files, two small agreements around it; where those parts are small
+    (a slice under ``IoCosts.small_below`` bytes: many ranks, or small tensors) each tensor is read whole
+    by one rank and its slices sent to their holders over one all-to-all a window. What every rank holds
+    whole (ZeRO-0/1/2's replicated weights, ZeRO-3's persistent parameters, buffers) each rank reads in
+    its 1/world turn, gathered over one all-gather a window, from 1 MiB in all
+    (``COLLGRAD_SHARED_READ_BYTES``); less, every rank reads whole.
 
     ``strict=True``: a key the model has and the checkpoint lacks, or the other way round, raises
     CheckpointError naming them; ``strict=False`` loads what matches and returns ``missing_keys`` and
@@ -138,7 +150,7 @@ def load_full_model(
     assert checked is not None and planned is not None  # else the agreement raised
     if any(row[2] for row in rows):  # a file some rank reads differs: every rank names the same one
         raise differs(checked.checkpoint.directory, _relative(checked.checkpoint), [row[2] for row in rows if row[2]])
-    bytes_read, error = read_together(checked.sources, checked.buffers, planned, ctx.dispatcher, everywhere)
+    bytes_read, error, moved = read_together(checked.sources, checked.buffers, planned, ctx.dispatcher, everywhere)
     phases.agree(error, "read its part of the checkpoint")
     matched = checked.matched
     files = tuple(sorted({s.file for s in matched.stored.values()}))
@@ -151,6 +163,8 @@ def load_full_model(
         time.perf_counter() - start,
         matched.missing,
         matched.unexpected,
+        moved.collectives,
+        moved.bytes,
     )
 
 

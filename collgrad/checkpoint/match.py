@@ -36,7 +36,6 @@ from collgrad.checkpoint.plan import (
     ReadExchange,
     ReadItem,
     SharedRead,
-    exchanged_reads,
     holdings,
     in_whole,
     small_slices,
@@ -248,8 +247,9 @@ def _whole(
 
 class Reads(NamedTuple):
     """A load's reads on this rank: what it reads alone (its holdings' read items), and what every rank
-    of its group holds alike, read once between them (``plan.shared_reads``' windows: ``storage.read_shared``);
-    ``position``: this rank's in the group; ``key``: what the items depend on beyond the memory."""
+    of its group holds alike, read once between them (``plan.shared_reads``' windows:
+    ``storage.read_shared``); ``position``: this rank's in the group; ``key``: what the items depend on
+    beyond the memory (its last two: the costs and the least bytes shared, the plan's choices)."""
 
     own: list[ReadItem]
     shared: list[SharedRead]
@@ -261,10 +261,12 @@ class Reads(NamedTuple):
     #: the windows of small pieces read by one rank each and moved to their holders (plan.exchanged_reads)
     exchanged: tuple[ReadExchange, ...] = ()
 
-    def fingerprint(self) -> tuple[int, int, int]:
-        """What every rank's shared reads must have alike (the gathers are collective): their windows and
-        the bytes of each rank's part of them, together."""
-        return len(self.shared), sum(w.part_bytes for w in self.shared), len(self.exchanged)
+    def fingerprint(self) -> tuple[object, ...]:
+        """What every rank's reads must have alike (the gathers and exchanges are collective): their
+        windows, the bytes of each rank's part of a gather, and the choices that made them (the costs,
+        the least bytes shared: the environment of each rank)."""
+        choices = self.key[-2:] if isinstance(self.key, tuple) else ()
+        return len(self.shared), sum(w.part_bytes for w in self.shared), len(self.exchanged), *choices
 
     def here(self) -> list[ReadItem]:
         """Every item this rank reads from the files itself: its own, and its turn of what is shared
@@ -291,12 +293,14 @@ def shared_min_bytes() -> int:
 
 
 def io_costs() -> IoCosts:
-    """The costs the plans weigh (plan.IoCosts), ``COLLGRAD_IO_CALL_SECONDS`` and
-    ``COLLGRAD_NETWORK_BYTES_PER_SECOND`` where set (the same on every rank: a save's check compares them)."""
+    """The costs the plans weigh (plan.IoCosts), ``COLLGRAD_IO_CALL_SECONDS``,
+    ``COLLGRAD_NETWORK_BYTES_PER_SECOND`` and ``COLLGRAD_FILE_SYSTEM_BYTES_PER_SECOND`` where set (the same
+    on every rank: a save's and a load's checks compare what they decide)."""
     default = IoCosts()
     return IoCosts(
         _number("COLLGRAD_IO_CALL_SECONDS", default.call_seconds),
         _number("COLLGRAD_NETWORK_BYTES_PER_SECOND", default.network_bytes_per_second),
+        _number("COLLGRAD_FILE_SYSTEM_BYTES_PER_SECOND", default.file_system_bytes_per_second),
     )
 
 
@@ -327,18 +331,25 @@ def planned_reads(
     """This rank's reads of ``stored`` (by (stem, name)) into ``sources`` and ``buffers`` (with the first),
     as rank ``index`` of a group of ``world`` that holds the same (the model's data-parallel group):
     its holdings as read items (plan.py, pure); what every rank holds whole alike (a ZeRO-1/2 model's
-    weights, the buffers) read once between the ranks where it is at least ``shared_min_bytes()`` and
-    the model has no tensor- or expert-parallel shards (whose holders are other sets of ranks). The
+    weights, the buffers) read once between the ranks where it is at least ``shared_min_bytes()``, the
+    world is large enough that the file system's bandwidth, shared by every rank, makes it pay
+    (``IoCosts.shares``) and the model has no tensor- or expert-parallel shards (whose holders are other
+    sets of ranks). The
     same decision on every rank: a function of what they agreed they see. Kept with the first source
     for the next load alike. Local."""
     # what the items depend on: the stored tensors, each source's stem and layout (frozen: the same
-    # object while the source is kept), the buffers' names, the group
+    # object while the source is kept), what each holds whole (ZeRO-3's persistent parameters change
+    # with its state; the buffers), the group
     key = (
         tuple(stored.items()),
         tuple((one.stem, one.source.layout) for one in sources),
-        tuple(n for n, _ in buffers),
+        tuple(
+            tuple(n for n, _ in _whole(one.source, b, True)) for one, b in zip(sources, [buffers, *[()] * len(sources)])
+        ),
         index,
         world,
+        io_costs(),  # the plan's choices: the load's check compares them between the ranks (fingerprint)
+        shared_min_bytes(),
     )
     scratch = sources[0].source.scratch
     found = scratch.get("planned reads")
@@ -348,10 +359,12 @@ def planned_reads(
     mine = held(sources, buffers, loading=True)
     # a tensor- or expert-parallel shard's replicas are held by other sets of ranks than the group
     parallel = any(one.source.splits or one.source.experts for one in sources)
-    split = split_reads(stored, mine, index, 1 if parallel else world, shared_min_bytes())
-    small = small_slices(plain_kinds(sources), lambda t: stored[t].dtype.itemsize if t in stored else None, io_costs())
-    own, exchanged = exchanged_reads(stored, split.own, small, index, world)
-    planned = Reads(own, split.shared, index, key, split.from_turn, tuple(exchanged))
+    costs, min_bytes = key[-2], key[-1]
+    assert isinstance(costs, IoCosts) and isinstance(min_bytes, int)
+    size = lambda t: stored[t].dtype.itemsize if t in stored else None  # noqa: E731
+    small = small_slices(plain_kinds(sources), size, costs, world)
+    split = split_reads(stored, mine, index, world, not parallel and costs.shares(world), min_bytes, small)
+    planned = Reads(split.own, split.shared, index, key, split.from_turn, tuple(split.exchanged))
     scratch["planned reads"] = (key, planned)
     return planned
 

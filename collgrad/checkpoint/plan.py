@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
 
 import torch
 
@@ -56,7 +56,9 @@ __all__ = [
     "read_items",
     "turns",
     "SharedRead",
-    "SHARED_WINDOW_BYTES",
+    "STATUS",
+    "WINDOW_BYTES",
+    "Turns",
     "shared_reads",
     "turn_runs",
     "in_turn",
@@ -392,9 +394,10 @@ def read_items(stored: Mapping[tuple[str, str], Stored], held: Sequence[Holding]
 
 class SharedRead(NamedTuple):
     """One window of what every rank of a group holds alike and reads once between them (a ZeRO-1/2
-    model's weights, the buffers): the items in the files' byte order, each read by one rank (``owner``,
-    its turn, as ``turns`` gives) into its part at byte ``at``; then every rank's part is all-gathered
-    (each padded to ``part_bytes``, the widest) and every rank puts each item in place from it."""
+    model's weights, the buffers): pieces of it (``items``, a tensor cut where a turn or a window ends),
+    each read by one rank (``owner``) into its part at byte ``at`` (after the part's status, ``STATUS``
+    bytes); then every rank's part (``part_bytes`` each) is all-gathered and every rank puts each piece
+    in place from its owner's part, where that part says its reads went well."""
 
     items: tuple[ReadItem, ...]
     owner: tuple[int, ...]
@@ -402,42 +405,90 @@ class SharedRead(NamedTuple):
     part_bytes: int
 
 
-#: The most bytes of what the ranks read alike that one window gathers (each rank holds a window's
-#: gather at a time: ``world`` parts of about 1/world of it each).
-SHARED_WINDOW_BYTES = 256 * 2**20
+#: The bytes before each rank's part of a gather, and before what it sends each rank in an exchange: 0
+#: where its reads (or the copy of its values) went well, so that another rank's failure never puts
+#: unread bytes in place (the call's agreement then raises on every rank).
+STATUS = 8
+
+#: The most bytes one window of a gather or an exchange moves in all (each rank holds about
+#: ``world`` parts of 1/world of it: the window once).
+WINDOW_BYTES = 256 * 2**20
 
 
-def shared_reads(items: Sequence[ReadItem], world: int, window_bytes: int = SHARED_WINDOW_BYTES) -> list[SharedRead]:
-    """``items`` (what every rank of a group of ``world`` reads alike, the same on every rank) as windows
-    of at most ``window_bytes`` (an item larger than that alone), each item read by one rank in turn: in
-    each window a contiguous run of its bytes per rank, so each rank reads a few large ranges and about
-    1/world of the bytes. Pure."""
+class Turns(NamedTuple):
+    """Bytes one after another (``total`` of them) shared between ``world`` ranks by position: the byte at
+    ``pos`` is rank ``owner(pos)``'s turn (a contiguous run of about 1/world of them a rank, as ``owners``
+    gives), and each turn cut into windows of ``cap`` bytes: ``window(pos)``. Every window takes about
+    ``cap`` bytes of every rank's turn, so each rank reads or writes its 1/world in every window, and
+    no rank more: each rank's work independent of the world size. Pure."""
+
+    total: int
+    world: int
+    cap: int
+
+    @staticmethod
+    def of(total: int, world: int, window_bytes: int) -> Turns:
+        return Turns(total, world, max(8, -(-max(1, window_bytes // world) // 8) * 8))
+
+    def owner(self, pos: int) -> int:
+        return min(self.world - 1, pos * self.world // max(self.total, 1))
+
+    def start(self, rank: int) -> int:
+        """The first byte of rank ``rank``'s turn."""
+        return -(-rank * self.total // self.world)
+
+    def window(self, pos: int) -> int:
+        return (pos - self.start(self.owner(pos))) // self.cap
+
+    @property
+    def windows(self) -> int:
+        """How many windows: the longest turn's."""
+        longest = max((self.start(r + 1) - self.start(r) for r in range(self.world)), default=0)
+        return -(-longest // self.cap)
+
+
+def shared_reads(items: Sequence[ReadItem], world: int, window_bytes: int = WINDOW_BYTES) -> list[SharedRead]:
+    """``items`` (what every rank of a group of ``world`` reads alike, whole tensors, the same on every rank)
+    read once between the ranks: their bytes in the files' order, each rank its turn of them
+    (``Turns``), every window of every turn at most ``cap`` bytes, a tensor cut where a turn or a window
+    ends; so each rank reads about 1/world of the bytes in a few runs and every gather moves at most
+    about ``window_bytes``. Pure."""
     ordered = sorted(items, key=lambda item: (item.file, item.offset))
-    windows: list[list[ReadItem]] = []
-    filled = 0
-    for item in ordered:
-        nbytes = item.ranges.numel * item.dtype.itemsize
-        if not windows or (filled and filled + nbytes > window_bytes):
-            windows.append([])
-            filled = 0
-        windows[-1].append(item)
-        filled += nbytes
+    sizes = [item.ranges.numel * item.dtype.itemsize for item in ordered]
+    turns = Turns.of(sum(sizes), world, window_bytes)
+    windows: list[tuple[list[ReadItem], list[int], list[int]]] = [([], [], []) for _ in range(turns.windows)]
+    pos = 0
+    for item, nbytes in zip(ordered, sizes):
+        size, done = item.dtype.itemsize, 0
+        while done < nbytes:  # cut where a turn or a window ends (at an element)
+            at = pos + done
+            owner, w = turns.owner(at), turns.window(at)
+            within = at - turns.start(owner) - w * turns.cap
+            end = min(turns.start(owner + 1) if owner + 1 < world else turns.total, at - within + turns.cap)
+            n = max(size, (min(nbytes - done, end - at) // size) * size)
+            first = done // size
+            piece = item._replace(
+                offset=item.offset + done,
+                ranges=Ranges(item.ranges.start + first, n // size),
+                held=item.held._replace(offset=item.held.offset + first),
+            )
+            into = windows[w]
+            into[0].append(piece)
+            into[1].append(owner)
+            into[2].append(STATUS + within)
+            done += n
+        pos += nbytes
     out = []
-    for window in windows:
-        sizes = [item.ranges.numel * item.dtype.itemsize for item in window]
-        owner = owners(sizes, world)
-        filled_by = [0] * world
-        at = []
-        for k, size in enumerate(sizes):
-            at.append(filled_by[owner[k]])
-            filled_by[owner[k]] += size
-        widest = -(-max(filled_by) // 8) * 8  # each part starts on 8 bytes: its elements view as any dtype
-        out.append(SharedRead(tuple(window), tuple(owner), tuple(at), widest))
+    for pieces, owner, at in windows:
+        # every rank's part as wide as the fullest (a piece may end an element past its window's cap)
+        ends = [a + i.ranges.numel * i.dtype.itemsize for i, a in zip(pieces, at)]
+        part = -(-max(ends, default=STATUS) // 8) * 8
+        out.append(SharedRead(tuple(pieces), tuple(owner), tuple(at), part))
     return out
 
 
 def turn_runs(window: SharedRead, index: int) -> list[tuple[str, int, int, int]]:
-    """Rank ``index``'s turn of ``window`` as reads: (file, byte offset, offset in its part, bytes), items
+    """Rank ``index``'s turn of ``window`` as reads: (file, byte offset, offset in its part, bytes), pieces
     whose bytes follow on in one file and in the part joined. Pure."""
     runs: list[tuple[str, int, int, int]] = []
     for item, owner, at in zip(window.items, window.owner, window.at):
@@ -463,7 +514,7 @@ def in_turn(
     """``own`` (what rank ``index`` reads alone) less the items whose bytes lie in its turn of a window of
     ``windows`` (a ZeRO-1/2 rank's fp32 partition is about its turn of the masters its weights are
     read from): those, per window, with where their bytes start in its part, to be put in place from
-    there. Pure."""
+    there. An item put through a setter (DeepSpeed's accessors) is read as it is. Pure."""
     runs: dict[str, list[tuple[int, int, int, int]]] = {}  # by file: (offset, end, at, window)
     for w, window in enumerate(windows):
         for file, offset, at, nbytes in turn_runs(window, index):
@@ -477,7 +528,7 @@ def in_turn(
     taken: list[list[tuple[ReadItem, int]]] = [[] for _ in windows]
     for item in own:
         in_file = runs.get(item.file)
-        if in_file is None or item.ranges.rows != 1:
+        if in_file is None or item.ranges.rows != 1 or item.held.group == SETTER:
             left.append(item)
             continue
         j = bisect.bisect_right(starts[item.file], item.offset) - 1
@@ -490,48 +541,13 @@ def in_turn(
     return left, tuple(tuple(t) for t in taken)
 
 
-class SplitReads(NamedTuple):
-    """A load's read items on rank ``index`` of a group: its own (read alone), the windows of what the
-    group's ranks hold alike (read once between them), and per window its own items taken from its
-    part (``in_turn``)."""
-
-    own: list[ReadItem]
-    shared: list[SharedRead]
-    from_turn: tuple[tuple[tuple[ReadItem, int], ...], ...]
-
-
-def split_reads(
-    stored: Mapping[tuple[str, str], Stored],
-    held: Sequence[Holding],
-    index: int,
-    world: int,
-    min_bytes: int,
-    window_bytes: int = SHARED_WINDOW_BYTES,
-) -> SplitReads:
-    """What rank ``index`` of a group of ``world`` reads of ``stored`` for ``held``: what every rank of the
-    group holds alike (``replica`` among EVERY_RANK, not through a setter; the caller passes only
-    holdings whose replicas the whole group holds) read once between them where that is at least
-    ``min_bytes`` (less is not worth the gather), the rest alone. Pure."""
-    alike = [h for h in held if h.replica and h.among == EVERY_RANK and h.held.group != SETTER] if world > 1 else []
-    shared = read_items(stored, alike)
-    if not shared or sum(item.ranges.numel * item.dtype.itemsize for item in shared) < min_bytes:
-        return SplitReads(read_items(stored, held), [], ())
-    chosen = set(map(id, alike))
-    windows = shared_reads(shared, world, window_bytes)
-    own, from_turn = in_turn(read_items(stored, [h for h in held if id(h) not in chosen]), windows, index)
-    return SplitReads(own, windows, from_turn)
-
-
-# ------------------------------------------------------------------------------- small pieces, exchanged
-
-
 class Exchange(NamedTuple):
-    """One window of small pieces moved over the group to the ranks that write them, so that each rank
-    writes a few contiguous runs of each file instead of a write per piece. This rank sends ``sends``
-    (its items, by destination rank in rank order; ``sent[d]`` bytes to rank d) and receives
-    ``received[s]`` bytes from rank s, back to back in rank order; ``moves`` lay what it received out
-    as the files hold it (offset in what it received, offset in its runs, bytes), and ``runs`` are
-    written one after another from that: (file, file's size, byte offset, bytes)."""
+    """One window of small slices moved over the group to the ranks that write them, so that each rank
+    writes a few contiguous runs of each file instead of a write per slice. This rank sends ``sends``
+    (its items, by destination rank in rank order; ``sent[d]`` bytes to rank d, ``STATUS`` bytes first)
+    and receives ``received[s]`` bytes from rank s, back to back in rank order; ``moves`` lay what it
+    received out as the files hold it (offset in what it received, offset in its runs, bytes), and
+    ``runs`` are written one after another from that: (file, file's size, byte offset, bytes)."""
 
     sends: tuple[WriteItem, ...]
     sent: tuple[int, ...]
@@ -550,6 +566,17 @@ class IoCosts(NamedTuple):
     call_seconds: float = 1e-3
     #: the bytes per second a rank moves to another over the network (~1 GB/s a rank, conservative)
     network_bytes_per_second: float = 1e9
+    #: the bytes per second the file system gives every rank of a job reading it together (a node's page
+    #: cache or NVMe, a parallel file system's aggregate: ~10 GB/s)
+    file_system_bytes_per_second: float = 1e10
+
+    def shares(self, world: int) -> bool:
+        """Whether ``world`` ranks that each need the same bytes read them once between them and gather
+        them: each reads B / world and receives the rest, where every rank reading B itself shares the
+        file system's bandwidth with the others (B * world / fs against B / fs + B / network): from
+        ``1 + fs / network`` ranks on (11 with these defaults; on one host two ranks read faster from
+        the page cache than Gloo moves the bytes)."""
+        return world > 1 + self.file_system_bytes_per_second / max(self.network_bytes_per_second, 1e-9)
 
     @property
     def small_below(self) -> int:
@@ -557,9 +584,106 @@ class IoCosts(NamedTuple):
         return int(self.call_seconds * self.network_bytes_per_second)
 
 
+class _Slices(NamedTuple):
+    """The tensors whose slices are exchanged, one after another in the files' byte order (each its
+    holders' slices back to back, as the file holds it): the keys that take each (every kind stored
+    in the same bytes with the same slices: a load's weights and masters), where each lies in the file,
+    its element's bytes, elements and slice, and where each starts among all of them."""
+
+    keys: list[list[tuple[str, str]]]
+    file: list[str]
+    offset: list[int]
+    itemsize: list[int]
+    numel: list[int]
+    per: list[int]
+    starts: list[int]
+    turns: Turns
+
+    @staticmethod
+    def of(
+        places: Mapping[tuple[str, str], tuple[str, int, int, int]],
+        small: Mapping[tuple[str, str], int],
+        order: Callable[[str], int],
+        world: int,
+        window_bytes: int,
+    ) -> _Slices:
+        """``places[key]``: (file, byte offset, element's bytes, elements) of each tensor of ``small``."""
+        by_place: dict[tuple[str, int, int], list[tuple[str, str]]] = {}
+        for key in sorted(small):
+            if key in places:
+                file, offset, _, _ = places[key]
+                by_place.setdefault((file, offset, small[key]), []).append(key)
+        laid = sorted(by_place, key=lambda p: (order(p[0]), p[1], p[2]))
+        keys = [by_place[p] for p in laid]
+        first = [places[k[0]] for k in keys]
+        starts, at = [], 0
+        for _, _, size, numel in first:
+            starts.append(at)
+            at += size * numel
+        out = _Slices(
+            keys,
+            [f[0] for f in first],
+            [f[1] for f in first],
+            [f[2] for f in first],
+            [f[3] for f in first],
+            [p[2] for p in laid],
+            starts,
+            Turns.of(at, world, window_bytes),
+        )
+        return out
+
+    def holders(self, t: int) -> range:
+        per = self.per[t]
+        return range(min(self.turns.world, -(-self.numel[t] // per)) if per else 0)
+
+    def piece(self, t: int, holder: int) -> tuple[int, int]:
+        """Where holder ``holder``'s slice of tensor ``t`` starts among all the bytes, and its bytes."""
+        size, per = self.itemsize[t], self.per[t]
+        return self.starts[t] + holder * per * size, min(per, self.numel[t] - holder * per) * size
+
+    def owned(self, rank: int) -> Iterator[tuple[int, int, int, int]]:
+        """The slices whose first byte is in ``rank``'s turn, in order: (tensor, holder, start, bytes)."""
+        lo, hi = self.turns.start(rank), self.turns.start(rank + 1) if rank + 1 < self.turns.world else self.turns.total
+        t = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        while t < len(self.starts) and self.starts[t] < hi:
+            size, per = self.itemsize[t], self.per[t]
+            first = max(0, -(-(lo - self.starts[t]) // (per * size))) if per else 0
+            for holder in range(first, len(self.holders(t))):
+                start, nbytes = self.piece(t, holder)
+                if start >= hi:
+                    break
+                yield t, holder, start, nbytes
+            t += 1
+
+
 #: The most bytes of small pieces one window of an exchange moves (each rank holds its part of a window's
 #: pieces twice: sent, received).
-EXCHANGE_WINDOW_BYTES = 256 * 2**20
+EXCHANGE_WINDOW_BYTES = WINDOW_BYTES
+
+
+_Item = TypeVar("_Item", WriteItem, ReadItem)
+
+
+def _is_slice(held: Held | None) -> bool:
+    """``held`` is a fragment of a partitioned group's local buffer (a slice), not a tensor held whole."""
+    return held is not None and held.group >= 0 and held.param == -1
+
+
+def _moved(
+    items: Sequence[_Item], small: Mapping[tuple[str, str], int]
+) -> tuple[dict[tuple[str, str], _Item], list[_Item]]:
+    """``items`` split into this rank's slices of the tensors ``small`` names (by key; one a tensor) and
+    the rest (what it holds whole besides, a ZeRO-3 persistent parameter, goes as it is)."""
+    mine: dict[tuple[str, str], _Item] = {}
+    rest: list[_Item] = []
+    for item in items:
+        key = (item.kind, item.tensor)
+        if _is_slice(item.held) and key in small:
+            assert key not in mine, "one slice a tensor and rank"
+            mine[key] = item
+        else:
+            rest.append(item)
+    return mine, rest
 
 
 def exchanged_writes(
@@ -570,85 +694,71 @@ def exchanged_writes(
     world: int,
     window_bytes: int = EXCHANGE_WINDOW_BYTES,
 ) -> tuple[list[WriteItem], list[Exchange]]:
-    """``items`` (rank ``index``'s writes, ``write_items``) with the pieces of the tensors ``small`` names
+    """``items`` (rank ``index``'s writes, ``write_items``) with the slices of the tensors ``small`` names
     moved to the ranks that write them: ``small[(kind, name)]`` is the slice each rank of the group
     holds of that tensor (elements ``[r * slice, (r + 1) * slice)`` by rank r: ZeRO-3's and FSDP2's
-    slices), the same on every rank. Those tensors, in the files' byte order, in windows of at most
-    ``window_bytes``; each window's tensors written whole by one rank each, in turn (a contiguous run
-    of each file per rank, about 1/world of the bytes: ``owners``). Returns the items still written
-    where they lie and the windows. Over all ranks every byte of every file is written once. Pure."""
+    slices), the same on every rank. Those tensors' bytes, in the files' order, shared between the
+    ranks by position (``Turns``: a slice goes to the rank whose turn its first byte is), in windows;
+    each rank writes its turn as a few runs. Returns the items still written where they lie and the
+    windows. Over all ranks every byte of every file is written once. Pure."""
     if world == 1 or not small:
         return list(items), []
     order = {file: k for k, file in enumerate(files.names())}
-    mine = {(item.kind, item.tensor): item for item in items if (item.kind, item.tensor) in small}
-    direct = [item for item in items if (item.kind, item.tensor) not in small]
-    tensors = sorted(small, key=lambda t: (order[files.placed[t].file], files.placed[t].offset))
-    windows: list[list[tuple[str, str]]] = []
-    filled = 0
-    for t in tensors:
-        nbytes = files.placed[t].entry.nbytes
-        if not windows or (filled and filled + nbytes > window_bytes):
-            windows.append([])
-            filled = 0
-        windows[-1].append(t)
-        filled += nbytes
-    return direct, [_exchange(files, window, small, mine, index, world) for window in windows]
-
-
-def _exchange(
-    files: Files,
-    window: list[tuple[str, str]],
-    small: Mapping[tuple[str, str], int],
-    mine: Mapping[tuple[str, str], WriteItem],
-    index: int,
-    world: int,
-) -> Exchange:
-    placed = [files.placed[t] for t in window]
-    owner = owners([p.entry.nbytes for p in placed], world)
-    sends: list[list[WriteItem]] = [[] for _ in range(world)]
-    for t, dest in zip(window, owner):
-        item = mine.get(t)
-        if item is not None:
-            sends[dest].append(item)
-    sent = tuple(sum(i.ranges.numel * i.dtype.itemsize for i in to) for to in sends)
-    # what this rank writes: its tensors whole, back to back, runs where their bytes follow in a file
-    runs: list[tuple[str, int, int, int]] = []
-    at: dict[tuple[str, str], int] = {}  # where each of its tensors starts among its runs' bytes
-    filled = 0
-    for t, p, dest in zip(window, placed, owner):
-        if dest != index:
-            continue
-        at[t] = filled
-        if runs and runs[-1][0] == p.file and runs[-1][2] + runs[-1][3] == p.offset:
-            runs[-1] = (p.file, p.size, runs[-1][2], runs[-1][3] + p.entry.nbytes)
-        else:
-            runs.append((p.file, p.size, p.offset, p.entry.nbytes))
-        filled += p.entry.nbytes
-    # from each rank, its slices of this rank's tensors in window order
-    pieces: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # per source: (offset in runs, bytes)
-    for t, p in zip(window, placed):
-        if t not in at:
-            continue
-        per, numel, size = small[t], p.entry.numel, p.entry.dtype.itemsize
-        for s in range(min(world, -(-numel // per)) if per else 0):
-            n = min(per, numel - s * per)
-            pieces[s].append((at[t] + s * per * size, n * size))
-    received = tuple(sum(n for _, n in from_s) for from_s in pieces)
-    moves, got = [], 0
-    for from_s in pieces:
-        for dst, n in from_s:
-            moves.append((got, dst, n))
-            got += n
-    return Exchange(tuple(i for to in sends for i in to), sent, received, tuple(moves), tuple(runs))
+    places = {
+        key: (p.file, p.offset, p.entry.dtype.itemsize, p.entry.numel)
+        for key in small
+        for p in [files.placed.get(key)]
+        if p is not None
+    }
+    sliced = _Slices.of(places, small, order.__getitem__, world, window_bytes)
+    mine, direct = _moved(items, small)
+    turns = sliced.turns
+    count = turns.windows
+    sends: list[list[list[WriteItem]]] = [[[] for _ in range(world)] for _ in range(count)]
+    for t, keys in enumerate(sliced.keys):
+        for key in keys:
+            item = mine.get(key)
+            if item is not None:
+                start, _ = sliced.piece(t, index)
+                sends[turns.window(start)][turns.owner(start)].append(item)
+    # what this rank writes: its turn's slices, back to back as the files hold them, from every holder
+    pieces: list[list[tuple[int, int, int, int]]] = [[] for _ in range(count)]
+    for t, holder, start, nbytes in sliced.owned(index):
+        pieces[turns.window(start)].append((t, holder, start, nbytes))
+    out = []
+    for w in range(count):
+        runs: list[tuple[str, int, int, int]] = []
+        incoming: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # per holder: (offset in runs, bytes)
+        filled = 0
+        for t, holder, start, nbytes in pieces[w]:
+            offset = sliced.offset[t] + start - sliced.starts[t]
+            size = files.placed[sliced.keys[t][0]].size
+            if runs and runs[-1][0] == sliced.file[t] and runs[-1][2] + runs[-1][3] == offset:
+                runs[-1] = (runs[-1][0], size, runs[-1][2], runs[-1][3] + nbytes)
+            else:
+                runs.append((sliced.file[t], size, offset, nbytes))
+            incoming[holder].append((filled, nbytes))
+            filled += nbytes
+        received = tuple(STATUS + sum(n for _, n in came) for came in incoming)
+        moves, got = [], 0
+        for came in incoming:
+            got += STATUS
+            for dst, n in came:
+                moves.append((got, dst, n))
+                got += n
+        sent = tuple(STATUS + sum(i.ranges.numel * i.dtype.itemsize for i in to) for to in sends[w])
+        flat = tuple(i for to in sends[w] for i in to)
+        out.append(Exchange(flat, sent, received, tuple(moves), tuple(runs)))
+    return direct, out
 
 
 class ReadExchange(NamedTuple):
-    """One window of small pieces read by the ranks whose turn their tensors are, then moved to the ranks
+    """One window of small slices read by the ranks whose turn their bytes are, then moved to the ranks
     that hold them, so that each rank reads a few contiguous runs of each file instead of a read per
-    piece. This rank reads ``runs`` (file, byte offset, bytes) back to back into its buffer, sends
-    ``sent[d]`` bytes to rank d (``moves``: offset in its buffer, offset in what it sends, bytes),
-    receives ``received[s]`` bytes from rank s (back to back in rank order) and puts ``takes`` (its own
-    items, each with where its bytes start in what it received) in place."""
+    slice. This rank reads ``runs`` (file, byte offset, bytes) back to back into its buffer, sends
+    ``sent[d]`` bytes to rank d (``STATUS`` bytes first; ``moves``: offset in its buffer, offset in
+    what it sends, bytes), receives ``received[s]`` bytes from rank s (back to back in rank order) and
+    puts ``takes`` (its own items, each with where its bytes start in what it received) in place."""
 
     runs: tuple[tuple[str, int, int], ...]
     moves: tuple[tuple[int, int, int], ...]
@@ -665,93 +775,126 @@ def exchanged_reads(
     world: int,
     window_bytes: int = EXCHANGE_WINDOW_BYTES,
 ) -> tuple[list[ReadItem], list[ReadExchange]]:
-    """``items`` (rank ``index``'s own reads) with the pieces of the tensors ``small`` names read by one
-    rank each and moved to their holders (``exchanged_writes`` the other way round): ``small[(kind, name)]``
-    is the slice each rank holds of that tensor (elements ``[r * slice, (r + 1) * slice)``), the same on
-    every rank, as are ``stored`` and the windows. Returns the items still read where they lie and
-    the windows. Each rank ends with exactly its holdings. Pure."""
+    """``items`` (rank ``index``'s own reads) with the slices of the tensors ``small`` names read by the
+    ranks whose turn their bytes are and sent to their holders (``exchanged_writes`` the other way
+    round; each stored tensor read once for every kind that takes it with the same slices). The same
+    windows on every rank. Returns the items still read where they lie and the windows. Each rank
+    ends with exactly its holdings. Pure."""
     if world == 1 or not small:
         return list(items), []
-    mine = {(item.kind, item.tensor): item for item in items if (item.kind, item.tensor) in small}
-    direct = [item for item in items if (item.kind, item.tensor) not in small]
-    # each stored tensor read once, for every kind that takes it (the weights and the masters alike)
-    by_place: dict[tuple[str, int], list[tuple[str, str]]] = {}
-    for t in sorted(t for t in small if t in stored):
-        by_place.setdefault((stored[t].file, stored[t].start), []).append(t)
-    windows: list[list[list[tuple[str, str]]]] = []
-    filled = 0
-    for place in sorted(by_place):
-        keys = by_place[place]
-        nbytes = stored[keys[0]].nbytes
-        if not windows or (filled and filled + nbytes > window_bytes):
-            windows.append([])
-            filled = 0
-        windows[-1].append(keys)
-        filled += nbytes
-    return direct, [_read_exchange(stored, window, small, mine, index, world) for window in windows]
+    places = {key: (s.file, s.start, s.dtype.itemsize, s.numel) for key in small for s in [stored.get(key)] if s}
+    files = {file: k for k, file in enumerate(sorted({p[0] for p in places.values()}))}
+    sliced = _Slices.of(places, small, files.__getitem__, world, window_bytes)
+    mine, direct = _moved(items, small)
+    turns = sliced.turns
+    count = turns.windows
+    # this rank's reads: its turn's slices, then each sent to its holder
+    runs: list[list[tuple[str, int, int]]] = [[] for _ in range(count)]
+    outgoing: list[list[list[tuple[int, int]]]] = [[[] for _ in range(world)] for _ in range(count)]
+    filled = [0] * count
+    for t, holder, start, nbytes in sliced.owned(index):
+        w = turns.window(start)
+        offset = sliced.offset[t] + start - sliced.starts[t]
+        listed = runs[w]
+        if listed and listed[-1][0] == sliced.file[t] and listed[-1][1] + listed[-1][2] == offset:
+            listed[-1] = (listed[-1][0], listed[-1][1], listed[-1][2] + nbytes)
+        else:
+            listed.append((sliced.file[t], offset, nbytes))
+        for _ in sliced.keys[t]:  # every kind that takes these bytes: the holder's item of each
+            outgoing[w][holder].append((filled[w], nbytes))
+        filled[w] += nbytes
+    # what this rank receives: its slice of each tensor, from the rank whose turn it is
+    incoming: list[list[list[ReadItem]]] = [[[] for _ in range(world)] for _ in range(count)]
+    for t, keys in enumerate(sliced.keys):
+        if index not in sliced.holders(t):
+            continue
+        start, nbytes = sliced.piece(t, index)
+        for key in keys:
+            item = mine.get(key)
+            assert item is not None and item.ranges.numel * item.dtype.itemsize == nbytes, "a holder's slice"
+            incoming[turns.window(start)][turns.owner(start)].append(item)
+    out = []
+    for w in range(count):
+        moves, at = [], 0
+        sent = []
+        for to in outgoing[w]:
+            at += STATUS
+            for src, n in to:
+                moves.append((src, at, n))
+                at += n
+            sent.append(STATUS + sum(n for _, n in to))
+        takes, got = [], 0
+        received = []
+        for came in incoming[w]:
+            got += STATUS
+            for item in came:
+                takes.append((item, got))
+                got += item.ranges.numel * item.dtype.itemsize
+            received.append(STATUS + sum(i.ranges.numel * i.dtype.itemsize for i in came))
+        out.append(ReadExchange(tuple(runs[w]), tuple(moves), tuple(sent), tuple(received), tuple(takes)))
+    return direct, out
 
 
-def _read_exchange(
+class SplitReads(NamedTuple):
+    """A load's read items on rank ``index`` of a group: its own (read alone), the windows of what the
+    group's ranks hold alike (read once between them), per window its own items taken from its part
+    (``in_turn``), and the windows of its small slices (``exchanged_reads``)."""
+
+    own: list[ReadItem]
+    shared: list[SharedRead]
+    from_turn: tuple[tuple[tuple[ReadItem, int], ...], ...]
+    exchanged: list[ReadExchange]
+
+
+def split_reads(
     stored: Mapping[tuple[str, str], Stored],
-    window: list[list[tuple[str, str]]],
-    small: Mapping[tuple[str, str], int],
-    mine: Mapping[tuple[str, str], ReadItem],
+    held: Sequence[Holding],
     index: int,
     world: int,
-) -> ReadExchange:
-    """One window: its stored tensors (each with the kinds that take it, sorted) in the files' order."""
-    found = [stored[keys[0]] for keys in window]
-    owner = owners([s.nbytes for s in found], world)
-    runs: list[tuple[str, int, int]] = []
-    outgoing: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # per holder: (offset in buffer, bytes)
-    filled = 0
-    for keys, s, reader in zip(window, found, owner):
-        if reader != index:
-            continue
-        if runs and runs[-1][0] == s.file and runs[-1][1] + runs[-1][2] == s.start:
-            runs[-1] = (s.file, runs[-1][1], runs[-1][2] + s.nbytes)
-        else:
-            runs.append((s.file, s.start, s.nbytes))
-        numel, size = s.numel, s.dtype.itemsize
-        for t in keys:
-            per = small[t]
-            for holder in range(min(world, -(-numel // per)) if per else 0):
-                outgoing[holder].append((filled + holder * per * size, min(per, numel - holder * per) * size))
-        filled += s.nbytes
-    moves, at = [], 0
-    for to in outgoing:
-        for src, n in to:
-            moves.append((src, at, n))
-            at += n
-    incoming: list[list[ReadItem]] = [[] for _ in range(world)]  # per reader: this rank's items, in order
-    for keys, reader in zip(window, owner):
-        for t in keys:
-            item = mine.get(t)
-            if item is not None:
-                incoming[reader].append(item)
-    takes, got = [], 0
-    for from_reader in incoming:
-        for item in from_reader:
-            takes.append((item, got))
-            got += item.ranges.numel * item.dtype.itemsize
-    sent = tuple(sum(n for _, n in to) for to in outgoing)
-    received = tuple(sum(i.ranges.numel * i.dtype.itemsize for i in came) for came in incoming)
-    return ReadExchange(tuple(runs), tuple(moves), sent, received, tuple(takes))
+    sharing: bool,
+    min_bytes: int,
+    small: Mapping[tuple[str, str], int],
+) -> SplitReads:
+    """What rank ``index`` of a group of ``world`` reads of ``stored`` for ``held``: what every rank of the
+    group holds alike (``replica`` among EVERY_RANK, one run, not through a setter; the caller passes
+    only holdings whose replicas the whole group holds) read once between them where ``sharing`` and
+    that is at least ``min_bytes`` (less is not worth the gather); the slices of the tensors ``small``
+    names exchanged; the rest alone (what lies in this rank's turn of the shared bytes taken from
+    there). The same windows on every rank. Pure."""
+    alike: list[Holding] = []
+    if sharing and world > 1:
+        alike = [
+            h for h in held if h.replica and h.among == EVERY_RANK and h.held.group != SETTER and h.ranges.rows == 1
+        ]
+    shared = read_items(stored, alike)
+    if not shared or sum(item.ranges.numel * item.dtype.itemsize for item in shared) < min_bytes:
+        alike, shared = [], []
+    chosen = set(map(id, alike))
+    own, exchanged = exchanged_reads(
+        stored, read_items(stored, [h for h in held if id(h) not in chosen]), small, index, world
+    )
+    windows = shared_reads(shared, world) if shared else []
+    own, from_turn = in_turn(own, windows, index)
+    return SplitReads(own, windows, from_turn, exchanged)
 
 
 def small_slices(
-    kinds: Iterable[tuple[str, StateLayout]], itemsize: Callable[[tuple[str, str]], int | None], costs: IoCosts
+    kinds: Iterable[tuple[str, StateLayout]],
+    itemsize: Callable[[tuple[str, str]], int | None],
+    costs: IoCosts,
+    world: int,
 ) -> dict[tuple[str, str], int]:
     """The tensors of ``kinds`` (stem, layout; by (stem, name)) whose every rank's slice is small enough to
     be moved to or from the rank that writes or reads it rather than written or read where it lies
     (below ``costs.small_below`` bytes in the file's dtype: ``itemsize``, None for a tensor the file
-    lacks), with the slice's elements: the sliced groups (ZeRO-3, FSDP2) of more than one rank. The
-    same on every rank. Pure."""
+    lacks), with the slice's elements: the sliced groups (ZeRO-3, FSDP2) of the ``world`` ranks the
+    exchange runs over (not HSDP's shard groups, whose replicas hold the same slices). The same on
+    every rank. Pure."""
     out: dict[tuple[str, str], int] = {}
     below = costs.small_below
     for stem, layout in kinds:
         for group in layout.groups:
-            if group.kind is not Partitioning.SLICED or group.world == 1:
+            if group.kind is not Partitioning.SLICED or group.world == 1 or group.world != world:
                 continue
             for slot in group.params:
                 size = itemsize((stem, slot.name))

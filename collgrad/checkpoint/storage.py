@@ -30,6 +30,7 @@ import torch
 from collgrad.checkpoint.hashes import Hasher
 from collgrad.checkpoint.plan import (
     SETTER,
+    STATUS,
     WHOLE,
     Exchange,
     Held,
@@ -286,38 +287,79 @@ def write_exchanged(
     path_of: Callable[[str], str],
     exchange: Callable[[torch.Tensor, Sequence[int], Sequence[int]], torch.Tensor],
 ) -> None:
-    """Small pieces written by the ranks whose turn their tensors are (plan.exchanged_writes): per window,
-    this rank's pieces (their values as the files hold them, by destination) sent and every rank's for
-    this rank received (``exchange``: one all-to-all), laid out as the files hold them, and written as
-    a few contiguous runs. Every rank of the group calls it with its windows whatever failed before
-    (the exchanges are collective): after a failure its pieces still go out (as they are), nothing
-    more is written, the failure stays in ``writer.error``."""
+    """Small slices written by the ranks whose turn their bytes are (plan.exchanged_writes): per window,
+    this rank's slices (their values as the files hold them, by destination, each destination's after
+    this rank's status) sent and every rank's for this rank received (``exchange``: one all-to-all),
+    laid out as the files hold them, and written as a few contiguous runs. Every rank of the group
+    calls it with its windows whatever failed before or fails here (the exchanges are collective):
+    after a failure its status says so (nothing it sends is written) and it writes nothing more; a
+    failure anywhere stays in ``writer.error`` or is told by the caller's agreement."""
     for window in windows:
-        part = torch.empty(sum(window.sent), dtype=torch.uint8)
+        part = torch.zeros(sum(window.sent), dtype=torch.uint8)
         if writer.error is None:
             try:
-                at, out = 0, bytes_of(part)
-                with torch.no_grad():
-                    for item in window.sends:
-                        size = item.dtype.itemsize
-                        for view, first in values_of(item):
-                            data, _ = _on_host(view, item.dtype)
-                            nbytes = data.numel() * size
-                            out[at + first * size : at + first * size + nbytes] = bytes_of(data)
-                        at += item.ranges.numel * size
+                _fill(part, window, values_of)
             except Exception as error:  # noqa: BLE001 - told to every rank by the caller
                 writer.error = error
+        _told(part, window.sent, writer.error)
         got = exchange(part, window.sent, window.received)
-        if writer.error is not None:
-            continue
-        runs = torch.empty(sum(n for *_, n in window.runs), dtype=torch.uint8)
-        into, came = bytes_of(runs), bytes_of(got)
-        for src, dst, n in window.moves:
-            into[dst : dst + n] = came[src : src + n]
-        at = 0
-        for file, size, offset, n in window.runs:
-            writer.write_bytes(path_of(file), size, offset, into[at : at + n])
-            at += n
+        if writer.error is not None or not _all_well(got, window.received):
+            continue  # this rank's or a sender's failure: the caller's agreement tells it
+        try:
+            runs = _moved(got, window.moves, sum(n for *_, n in window.runs))
+            at, view = 0, bytes_of(runs)
+            for file, size, offset, n in window.runs:
+                writer.write_bytes(path_of(file), size, offset, view[at : at + n])
+                at += n
+        except Exception as error:  # noqa: BLE001 - told to every rank by the caller
+            writer.error = error
+
+
+def _fill(part: torch.Tensor, window: Exchange, values_of: ValuesOf) -> None:
+    """``part`` filled with ``window.sends``' values as the files hold them, each destination's after its
+    status bytes (the items go by destination in rank order: each segment filled in turn)."""
+    out, starts = bytes_of(part), _starts(window.sent)
+    segment, at, end = -1, 0, 0
+    with torch.no_grad():
+        for item in window.sends:
+            while at >= end:  # this destination's segment is full: the next one's, past its status
+                segment += 1
+                at, end = starts[segment] + STATUS, starts[segment] + window.sent[segment]
+            size = item.dtype.itemsize
+            for view, first in values_of(item):
+                data, _ = _on_host(view, item.dtype)
+                nbytes = data.numel() * size
+                out[at + first * size : at + first * size + nbytes] = bytes_of(data)
+            at += item.ranges.numel * size
+
+
+def _starts(lengths: Sequence[int]) -> list[int]:
+    """Where each of segments of ``lengths``, back to back, starts."""
+    out, at = [], 0
+    for n in lengths:
+        out.append(at)
+        at += n
+    return out
+
+
+def _told(part: torch.Tensor, lengths: Sequence[int], error: BaseException | None) -> None:
+    """Each segment's status bytes (its first ``STATUS``): 0, or 1 where this rank failed."""
+    for start in _starts(lengths):
+        part[start : start + STATUS] = 0 if error is None else 1
+
+
+def _all_well(got: torch.Tensor, lengths: Sequence[int]) -> bool:
+    """Whether every rank's segment of what this rank received says its sender went well."""
+    return all(not bool(got[start : start + STATUS].any()) for start in _starts(lengths))
+
+
+def _moved(got: torch.Tensor, moves: Sequence[tuple[int, int, int]], nbytes: int) -> torch.Tensor:
+    """``nbytes`` laid out from ``got`` by ``moves`` (offset in ``got``, offset in the result, bytes)."""
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    into, came = bytes_of(out), bytes_of(got)
+    for src, dst, n in moves:
+        into[dst : dst + n] = came[src : src + n]
+    return out
 
 
 class Staging:
@@ -677,34 +719,38 @@ def read_shared(
     from_turn: Sequence[Sequence[tuple[ReadItem, int]]] = (),
 ) -> tuple[int, BaseException | None]:
     """What the ranks of a group read alike, read once between them (plan.shared_reads): in each window
-    this rank's turn read into its part (runs of bytes that follow on in a file and in the part, one
-    call each), every rank's part gathered (``gather``: this rank's part -> every rank's parts back to
-    back, rank-major: one collective), and every item put in place from its owner's part (converted
-    to its place's dtype); this rank's own items that lie in its turn (``from_turn``, per window: the
-    item and where its bytes start in the part) put in place from its part. Every rank of the group
-    calls it with the same windows whatever failed before or fails here (the gathers are collective):
-    a read that fails stops the reads and what is put in place, not the gathers; it is returned for
-    the caller's agreement. Returns the bytes read."""
+    this rank's turn read into its part after its status (runs of bytes that follow on in a file and
+    in the part, one call each), every rank's part gathered (``gather``: this rank's part -> every
+    rank's parts back to back, rank-major: one collective), and every piece put in place from its
+    owner's part (converted to its place's dtype) where that part's status says its reads went well;
+    this rank's own items that lie in its turn (``from_turn``, per window: the item and where its bytes
+    start in the part) put in place from its part. Every rank of the group calls it with the same
+    windows whatever failed before or fails here (the gathers are collective): after a failure its
+    status says so, it puts nothing more in place, and returns the failure for the caller's
+    agreement (where another rank failed, that rank's). Returns the bytes read."""
     reader = Reader()
     error: BaseException | None = None
     try:
-        with torch.no_grad():
-            for w, window in enumerate(windows):
-                part = torch.empty(window.part_bytes, dtype=torch.uint8)
-                if error is None:
-                    try:
-                        for file, offset, at, nbytes in turn_runs(window, index):
-                            reader.read_at(file, offset, part[at : at + nbytes])
-                    except (OSError, CollgradError) as caught:
-                        error = caught
-                gathered = gather(part).view(-1, window.part_bytes)
-                if error is None:
+        for w, window in enumerate(windows):
+            part = torch.zeros(window.part_bytes, dtype=torch.uint8)
+            if error is None:
+                try:
+                    for file, offset, at, nbytes in turn_runs(window, index):
+                        reader.read_at(file, offset, part[at : at + nbytes])
+                except Exception as caught:  # noqa: BLE001 - told to every rank by the caller
+                    error = caught
+            _told(part, [window.part_bytes], error)
+            gathered = gather(part).view(-1, window.part_bytes)
+            if error is not None or not _all_well(gathered.view(-1), [window.part_bytes] * gathered.shape[0]):
+                continue
+            try:
+                with torch.no_grad():
                     for item, owner, at in zip(window.items, window.owner, window.at):
                         _put_from(item, gathered[owner], at, memory[item.held.source])
                     for item, at in from_turn[w] if from_turn else ():  # this rank's own, in its turn
                         _put_from(item, part, at, memory[item.held.source])
-    except (OSError, CollgradError) as caught:
-        error = error or caught
+            except Exception as caught:  # noqa: BLE001 - told to every rank by the caller
+                error = caught
     finally:
         reader.close()
     return reader.bytes_read, error
@@ -715,37 +761,40 @@ def read_exchanged(
     memory: Sequence[Memory],
     exchange: Callable[[torch.Tensor, Sequence[int], Sequence[int]], torch.Tensor],
 ) -> tuple[int, BaseException | None]:
-    """Small pieces read by the ranks whose turn their tensors are and moved to their holders
+    """Small slices read by the ranks whose turn their bytes are and moved to their holders
     (plan.exchanged_reads): per window, this rank's runs read into its buffer, each holder's slices
-    sent (``exchange``: one all-to-all), and this rank's items put in place from what it received
-    (converted to their places' dtype). Every rank of the group calls it with its windows whatever
-    failed before or fails here (the exchanges are collective): after a failure its pieces still go
-    out (as they are), nothing is put in place; the failure is returned for the caller's agreement.
-    Returns the bytes read."""
+    sent after this rank's status (``exchange``: one all-to-all), and this rank's items put in place
+    from what it received (converted to their places' dtype) where every sender's status says its
+    reads went well. Every rank of the group calls it with its windows whatever failed before or fails
+    here (the exchanges are collective): after a failure its status says so and it puts nothing more
+    in place; the failure is returned for the caller's agreement. Returns the bytes read."""
     reader = Reader()
     error: BaseException | None = None
     try:
-        with torch.no_grad():
-            for window in windows:
-                buffer = torch.empty(sum(n for *_, n in window.runs), dtype=torch.uint8)
-                if error is None:
-                    try:
-                        at = 0
-                        for file, offset, n in window.runs:
-                            reader.read_at(file, offset, buffer[at : at + n])
-                            at += n
-                    except (OSError, CollgradError) as caught:
-                        error = caught
-                part = torch.empty(sum(window.sent), dtype=torch.uint8)
-                into, have = bytes_of(part), bytes_of(buffer)
-                for src, dst, n in window.moves:
-                    into[dst : dst + n] = have[src : src + n]
-                got = exchange(part, window.sent, window.received)
-                if error is None:
+        for window in windows:
+            part = torch.zeros(sum(window.sent), dtype=torch.uint8)
+            if error is None:
+                try:
+                    buffer = torch.empty(sum(n for *_, n in window.runs), dtype=torch.uint8)
+                    at = 0
+                    for file, offset, n in window.runs:
+                        reader.read_at(file, offset, buffer[at : at + n])
+                        at += n
+                    into, have = bytes_of(part), bytes_of(buffer)
+                    for src, dst, n in window.moves:
+                        into[dst : dst + n] = have[src : src + n]
+                except Exception as caught:  # noqa: BLE001 - told to every rank by the caller
+                    error = caught
+            _told(part, window.sent, error)
+            got = exchange(part, window.sent, window.received)
+            if error is not None or not _all_well(got, window.received):
+                continue
+            try:
+                with torch.no_grad():
                     for item, at in window.takes:
                         _put_from(item, got, at, memory[item.held.source])
-    except (OSError, CollgradError) as caught:
-        error = error or caught
+            except Exception as caught:  # noqa: BLE001 - told to every rank by the caller
+                error = caught
     finally:
         reader.close()
     return reader.bytes_read, error

@@ -48,7 +48,7 @@ from torch.distributed import ProcessGroup
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import commit, hashes, storage
-from collgrad.checkpoint.agree import Phases, exchange_parts, position, read_together
+from collgrad.checkpoint.agree import Phases, Tally, exchange_parts, position, read_together
 from collgrad.checkpoint.load import LoadedModel
 from collgrad.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -140,6 +140,9 @@ class SavedTrainingState:
     streamed: bool = False
     #: what each stream did (where the ranks do not share the directory, or DeepSpeed's accessors read a kind)
     records: tuple[StateRecord, ...] = ()
+    #: the all-to-alls that moved small slices to the ranks that wrote them, and this rank's bytes into them
+    collectives: int = 0
+    bytes_sent: int = 0
 
 
 @dataclass(frozen=True)
@@ -299,10 +302,13 @@ def save_training_state(
     FSDP2 root or a plain module (pass ``optimizer`` and ``lr_scheduler``).
 
     Each rank writes the ranges it holds straight to their final offsets in the shared files (what
-    every rank holds whole, the ranks share); no collective carries any state, only four small
-    agreements. Where the ranks do not share ``directory`` (found out at the start: each looks for the
-    others' probe files), rank 0 writes the whole checkpoint into its own, every partitioned kind
-    streamed to it one bucket at a time (as ``save_full_model`` does). A state that is not per
+    every rank holds whole, the ranks share), four small agreements around it; where those ranges are
+    small (a ZeRO-3 or FSDP2 slice under ``IoCosts.small_below`` bytes: many ranks, or small tensors)
+    each tensor is written whole by one rank, its slices sent to it over one all-to-all a window, so
+    that each rank writes a few contiguous runs of each file. Where the ranks do not share
+    ``directory`` (found out at the start: each looks for the others' probe files), rank 0 writes the
+    whole checkpoint into its own, every partitioned kind streamed to it one bucket at a time (as
+    ``save_full_model`` does). A state that is not per
     element must be the same on every rank, or the save is refused. Never half a checkpoint: the new
     files carry a new generation in their names, flushed to the disk before the manifest (the
     checkpoint) is renamed into place; a failure on any rank raises on every rank and leaves the
@@ -355,6 +361,8 @@ class Save:
     memory: list[storage.Memory]
     #: the windows of small pieces moved to the ranks that write them (plan.exchanged_writes)
     exchanged: list[Exchange] = field(default_factory=list)
+    #: the collectives that moved them, and this rank's bytes into them
+    moved: Tally = field(default_factory=Tally)
 
     def write(self, writer: storage.Writer, values_of: storage.ValuesOf, group: ProcessGroup | None) -> None:
         """This rank's bytes written (``values_of``: its memory, or a copy of it): its items where they lie,
@@ -363,7 +371,8 @@ class Save:
         storage.write(writer, self.items, values_of, self.files.headers(), self.temporary)
         if self.exchanged:
             assert group is not None, "nothing is exchanged without a group"
-            storage.write_exchanged(writer, self.exchanged, values_of, self.temporary, exchange_parts(group))
+            exchange = exchange_parts(group, self.moved)
+            storage.write_exchanged(writer, self.exchanged, values_of, self.temporary, exchange)
 
     def staged_items(self) -> list[WriteItem]:
         """Every item whose values this rank writes or sends: what an async save copies at the call."""
@@ -444,7 +453,7 @@ def begin_save(
         items = write_items(files, held(readable, held_.buffers), index, world, among=among)
         placed = files.placed
         size = lambda t: placed[t].entry.dtype.itemsize if t in placed else None  # noqa: E731
-        small = small_slices(plain_kinds(readable), size, costs)
+        small = small_slices(plain_kinds(readable), size, costs, world)
         save.items, save.exchanged = exchanged_writes(files, items, small, index, world)
         save.memory = memory(readable, held_.buffers)
     return save
@@ -495,6 +504,8 @@ def end_save(
         time.perf_counter() - start,
         not save.shared,
         tuple(records),
+        save.moved.collectives,
+        save.moved.bytes,
     )
 
 
@@ -620,7 +631,8 @@ def load_training_state(
     the framework's counters as saved. An optimizer that has never stepped is given its states first,
     as its first step would make them.
 
-    Each rank reads only the ranges it holds (load.py's plan); no collective carries any state. Files are
+    Each rank reads the ranges it holds, or as ``load_full_model`` does where they are small or every rank
+    holds them alike: its turn of them, the rest brought by the group's ranks. Files are
     untrusted: the manifest, every header and every file name are checked, and the checkpoint against
     the model (names, shapes, param groups, the optimizer's state keys), before any state changes; a
     refusal on any rank raises on every rank and leaves the model and optimizer as they were.
@@ -678,14 +690,15 @@ def load_training_state(
         raise
     assert manifest is not None and matched is not None and view is not None and resolved is not None
     assert planned is not None  # with the rest: else the agreement raised
-    bytes_read, error = read_together(matched.sources, matched.buffers, planned, ctx.dispatcher, everywhere)
+    bytes_read, error, moved = read_together(matched.sources, matched.buffers, planned, ctx.dispatcher, everywhere)
     phases.agree(error, "read its part of the training state")
     _apply(resolved, view, scheduler, manifest, matched)
     files = sorted({s.file for s in matched.stored.values()})
     seconds = time.perf_counter() - start
     missing, unexpected = matched.missing, matched.unexpected
     loaded = (path, tuple(files), matched.tensors, bytes_read, header_bytes, seconds, missing, unexpected)
-    return LoadedTrainingState(*loaded, states=tuple(manifest.optimizer), created_states=undo is not None)
+    loaded_moved = (*loaded, moved.collectives, moved.bytes)
+    return LoadedTrainingState(*loaded_moved, states=tuple(manifest.optimizer), created_states=undo is not None)
 
 
 @dataclass

@@ -155,12 +155,12 @@ def _shared_load(eng, path, file, low):
     import collgrad
     from tests.counting import count_collectives
 
-    os.environ["COLLGRAD_SHARED_READ_BYTES"] = "0"
+    os.environ["COLLGRAD_SHARED_READ_BYTES"] = os.environ["COLLGRAD_FILE_SYSTEM_BYTES_PER_SECOND"] = "0"
     try:
         with count_collectives() as seen:
             loaded = collgrad.load_full_model(eng, path)
     finally:
-        del os.environ["COLLGRAD_SHARED_READ_BYTES"]
+        del os.environ["COLLGRAD_SHARED_READ_BYTES"], os.environ["COLLGRAD_FILE_SYSTEM_BYTES_PER_SECOND"]
     weights, masters, buffer = _state(eng)
     named = lambda n: n if n != "tied_out.weight" else "tied_in.weight"  # noqa: E731
     return {

@@ -228,11 +228,11 @@ def _first(rank, world, root):
 @contextlib.contextmanager
 def _sharing():
     """What the ranks hold alike read once between them (each its turn, then gathered) whatever its size."""
-    os.environ["COLLGRAD_SHARED_READ_BYTES"] = "0"
+    os.environ["COLLGRAD_SHARED_READ_BYTES"] = os.environ["COLLGRAD_FILE_SYSTEM_BYTES_PER_SECOND"] = "0"
     try:
         yield
     finally:
-        del os.environ["COLLGRAD_SHARED_READ_BYTES"]
+        del os.environ["COLLGRAD_SHARED_READ_BYTES"], os.environ["COLLGRAD_FILE_SYSTEM_BYTES_PER_SECOND"]
 
 
 def _async_save(root, name, model, train, record, optimizer=None) -> dict:

@@ -445,7 +445,10 @@ def test_load_full_model_puts_each_shard_back_reading_only_its_rows(results):
     shards = world // 2 if hsdp else world
     for _world, _hsdp, _rank, variant, e in _entries(results):
         loaded = e["loaded"]
-        assert loaded["equal"] and loaded["calls"] == (0, 2) and loaded["tensors"] == 13, (variant, loaded)
+        # the two agreements, and one all-to-all: this model's slices are small (a few hundred bytes), each
+        # tensor read by one rank that sends the others theirs (none under HSDP: its shard groups' replicas)
+        exchanges = 0 if hsdp else 1
+        assert loaded["equal"] and loaded["calls"] == (exchanges, 2) and loaded["tensors"] == 13, (variant, loaded)
         # dim-0 rows, uneven: about 1/shards of the bytes (a parameter of fewer rows than ranks read whole
         # by the ranks that hold its rows, none by the others)
         assert loaded["share"] < 1.5 / shards, (variant, loaded)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from collgrad.checkpoint import commit, storage
 from collgrad.checkpoint.plan import (
+    STATUS,
     WHOLE,
     Held,
     Holding,
@@ -279,9 +280,10 @@ def test_what_the_ranks_hold_alike_is_read_once_between_them_and_each_ends_with_
 ):
     """``shared_reads`` and ``in_turn``, no process group, as a ZeRO-1/2 load has them (the weights, which
     every rank holds whole, and its own partitions of the same tensors, from the same files): every byte
-    of what the ranks hold alike is read by exactly one rank; each rank's turn of a window is whole items
-    back to back in its part (every part as wide, on 8 bytes); and each rank ends with exactly its
-    holdings: every own item either read by itself or taken from its part where its turn holds its bytes."""
+    of what the ranks hold alike is read by exactly one rank, about 1/world of them by each; a window's
+    pieces (tensors cut at elements where a turn or a window ends) lie after their part's status, apart
+    (every part as wide, on 8 bytes); and each rank ends with exactly its holdings: every own item
+    either read by itself or taken from its part where its turn holds its bytes."""
     layout = _layout([k for k, _ in groups], [s for _, s in groups], world)
     params = [p for g in layout.groups for p in g.params]
     whole = LayoutGroup(
@@ -305,19 +307,27 @@ def test_what_the_ranks_hold_alike_is_read_once_between_them_and_each_ends_with_
         windows = shared_reads(alike, world, window)
         first = windows if first is None else first
         assert windows == first  # the same windows on every rank
-        assert sorted(i for w in windows for i in w.items) == sorted(alike)
+        # the pieces cover every tensor's bytes exactly once, cut at elements
+        pieces = sorted((i.file, i.offset, i.ranges.numel * i.dtype.itemsize) for w in windows for i in w.items)
+        assert {(f, b) for f, o, n in pieces for b in range(o, o + n)} == {
+            (i.file, b) for i in alike for b in _bytes_of(i)
+        } and sum(n for *_, n in pieces) == sum(len(_bytes_of(i)) for i in alike)
+        turn = 0
         for w in windows:
-            sizes = [i.ranges.numel * i.dtype.itemsize for i in w.items]
-            assert w.part_bytes % 8 == 0 and (sum(sizes) <= window or len(sizes) == 1)
-            at = 0
-            for item, owner, start in zip(w.items, w.owner, w.at):  # back to back in its part, in file order
+            assert w.part_bytes % 8 == 0
+            used = []
+            for item, owner, start in zip(w.items, w.owner, w.at):  # after the status, no two overlap
                 if owner == rank:
-                    assert start == at
-                    at += item.ranges.numel * item.dtype.itemsize
-            assert at <= w.part_bytes
+                    assert start >= STATUS and start + item.ranges.numel * item.dtype.itemsize <= w.part_bytes
+                    used.append((start, start + item.ranges.numel * item.dtype.itemsize))
+            used.sort()
+            assert all(a[1] <= b[0] for a, b in zip(used, used[1:]))
             for file, offset, _, nbytes in turn_runs(w, rank):
+                turn += nbytes
                 for b in range(offset, offset + nbytes):
                     read_bytes[(file, b)] = read_bytes.get((file, b), 0) + 1
+        total = sum(len(_bytes_of(i)) for i in alike)
+        assert turn <= -(-total // world) + 8 * len(windows)  # its 1/world, give or take an element a window
         left, taken = in_turn(own, windows, rank)
         assert sorted(left + [item for per in taken for item, _ in per]) == sorted(own)  # each once
         for w, per in zip(windows, taken):
@@ -365,6 +375,20 @@ def test_a_zero2_ranks_partition_in_its_turn_is_taken_from_its_part_not_read_aga
         windows = shared_reads(alike, 2)
         left, taken = in_turn(own, windows, rank)
         assert left == [] and [item.tensor for item, _ in taken[0]] == [f"g0.p{2 * rank}", f"g0.p{2 * rank + 1}"]
+
+
+def _segmented(lengths, values: list[bytes]) -> bytes:
+    """What a rank sends in an exchange: per destination, its status (``STATUS`` zero bytes) and then the
+    values of its items for that destination (``values``, in order, filling each segment in turn)."""
+    out, values = b"", list(values)
+    for n in lengths:
+        segment = bytes(STATUS)
+        while len(segment) < n:
+            segment += values.pop(0)
+        assert len(segment) == n
+        out += segment
+    assert not values
+    return out
 
 
 def _values(name: str, lo: int, n: int, dtype: torch.dtype) -> bytes:
@@ -421,7 +445,10 @@ def test_small_pieces_exchanged_every_byte_written_once_with_its_holders_values(
                 put(item.file, item.offset, _values(item.tensor, item.ranges.start, item.ranges.numel, dtype))
     for w in range(len(planned[0][1])):
         windows = [exchanges[w] for _, exchanges in planned]
-        sent = [b"".join(_values(i.tensor, i.ranges.start, i.ranges.numel, dtype) for i in ex.sends) for ex in windows]
+        sent = [
+            _segmented(ex.sent, [_values(i.tensor, i.ranges.start, i.ranges.numel, dtype) for i in ex.sends])
+            for ex in windows
+        ]
         for d, ex in enumerate(windows):
             got = b""
             for s, other in enumerate(windows):
