@@ -219,12 +219,14 @@ def _differing(checked: Checked, planned: Reads) -> int:
 def plan(checked: Checked, index: int = 0, world: int = 1) -> tuple[storage.Run, ...]:
     """The runs of byte ranges this rank's load reads from the files, without reading them, as rank
     ``index`` of a data-parallel group of ``world``: its own (adjacent ones joined, as the load joins
-    them), then its turn of what the ranks hold alike (bytes, no place). Local."""
+    them), then its turn of the small slices it reads for their holders and of what the ranks hold
+    alike (bytes, no place). Local."""
     planned = planned_reads(checked.sources, checked.buffers, _stored(checked), index, world)
+    sliced = (storage.Run(f, at, n, torch.uint8, None, ()) for w in planned.exchanged for f, at, n in w.runs)
     turns = (
         storage.Run(f, at, n, torch.uint8, None, ()) for w in planned.shared for f, at, _, n in turn_runs(w, index)
     )
-    return (*reads(checked.sources, checked.buffers, planned).runs, *turns)
+    return (*reads(checked.sources, checked.buffers, planned).runs, *sliced, *turns)
 
 
 def _stored(checked: Checked) -> dict[tuple[str, str], Stored]:

@@ -207,9 +207,9 @@ def fragment_of(group: LayoutGroup, param: int, rank_in_group: int) -> Fragment 
 
 
 class FlatIndex(NamedTuple):
-    """A PARTITIONED_FLAT group's parameters by where they start in the flat buffer (DeepSpeed lays them
-    out in order, but nothing here relies on it): their indexes, and the offsets they start and end at,
-    both ascending (parameters do not overlap)."""
+    """A PARTITIONED_FLAT group's parameters by where they start in the flat buffer, whatever their order
+    in the group (DeepSpeed lays them out in order): their indexes, and the offsets they start and end
+    at, both ascending because parameters of a flat buffer never overlap (an invariant of the layout)."""
 
     order: tuple[int, ...]
     starts: tuple[int, ...]
