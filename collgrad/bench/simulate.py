@@ -20,14 +20,18 @@ Per job it reports the planning time (median over ``reps``), the peak of the mem
 (tracemalloc, one more run), and the I/O and network figures of the plan: ``io_calls`` (the positional
 writes and reads of the safetensors files, headers included: a header written is one call, a header
 read one call of its 8 + N bytes), ``bytes_read`` and ``bytes_written`` (those calls' bytes),
-``bytes_sent`` (what this rank puts into collectives: its input of each all-gather or all-reduce) and
-``files`` (the safetensors files it opens). The JSON around them (a training state's manifest, an
-index, hash files) and a verified load's hashing of mapped files are not counted. The calls follow
+``bytes_sent`` (what this rank puts into collectives: its input of each all-gather, all-reduce and
+all-to-all) and ``files`` (the safetensors files it opens). The JSON around them (a training state's
+manifest, an index, hash files) and a verified load's hashing of mapped files are not counted. The
+plans are the jobs' own (``plan_grads``, ``plan_full_model``, ``write_items``, ``exchanged_writes``,
+``split_reads``: small slices exchanged, what every rank holds alike read once between the ranks where
+``IoCosts`` say so, under the environment's ``COLLGRAD_*`` costs as a real job). The calls follow
 storage.py's rules, applied to a model of each framework's memory (``_Memory``): a write joins the one
 before it where both its bytes in the file and its values in memory follow on; a read goes straight
 into place where the place is contiguous and of the stored dtype, and joins the run before it where
-both follow on (or both go through a buffer, together at most ``MAX_RUN_BYTES``).
-tests/fsdp/test_simulate.py compares these figures with the calls and bytes counted inside real ranks.
+both follow on (or both go through a buffer, together at most ``MAX_RUN_BYTES``); an exchanged or
+shared turn is a call a run. tests/fsdp/test_simulate.py compares these figures with the calls and
+bytes counted inside real ranks.
 """
 
 from __future__ import annotations

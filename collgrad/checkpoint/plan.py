@@ -479,11 +479,11 @@ def shared_reads(items: Sequence[ReadItem], world: int, window_bytes: int = WIND
             done += n
         pos += nbytes
     out = []
-    for pieces, owner, at in windows:
+    for pieces, whose, starts in windows:
         # every rank's part as wide as the fullest (a piece may end an element past its window's cap)
-        ends = [a + i.ranges.numel * i.dtype.itemsize for i, a in zip(pieces, at)]
+        ends = [a + i.ranges.numel * i.dtype.itemsize for i, a in zip(pieces, starts)]
         part = -(-max(ends, default=STATUS) // 8) * 8
-        out.append(SharedRead(tuple(pieces), tuple(owner), tuple(at), part))
+        out.append(SharedRead(tuple(pieces), tuple(whose), tuple(starts), part))
     return out
 
 

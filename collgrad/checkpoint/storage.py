@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import math
 import os
 import sys
@@ -349,8 +350,9 @@ def _told(part: torch.Tensor, lengths: Sequence[int], error: BaseException | Non
 
 
 def _all_well(got: torch.Tensor, lengths: Sequence[int]) -> bool:
-    """Whether every rank's segment of what this rank received says its sender went well."""
-    return all(not bool(got[start : start + STATUS].any()) for start in _starts(lengths))
+    """Whether every rank's segment of what this rank received says its sender went well (one look)."""
+    starts = torch.tensor(_starts(lengths), dtype=torch.int64)
+    return not bool(got[(starts[:, None] + torch.arange(STATUS)).view(-1)].any())
 
 
 def _moved(got: torch.Tensor, moves: Sequence[tuple[int, int, int]], nbytes: int) -> torch.Tensor:
@@ -745,10 +747,11 @@ def read_shared(
                 continue
             try:
                 with torch.no_grad():
-                    for item, owner, at in zip(window.items, window.owner, window.at):
-                        _put_from(item, gathered[owner], at, memory[item.held.source])
-                    for item, at in from_turn[w] if from_turn else ():  # this rank's own, in its turn
-                        _put_from(item, part, at, memory[item.held.source])
+                    alike = (
+                        (item, gathered[owner], at) for item, owner, at in zip(window.items, window.owner, window.at)
+                    )
+                    own = ((item, part, at) for item, at in (from_turn[w] if from_turn else ()))  # its own, in its turn
+                    _put_all(itertools.chain(alike, own), memory)
             except Exception as caught:  # noqa: BLE001 - told to every rank by the caller
                 error = caught
     finally:
@@ -791,8 +794,7 @@ def read_exchanged(
                 continue
             try:
                 with torch.no_grad():
-                    for item, at in window.takes:
-                        _put_from(item, got, at, memory[item.held.source])
+                    _put_all(((item, got, at) for item, at in window.takes), memory)
             except Exception as caught:  # noqa: BLE001 - told to every rank by the caller
                 error = caught
     finally:
@@ -800,16 +802,28 @@ def read_exchanged(
     return reader.bytes_read, error
 
 
-def _put_from(item: ReadItem, part: torch.Tensor, at: int, memory: Memory) -> None:
-    """``item``'s elements, stored at byte ``at`` of ``part`` (its owner's, uint8), put in place."""
-    nbytes = item.ranges.numel * item.dtype.itemsize
-    raw = part[at : at + nbytes]
-    if at % item.dtype.itemsize:  # a view as wider elements must start on one of them
-        raw = raw.clone()
-    values = raw.view(item.dtype)
-    for target in _targets(item, memory):
-        lo = target.at - item.ranges.start
-        target.write(values[lo : lo + target.numel])
+def _put_all(placed: Iterable[tuple[ReadItem, torch.Tensor, int]], memory: Sequence[Memory]) -> None:
+    """Each item's elements, stored at byte ``at`` of its tensor (uint8: an owner's part, what a rank
+    received), put in place: one foreach copy for every place that takes one (converting dtypes, as
+    a load plan's moves), the others (a setter) one by one."""
+    into: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for item, part, at in placed:
+        nbytes = item.ranges.numel * item.dtype.itemsize
+        raw = part[at : at + nbytes]
+        if at % item.dtype.itemsize:  # a view as wider elements must start on one of them
+            raw = raw.clone()
+        stored = raw.view(item.dtype)
+        for target in _targets(item, memory[item.held.source]):
+            lo = target.at - item.ranges.start
+            dest, these = target.dest, stored[lo : lo + target.numel]
+            if dest is not None and dest.is_contiguous() and dest.device == these.device:
+                into.append(dest.view(-1))
+                values.append(these)
+            else:
+                target.write(these)
+    if into:
+        torch._foreach_copy_(into, values)  # one call, not one per piece
 
 
 def joined_runs(runs: Iterable[Run]) -> list[Run]:
