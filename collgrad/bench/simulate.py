@@ -25,7 +25,8 @@ all-to-all) and ``files`` (the safetensors files it opens). The JSON around them
 manifest, an index, hash files) and a verified load's hashing of mapped files are not counted. The
 plans are the jobs' own (``plan_grads``, ``plan_full_model``, ``write_items``, ``exchanged_writes``,
 ``split_reads``: small slices exchanged, what every rank holds alike read once between the ranks where
-``IoCosts`` say so, under the environment's ``COLLGRAD_*`` costs as a real job). The calls follow
+``IoCosts`` say so: a network file system's costs, IoCosts' defaults, or the environment's ``COLLGRAD_*``
+costs as a real job's). The calls follow
 storage.py's rules, applied to a model of each framework's memory (``_Memory``): a write joins the one
 before it where both its bytes in the file and its values in memory follow on; a read goes straight
 into place where the place is contiguous and of the stored dtype, and joins the run before it where

@@ -36,6 +36,7 @@ from collgrad.checkpoint.match import (
     Matched,
     Opened,
     Reads,
+    io_costs,
     match,
     opened,
     others,
@@ -133,7 +134,14 @@ def load_full_model(
         if resolved is not None:
             names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
             checked = check(ctx, resolved, path, names, strict)
-            planned = planned_reads(checked.sources, checked.buffers, _stored(checked), index, world)
+            planned = planned_reads(
+                checked.sources,
+                checked.buffers,
+                _stored(checked),
+                index,
+                world,
+                costs=io_costs(checked.checkpoint.directory),
+            )
             if verify:
                 differ = _differing(checked, planned)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
@@ -221,7 +229,8 @@ def plan(checked: Checked, index: int = 0, world: int = 1) -> tuple[storage.Run,
     ``index`` of a data-parallel group of ``world``: its own (adjacent ones joined, as the load joins
     them), then its turn of the small slices it reads for their holders and of what the ranks hold
     alike (bytes, no place). Local."""
-    planned = planned_reads(checked.sources, checked.buffers, _stored(checked), index, world)
+    costs = io_costs(checked.checkpoint.directory)
+    planned = planned_reads(checked.sources, checked.buffers, _stored(checked), index, world, costs=costs)
     sliced = (storage.Run(f, at, n, torch.uint8, None, ()) for w in planned.exchanged for f, at, n in w.runs)
     turns = (
         storage.Run(f, at, n, torch.uint8, None, ()) for w in planned.shared for f, at, _, n in turn_runs(w, index)

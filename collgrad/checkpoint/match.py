@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 from collgrad import _compat
+from collgrad.checkpoint import storage
 from collgrad.checkpoint.plan import (
+    LOCAL_CALL_SECONDS,
     WHOLE,
     Held,
     Holding,
@@ -292,11 +294,17 @@ def shared_min_bytes() -> int:
     return int(_number("COLLGRAD_SHARED_READ_BYTES", SHARED_MIN_BYTES))
 
 
-def io_costs() -> IoCosts:
-    """The costs the plans weigh (plan.IoCosts), ``COLLGRAD_IO_CALL_SECONDS``,
-    ``COLLGRAD_NETWORK_BYTES_PER_SECOND`` and ``COLLGRAD_FILE_SYSTEM_BYTES_PER_SECOND`` where set (the same
-    on every rank: a save's and a load's checks compare what they decide)."""
+def io_costs(directory: str | None = None) -> IoCosts:
+    """The costs the plans weigh (plan.IoCosts) for the files of ``directory``: a call of
+    ``LOCAL_CALL_SECONDS`` where it lies on a local file system (``storage.LOCAL_FILE_SYSTEMS``: on one
+    machine a few preads cost less than an exchange), else a network file system's (IoCosts'; also
+    with no directory: the simulation's); ``COLLGRAD_IO_CALL_SECONDS``,
+    ``COLLGRAD_NETWORK_BYTES_PER_SECOND`` and ``COLLGRAD_FILE_SYSTEM_BYTES_PER_SECOND`` where set. The
+    same on every rank that sees the directory alike: a save's and a load's checks compare what they
+    decide. Local."""
     default = IoCosts()
+    if directory is not None and storage.file_system(directory) in storage.LOCAL_FILE_SYSTEMS:
+        default = default._replace(call_seconds=LOCAL_CALL_SECONDS)
     return IoCosts(
         _number("COLLGRAD_IO_CALL_SECONDS", default.call_seconds),
         _number("COLLGRAD_NETWORK_BYTES_PER_SECOND", default.network_bytes_per_second),
@@ -327,16 +335,18 @@ def planned_reads(
     stored: Mapping[tuple[str, str], Stored],
     index: int = 0,
     world: int = 1,
+    *,
+    costs: IoCosts,
 ) -> Reads:
     """This rank's reads of ``stored`` (by (stem, name)) into ``sources`` and ``buffers`` (with the first),
     as rank ``index`` of a group of ``world`` that holds the same (the model's data-parallel group):
     its holdings as read items (plan.py, pure); what every rank holds whole alike (a ZeRO-1/2 model's
     weights, the buffers) read once between the ranks where it is at least ``shared_min_bytes()``, the
     world is large enough that the file system's bandwidth, shared by every rank, makes it pay
-    (``IoCosts.shares``) and the model has no tensor- or expert-parallel shards (whose holders are other
-    sets of ranks). The
-    same decision on every rank: a function of what they agreed they see. Kept with the first source
-    for the next load alike. Local."""
+    (``IoCosts.shares`` of ``costs``: ``io_costs`` of the checkpoint's directory) and the model has no
+    tensor- or expert-parallel shards (whose holders are other sets of ranks); small slices exchanged
+    (``costs.small_below``). The same decision on every rank: a function of what they agreed they see.
+    Kept with the first source for the next load alike. Local."""
     # what the items depend on: the stored tensors, each source's stem and layout (frozen: the same
     # object while the source is kept), what each holds whole (ZeRO-3's persistent parameters change
     # with its state; the buffers), the group
@@ -348,7 +358,7 @@ def planned_reads(
         ),
         index,
         world,
-        io_costs(),  # the plan's choices: the load's check compares them between the ranks (fingerprint)
+        costs,  # the plan's choices: the load's check compares them between the ranks (fingerprint)
         shared_min_bytes(),
     )
     scratch = sources[0].source.scratch

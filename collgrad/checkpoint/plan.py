@@ -66,6 +66,7 @@ __all__ = [
     "split_reads",
     "Exchange",
     "IoCosts",
+    "LOCAL_CALL_SECONDS",
     "EXCHANGE_WINDOW_BYTES",
     "exchanged_writes",
     "ReadExchange",
@@ -556,13 +557,19 @@ class Exchange(NamedTuple):
     runs: tuple[tuple[str, int, int, int], ...]
 
 
+#: One I/O call to a file system of this machine (its page cache, an NVMe disk: ~2-10 us from the page
+#: cache, ~80 us from the disk): slices below 20 KB exchanged at IoCosts' network rate.
+LOCAL_CALL_SECONDS = 2e-5
+
+
 class IoCosts(NamedTuple):
     """What the planner weighs when it chooses how a piece reaches the disk: a call to the file system
     (a write or read of any size: a parallel file system's or object store's round trip) against moving
     the piece's bytes to another rank first. A piece goes straight to the disk where its bytes take
     longer to send than a call takes: at or above ``call_seconds * network_bytes_per_second`` bytes."""
 
-    #: one I/O call (a Lustre or GPFS operation, an object store's request): ~1 ms
+    #: one I/O call (a Lustre or GPFS operation, an object store's request): ~1 ms; on a local file
+    #: system, ``LOCAL_CALL_SECONDS``
     call_seconds: float = 1e-3
     #: the bytes per second a rank moves to another over the network (~1 GB/s a rank, conservative)
     network_bytes_per_second: float = 1e9
@@ -777,7 +784,7 @@ def exchanged_reads(
 ) -> tuple[list[ReadItem], list[ReadExchange]]:
     """``items`` (rank ``index``'s own reads) with the slices of the tensors ``small`` names read by the
     ranks whose turn their bytes are and sent to their holders (``exchanged_writes`` the other way
-    round; each stored tensor read once for every kind that takes it with the same slices). The same
+    round; each stored tensor read and sent once, put into every kind that takes it with the same slices). The same
     windows on every rank. Returns the items still read where they lie and the windows. Each rank
     ends with exactly its holdings. Pure."""
     if world == 1 or not small:
@@ -800,19 +807,18 @@ def exchanged_reads(
             listed[-1] = (listed[-1][0], listed[-1][1], listed[-1][2] + nbytes)
         else:
             listed.append((sliced.file[t], offset, nbytes))
-        for _ in sliced.keys[t]:  # every kind that takes these bytes: the holder's item of each
-            outgoing[w][holder].append((filled[w], nbytes))
+        outgoing[w][holder].append((filled[w], nbytes))  # sent once, whatever kinds take them
         filled[w] += nbytes
-    # what this rank receives: its slice of each tensor, from the rank whose turn it is
-    incoming: list[list[list[ReadItem]]] = [[[] for _ in range(world)] for _ in range(count)]
+    # what this rank receives: its slice of each tensor, from the rank whose turn it is, put into the
+    # item of every kind that takes it
+    incoming: list[list[list[tuple[list[ReadItem], int]]]] = [[[] for _ in range(world)] for _ in range(count)]
     for t, keys in enumerate(sliced.keys):
         if index not in sliced.holders(t):
             continue
         start, nbytes = sliced.piece(t, index)
-        for key in keys:
-            item = mine.get(key)
-            assert item is not None and item.ranges.numel * item.dtype.itemsize == nbytes, "a holder's slice"
-            incoming[turns.window(start)][turns.owner(start)].append(item)
+        taking = [mine[key] for key in keys if key in mine]
+        assert all(item.ranges.numel * item.dtype.itemsize == nbytes for item in taking), "a holder's slice"
+        incoming[turns.window(start)][turns.owner(start)].append((taking, nbytes))
     out = []
     for w in range(count):
         moves, at = [], 0
@@ -823,14 +829,15 @@ def exchanged_reads(
                 moves.append((src, at, n))
                 at += n
             sent.append(STATUS + sum(n for _, n in to))
-        takes, got = [], 0
+        takes: list[tuple[ReadItem, int]] = []
+        got = 0
         received = []
         for came in incoming[w]:
             got += STATUS
-            for item in came:
-                takes.append((item, got))
-                got += item.ranges.numel * item.dtype.itemsize
-            received.append(STATUS + sum(i.ranges.numel * i.dtype.itemsize for i in came))
+            for taking, n in came:
+                takes.extend((item, got) for item in taking)
+                got += n
+            received.append(STATUS + sum(n for _, n in came))
         out.append(ReadExchange(tuple(runs[w]), tuple(moves), tuple(sent), tuple(received), tuple(takes)))
     return direct, out
 
@@ -870,9 +877,14 @@ def split_reads(
     if not shared or sum(item.ranges.numel * item.dtype.itemsize for item in shared) < min_bytes:
         alike, shared = [], []
     chosen = set(map(id, alike))
-    own, exchanged = exchanged_reads(
-        stored, read_items(stored, [h for h in held if id(h) not in chosen]), small, index, world
-    )
+    left = read_items(stored, [h for h in held if id(h) not in chosen])
+    # a tensor this rank reads whole anyway (a ZeRO-3 persistent parameter's weights, whose fp32 masters
+    # are slices; persistent on every rank alike) is not exchanged: its slices come from the same read
+    whole = {(i.file, i.offset) for i in left if i.ranges.numel == math.prod(i.shape) and not _is_slice(i.held)}
+    small = {
+        key: n for key, n in small.items() if key not in stored or (stored[key].file, stored[key].start) not in whole
+    }
+    own, exchanged = exchanged_reads(stored, left, small, index, world)
     windows = shared_reads(shared, world) if shared else []
     own, from_turn = in_turn(own, windows, index)
     return SplitReads(own, windows, from_turn, exchanged)

@@ -22,6 +22,7 @@ import functools
 import itertools
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, replace
 from typing import Callable, Hashable, Iterable, Iterator, Mapping, Sequence, TypeVar
@@ -69,6 +70,8 @@ __all__ = [
     "with_moves",
     "bytes_of",
     "remove_all",
+    "file_system",
+    "LOCAL_FILE_SYSTEMS",
     "MAX_RUN_BYTES",
 ]
 
@@ -468,6 +471,42 @@ def _writeback() -> Callable[[int, int, int], object] | None:
 
 
 _WRITEBACK = _writeback()
+
+
+#: File systems whose calls are the local kernel's (its page cache, a disk of this machine): a call of
+#: a few microseconds (a 16 KiB pread from the page cache ~2 us, a pwrite ~10 us, measured here), not
+#: a network round trip. What no list names (NFS, Lustre, GPFS, BeeGFS, CephFS, a FUSE mount of an
+#: object store) is taken to be a network's.
+LOCAL_FILE_SYSTEMS = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "tmpfs", "ramfs", "overlay", "jfs"}
+)
+
+
+def file_system(path: str) -> str | None:
+    """The type of the file system ``path`` (or, where it is not there yet, the nearest directory above
+    it) lies on, from Linux's ``/proc/self/mountinfo`` (the mount point that holds it longest); None
+    where that cannot be read (another OS). Local."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    at = os.path.realpath(path)
+    while not os.path.exists(at) and os.path.dirname(at) != at:
+        at = os.path.dirname(at)
+    best, found = -1, None
+    for line in lines:
+        fields = line.split(" ")
+        if "-" not in fields[6:]:
+            continue
+        # mount point: field 5, its spaces, tabs, newlines and backslashes escaped as octal; the type
+        # after the "-"
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+        kind = fields[fields.index("-", 6) + 1]
+        inside = at == point or at.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= best:  # a later mount over the same point hides the earlier
+            best, found = len(point), kind
+    return found
 
 
 def bytes_of(data: torch.Tensor) -> memoryview:

@@ -338,7 +338,10 @@ def save_training_state(
 def save_phases(ctx: Context, entrance: adapters.Entrance, call: str) -> Phases:
     """The agreements of a save named ``call``: over every rank that holds a part of the model (under
     tensor parallelism, every shard's), within the dispatcher's bounded wait."""
-    compared = "arguments (directory, max_shard_bytes; COLLGRAD_IO_CALL_SECONDS, COLLGRAD_NETWORK_BYTES_PER_SECOND)"
+    compared = (
+        "arguments (directory, max_shard_bytes; the costs of its I/O: the file system it lies on, "
+        "COLLGRAD_IO_CALL_SECONDS, COLLGRAD_NETWORK_BYTES_PER_SECOND)"
+    )
     return Phases(entrance.model_group, entrance.me, call, compared, ctx.dispatcher.timeout)
 
 
@@ -408,7 +411,7 @@ def begin_save(
     fingerprint = 0
     costs = IoCosts()
     try:
-        costs = io_costs()  # the plan's choice of what is exchanged: the same on every rank (compared below)
+        costs = io_costs(path)  # the plan's choice of what is exchanged: the same on every rank (compared below)
         if resolved is not None:
             checked_shard_bytes(max_shard_bytes)
             held_ = _held(ctx, resolved, optimizer, lr_scheduler)
@@ -669,7 +672,9 @@ def load_training_state(
             if manifest.optimizer:
                 undo = create_states(view)
             matched = _match(ctx, resolved, view, optimizer, manifest, checkpoints, strict)
-            planned = planned_reads(matched.sources, matched.buffers, matched.stored, index, world)
+            planned = planned_reads(
+                matched.sources, matched.buffers, matched.stored, index, world, costs=io_costs(path)
+            )
             if verify:  # the bytes this rank reads, against the save's hashes, before anything changes
                 differ = _differing(path, manifest, planned)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:

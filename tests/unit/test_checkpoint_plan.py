@@ -14,11 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collgrad.checkpoint import commit, storage
+from collgrad.checkpoint.match import io_costs
 from collgrad.checkpoint.plan import (
+    LOCAL_CALL_SECONDS,
     STATUS,
     WHOLE,
     Held,
     Holding,
+    IoCosts,
     Ranges,
     exchanged_reads,
     exchanged_writes,
@@ -28,6 +31,7 @@ from collgrad.checkpoint.plan import (
     lay_out,
     read_items,
     shared_reads,
+    split_reads,
     turn_runs,
     write_items,
 )
@@ -521,6 +525,8 @@ def test_small_pieces_read_by_one_rank_each_reach_exactly_their_holders(groups, 
             out = bytearray(sum(ex.sent))
             for src, dst, n in ex.moves:
                 out[dst : dst + n] = buffer[src : src + n]
+            # each byte read sent once (to its one holder), however many kinds take it
+            assert len(out) == world * STATUS + len(buffer)
             sent.append(bytes(out))
         for d, ex in enumerate(windows):
             got = b"".join(sent[s][sum(o.sent[:d]) : sum(o.sent[:d]) + o.sent[d]] for s, o in enumerate(windows))
@@ -534,3 +540,46 @@ def test_small_pieces_read_by_one_rank_each_reach_exactly_their_holders(groups, 
         assert not any((i.kind, i.tensor) in small for i in direct)
     expected = {(s.file, b) for t, s in stored.items() if t in small for b in range(s.start, s.start + s.nbytes)}
     assert set(read_count) == expected and all(c == 1 for c in read_count.values())
+
+
+def test_a_tensor_a_rank_reads_whole_anyway_is_not_exchanged_for_its_slices():
+    """ZeRO-3's persistent parameters: every rank holds the weights whole and their fp32 masters as slices
+    (a few bytes: small). The slices come from the rank's own read of the whole tensor, nothing is
+    exchanged; a tensor held only as slices still is."""
+    world, shapes = 2, [(4,), (6,)]
+    sliced = _sliced_group(0, shapes, world)
+    masters = StateLayout("fp32", (sliced,), tuple(p.name for p in sliced.params))
+    weights = StateLayout("w", (_replicated_group(0, shapes[:1], world),), ("g0.p0",))
+    files = lay_out({"model": _entries(masters, [], torch.float32)}, 10**6)
+    stored = {(kind, n): s for n, s in _stored(files).items() for kind in ("model", "fp32")}
+    small = {("fp32", p.name): p.slice_numel for p in sliced.params}
+    for rank in range(world):
+        held = holdings("model", 0, weights, [rank]) + holdings("fp32", 1, masters, [rank])
+        split = split_reads(stored, held, rank, world, False, 0, small)
+        exchanged = {(i.kind, i.tensor) for w in split.exchanged for i, _ in w.takes}
+        assert {(i.kind, i.tensor) for i in split.own} >= {("model", "g0.p0"), ("fp32", "g0.p0")}
+        assert exchanged == {("fp32", "g0.p1")}, (rank, exchanged)
+        assert [r[0] for w in split.exchanged for r in w.runs] in ([], [files.placed[("model", "g0.p1")].file])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mountinfo"), reason="Linux's mount table")
+def test_the_costs_of_a_directory_follow_its_file_system(tmp_path, monkeypatch):
+    """``io_costs``: a directory on a file system of this machine weighs a local call (slices below ~20 KB
+    exchanged, not below 1 MB), one elsewhere (``/proc`` stands in: no list names it) or none (the
+    simulation) a network's; the environment wins. The type is the mount table's, as findmnt tells."""
+    import shutil
+    import subprocess
+
+    for name in ("COLLGRAD_IO_CALL_SECONDS", "COLLGRAD_NETWORK_BYTES_PER_SECOND"):
+        monkeypatch.delenv(name, raising=False)
+    kind = storage.file_system(str(tmp_path))
+    if shutil.which("findmnt"):
+        told = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", str(tmp_path)], capture_output=True, text=True)
+        assert kind == told.stdout.strip()
+    assert storage.file_system(str(tmp_path / "not" / "there yet")) == kind
+    assert storage.file_system("/proc/self") == "proc"
+    local = kind in storage.LOCAL_FILE_SYSTEMS
+    assert io_costs(str(tmp_path)).call_seconds == (LOCAL_CALL_SECONDS if local else IoCosts().call_seconds)
+    assert io_costs("/proc").small_below == io_costs().small_below == 10**6
+    monkeypatch.setenv("COLLGRAD_IO_CALL_SECONDS", "0.002")
+    assert io_costs(str(tmp_path)).small_below == 2 * 10**6
