@@ -150,11 +150,13 @@ def all_gather_flat(output: torch.Tensor, inp: torch.Tensor, group: ProcessGroup
 
 def all_to_all(
     output: torch.Tensor, inp: torch.Tensor, received: Sequence[int], sent: Sequence[int], group: ProcessGroup
-) -> None:
+) -> dist.Work:
     """One all-to-all of 1-D ``inp`` (``sent[d]`` elements to rank d of ``group``, back to back) into
-    ``output`` (``received[s]`` from rank s, back to back); blocking. Gloo (CPU), NCCL, MPI and XCCL all
-    take split sizes (``alltoall_base``)."""
-    dist.all_to_all_single(output, inp, list(received), list(sent), group=group)
+    ``output`` (``received[s]`` from rank s, back to back), started: the caller waits on the Work. Gloo
+    (CPU), NCCL, MPI and XCCL all take split sizes (``alltoall_base``)."""
+    work: dist.Work | None = dist.all_to_all_single(output, inp, list(received), list(sent), group=group, async_op=True)
+    assert work is not None, "async_op returns a Work"
+    return work
 
 
 def all_gather_list(outputs: list[torch.Tensor], inp: torch.Tensor, group: ProcessGroup) -> dist.Work:

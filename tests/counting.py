@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["count_collectives", "count_planning", "Calls", "count_io", "Io"]
+__all__ = ["count_collectives", "count_planning", "Calls", "count_io", "Io", "as_on_a_network_file_system"]
 
 _METHODS = (
     "allreduce",
@@ -256,3 +256,13 @@ def count_io(directory: str) -> Iterator[Io]:
     finally:
         os.open, os.close, os.pwrite, os.preadv = saved["open"], saved["close"], saved["pwrite"], saved["preadv"]
         builtins.open, hashes.check = opened, check
+
+
+def as_on_a_network_file_system() -> None:
+    """This rank weighs its checkpoint I/O as on a network file system (``IoCosts``' call of 1 ms: small
+    slices exchanged), though the tests' temporary directories lie on a local disk (where a call costs
+    no more than an exchange's handling of a piece, and nothing is exchanged). For the tests of the
+    exchanges: call it first in a rank's worker (a forked rank's environment is its own)."""
+    from collgrad.checkpoint.plan import IoCosts
+
+    os.environ["COLLGRAD_IO_CALL_SECONDS"] = repr(IoCosts().call_seconds)

@@ -266,7 +266,7 @@ def _written(items: Sequence[WriteItem], place: Callable[[Held], tuple[object, i
                 calls, held = calls + _pieces(held_bytes), None
             calls, written = calls + 1, written + item.ranges.numel
             continue
-        nbytes = item.ranges.numel * item.dtype.itemsize
+        nbytes = item.nbytes
         written += nbytes
         storage, at = place(item.held)
         size = item.dtype.itemsize

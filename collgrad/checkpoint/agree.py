@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.backends import agreement
+from collgrad.backends.waits import wait_work
 from collgrad.checkpoint import storage
 from collgrad.checkpoint.match import Opened, Reads, memory, reads
 from collgrad.core.dispatch import Dispatcher
@@ -124,17 +125,20 @@ def gather_parts(dispatcher: Dispatcher, group: ProcessGroup, tally: Tally) -> C
 
 
 def exchange_parts(
-    group: ProcessGroup, tally: Tally
+    group: ProcessGroup, tally: Tally, timeout_s: float
 ) -> Callable[[torch.Tensor, Sequence[int], Sequence[int]], torch.Tensor]:
     """The all-to-all that moves small slices between the ranks that hold them and the ranks that write
     or read their tensors (``storage.write_exchanged``, ``read_exchanged``): this rank's bytes (uint8,
     ``sent[d]`` to rank d back to back) in, what every rank sent it (``received[s]`` from rank s) out,
-    over ``group`` on a device its backend takes. Counted in ``tally``. Collective over ``group``."""
+    over ``group`` on a device its backend takes, waited for at most ``timeout_s`` (the dispatcher's
+    bounded wait: CollgradTimeoutError naming it). Counted in ``tally``. Collective over ``group``."""
     device = _compat.agreement_device(agreement.control_device_type(group))
 
     def exchange(part: torch.Tensor, sent: Sequence[int], received: Sequence[int]) -> torch.Tensor:
         out = torch.empty(sum(received), dtype=torch.uint8, device=device)
-        _compat.all_to_all(out, part.to(device), received, sent, group)
+        work = _compat.all_to_all(out, part.to(device), received, sent, group)
+        ranks = _compat.group_ranks(group)
+        wait_work(work, timeout_s, f"the exchange of small slices (an all_to_all of {part.numel()} bytes over {ranks})")
         tally.collectives, tally.bytes = tally.collectives + 1, tally.bytes + part.numel()
         return out.cpu()
 
@@ -168,11 +172,14 @@ def read_together(
         return bytes_read, error, tally
     assert group is not None, "nothing is shared or exchanged without a group"
     into = memory(sources, buffers, loading=True)
+    kept = sources[0].source.scratch  # where the places go, kept with the plan (as storage.load_plan)
     if planned.exchanged:  # small slices: each rank reads its turn of the tensors, the holders get theirs
-        more, late = storage.read_exchanged(planned.exchanged, into, exchange_parts(group, tally))
+        exchange = exchange_parts(group, tally, dispatcher.timeout)
+        more, late = storage.read_exchanged(planned.exchanged, into, exchange, kept, planned.key)
         bytes_read, error = bytes_read + more, error or late
     if planned.shared:
         gather = gather_parts(dispatcher, group, tally)
-        more, late = storage.read_shared(planned.shared, planned.position, into, gather, planned.from_turn)
+        turn = planned.from_turn
+        more, late = storage.read_shared(planned.shared, planned.position, into, gather, turn, kept, planned.key)
         bytes_read, error = bytes_read + more, error or late
     return bytes_read, error, tally

@@ -77,7 +77,7 @@ class PendingSave:
 
     def _run(self, save: Save, staged: storage.ValuesOf, writer: storage.Writer, phases: Phases, start: float) -> None:
         try:
-            save.write(writer, staged, phases.group)  # the small pieces exchanged over the background's group
+            save.write(writer, staged, phases)  # the small pieces exchanged over the background's group
             self._result = end_save(save, writer, phases, start)
         except BaseException as error:  # noqa: BLE001 - raised by wait() on this rank, never lost
             self._error = error

@@ -86,7 +86,7 @@ def convert_deepspeed_checkpoint(
 
     def written(item: WriteItem) -> None:
         nonlocal done
-        done += item.ranges.numel * item.dtype.itemsize
+        done += item.nbytes
         if progress is not None and item.held is not None:
             progress(done, total)
 

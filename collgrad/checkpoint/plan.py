@@ -293,6 +293,11 @@ class WriteItem(NamedTuple):
     ranges: Ranges
     held: Held | None
 
+    @property
+    def nbytes(self) -> int:
+        """Its elements' bytes in the file."""
+        return self.ranges.numel * self.dtype.itemsize
+
 
 def turns(sizes: Sequence[int], index: int, world: int) -> list[int]:
     """Of items of ``sizes`` bytes one after another that every rank holds, those rank ``index`` of
@@ -352,7 +357,7 @@ def write_items(
             continue
         listed.sort(key=lambda a: (a[0], a[1]))
         # turns by the replicas' bytes: a header (counted as none) goes with the first bytes of its file
-        sizes = [0 if a[2].held is None else a[2].ranges.numel * a[2].dtype.itemsize for a in listed]
+        sizes = [0 if a[2].held is None else a[2].nbytes for a in listed]
         mine += [listed[k][2] for k in turns(sizes, *sets[name])]
     return [item for item in mine if item.held is None] + fragments + [item for item in mine if item.held is not None]
 
@@ -378,6 +383,11 @@ class ReadItem(NamedTuple):
     ranges: Ranges
     held: Held
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Its elements' bytes in the file."""
+        return self.ranges.numel * self.dtype.itemsize
 
 
 def read_items(stored: Mapping[tuple[str, str], Stored], held: Sequence[Holding]) -> list[ReadItem]:
@@ -455,7 +465,7 @@ def shared_reads(items: Sequence[ReadItem], world: int, window_bytes: int = WIND
     ends; so each rank reads about 1/world of the bytes in a few runs and every gather moves at most
     about ``window_bytes``. Pure."""
     ordered = sorted(items, key=lambda item: (item.file, item.offset))
-    sizes = [item.ranges.numel * item.dtype.itemsize for item in ordered]
+    sizes = [item.nbytes for item in ordered]
     turns = Turns.of(sum(sizes), world, window_bytes)
     windows: list[tuple[list[ReadItem], list[int], list[int]]] = [([], [], []) for _ in range(turns.windows)]
     pos = 0
@@ -482,7 +492,7 @@ def shared_reads(items: Sequence[ReadItem], world: int, window_bytes: int = WIND
     out = []
     for pieces, whose, starts in windows:
         # every rank's part as wide as the fullest (a piece may end an element past its window's cap)
-        ends = [a + i.ranges.numel * i.dtype.itemsize for i, a in zip(pieces, starts)]
+        ends = [a + i.nbytes for i, a in zip(pieces, starts)]
         part = -(-max(ends, default=STATUS) // 8) * 8
         out.append(SharedRead(tuple(pieces), tuple(whose), tuple(starts), part))
     return out
@@ -495,7 +505,7 @@ def turn_runs(window: SharedRead, index: int) -> list[tuple[str, int, int, int]]
     for item, owner, at in zip(window.items, window.owner, window.at):
         if owner != index:
             continue
-        nbytes = item.ranges.numel * item.dtype.itemsize
+        nbytes = item.nbytes
         if (
             runs
             and runs[-1][0] == item.file
@@ -533,7 +543,7 @@ def in_turn(
             left.append(item)
             continue
         j = bisect.bisect_right(starts[item.file], item.offset) - 1
-        end = item.offset + item.ranges.numel * item.dtype.itemsize
+        end = item.offset + item.nbytes
         if j >= 0 and end <= in_file[j][1]:
             offset, _, at, w = in_file[j]
             taken[w].append((item, at + item.offset - offset))
@@ -557,16 +567,19 @@ class Exchange(NamedTuple):
     runs: tuple[tuple[str, int, int, int], ...]
 
 
-#: One I/O call to a file system of this machine (its page cache, an NVMe disk: ~2-10 us from the page
-#: cache, ~80 us from the disk): slices below 20 KB exchanged at IoCosts' network rate.
-LOCAL_CALL_SECONDS = 2e-5
+#: One I/O call to a file system of this machine: a system call into its page cache (a 16 KiB pread
+#: ~2 us, a pwrite ~10 us, measured on the 2-core machine of docs/benchmarks.md). No more than an
+#: exchange's handling of the piece: on a local disk nothing is exchanged.
+LOCAL_CALL_SECONDS = 5e-6
 
 
 class IoCosts(NamedTuple):
     """What the planner weighs when it chooses how a piece reaches the disk: a call to the file system
     (a write or read of any size: a parallel file system's or object store's round trip) against moving
-    the piece's bytes to another rank first. A piece goes straight to the disk where its bytes take
-    longer to send than a call takes: at or above ``call_seconds * network_bytes_per_second`` bytes."""
+    the piece's bytes to another rank first. A piece goes straight to the disk where sending it costs
+    no less than a call: its bytes over the network and its handling on both ranks (``piece_seconds``),
+    at or above ``(call_seconds - piece_seconds) * network_bytes_per_second`` bytes. The exchange's
+    collective (~0.2 ms on two local Gloo ranks) is one a window, whatever the pieces."""
 
     #: one I/O call (a Lustre or GPFS operation, an object store's request): ~1 ms; on a local file
     #: system, ``LOCAL_CALL_SECONDS``
@@ -576,6 +589,9 @@ class IoCosts(NamedTuple):
     #: the bytes per second the file system gives every rank of a job reading it together (a node's page
     #: cache or NVMe, a parallel file system's aggregate: ~10 GB/s)
     file_system_bytes_per_second: float = 1e10
+    #: a piece's handling in an exchange: packed by its holder, put in place by the rank that takes it
+    #: (~4 us each way, measured in a load's profile on the 2-core machine)
+    piece_seconds: float = 5e-6
 
     def shares(self, world: int) -> bool:
         """Whether ``world`` ranks that each need the same bytes read them once between them and gather
@@ -588,7 +604,7 @@ class IoCosts(NamedTuple):
     @property
     def small_below(self) -> int:
         """Pieces of fewer bytes than this are exchanged, larger ones written (or read) where they lie."""
-        return int(self.call_seconds * self.network_bytes_per_second)
+        return int(max(0.0, self.call_seconds - self.piece_seconds) * self.network_bytes_per_second)
 
 
 class _Slices(NamedTuple):
@@ -753,7 +769,7 @@ def exchanged_writes(
             for dst, n in came:
                 moves.append((got, dst, n))
                 got += n
-        sent = tuple(STATUS + sum(i.ranges.numel * i.dtype.itemsize for i in to) for to in sends[w])
+        sent = tuple(STATUS + sum(i.nbytes for i in to) for to in sends[w])
         flat = tuple(i for to in sends[w] for i in to)
         out.append(Exchange(flat, sent, received, tuple(moves), tuple(runs)))
     return direct, out
@@ -817,7 +833,7 @@ def exchanged_reads(
             continue
         start, nbytes = sliced.piece(t, index)
         taking = [mine[key] for key in keys if key in mine]
-        assert all(item.ranges.numel * item.dtype.itemsize == nbytes for item in taking), "a holder's slice"
+        assert all(item.nbytes == nbytes for item in taking), "a holder's slice"
         incoming[turns.window(start)][turns.owner(start)].append((taking, nbytes))
     out = []
     for w in range(count):
@@ -874,7 +890,7 @@ def split_reads(
             h for h in held if h.replica and h.among == EVERY_RANK and h.held.group != SETTER and h.ranges.rows == 1
         ]
     shared = read_items(stored, alike)
-    if not shared or sum(item.ranges.numel * item.dtype.itemsize for item in shared) < min_bytes:
+    if not shared or sum(item.nbytes for item in shared) < min_bytes:
         alike, shared = [], []
     chosen = set(map(id, alike))
     left = read_items(stored, [h for h in held if id(h) not in chosen])

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import math
 import os
 import re
@@ -398,7 +397,7 @@ class Staging:
             for item, offset, found in zip(items, offsets, views):
                 if item.held is None:
                     continue
-                values = buffer[offset : offset + item.ranges.numel * item.dtype.itemsize].view(item.dtype)
+                values = buffer[offset : offset + item.nbytes].view(item.dtype)
                 for view, at in found:
                     flat = view.reshape(-1) if view.dim() != 1 else view
                     values[at : at + flat.numel()].copy_(flat, non_blocking=on_device)
@@ -666,14 +665,30 @@ def load_plan(
     joined into runs. ``kept``: a scratch of the model's where the plan is kept for the next load
     whose items depend on the same ``key`` and go into the same memory (its views keep that memory
     alive, so an address that matches is the same storage): then ``items`` is not called. Local."""
+    return _kept(kept, "load plan", key, memory, lambda: _load_plan(memory, items()))
+
+
+def _kept(
+    kept: dict[Hashable, object] | None, name: str, key: Hashable, memory: Sequence[Memory], make: Callable[[], _T]
+) -> _T:
+    """``make()``, kept in ``kept`` under ``name`` for the next call whose plan depends on the same ``key``
+    and resolves against the same ``memory`` (by address: what is kept holds views of it, so an
+    address that matches is the same storage); nothing is kept where a setter takes any of it."""
     addresses = _memory_key(memory) if kept is not None else None
     full = (key, addresses) if addresses is not None else None  # None: nothing is kept
-    found = kept.get("load plan") if kept is not None and full is not None else None
+    found = kept.get(name) if kept is not None and full is not None else None
     if isinstance(found, tuple) and found[0] == full:
-        plan: LoadPlan = found[1]
-        return plan
+        kept_one: _T = found[1]
+        return kept_one
+    made = make()
+    if kept is not None and full is not None:
+        kept[name] = (full, made)
+    return made
+
+
+def _load_plan(memory: Sequence[Memory], items: Iterable[ReadItem]) -> LoadPlan:
     targets: dict[tuple[str, int, torch.dtype, int], list[Target]] = {}
-    for item in items():
+    for item in items:
         numel = math.prod(item.shape)
         start = item.offset - item.ranges.start * item.dtype.itemsize
         into = targets.setdefault((item.file, start, item.dtype, numel), [])
@@ -686,10 +701,7 @@ def load_plan(
             copies = tuple(Copy(w.at - lo, w) for w in covered if w is not direct)
             dest = None if direct is None or direct.dest is None else direct.dest.view(-1)  # contiguous
             single.append(Run(file, start + lo * dtype.itemsize, n, dtype, dest, copies))
-    plan = with_moves(joined_runs(single))
-    if kept is not None and full is not None:
-        kept["load plan"] = (full, plan)
-    return plan
+    return with_moves(joined_runs(single))
 
 
 def _targets(item: ReadItem, memory: Memory) -> Iterator[Target]:
@@ -758,6 +770,8 @@ def read_shared(
     memory: Sequence[Memory],
     gather: Callable[[torch.Tensor], torch.Tensor],
     from_turn: Sequence[Sequence[tuple[ReadItem, int]]] = (),
+    kept: dict[Hashable, object] | None = None,
+    key: Hashable = None,
 ) -> tuple[int, BaseException | None]:
     """What the ranks of a group read alike, read once between them (plan.shared_reads): in each window
     this rank's turn read into its part after its status (runs of bytes that follow on in a file and
@@ -768,7 +782,15 @@ def read_shared(
     start in the part) put in place from its part. Every rank of the group calls it with the same
     windows whatever failed before or fails here (the gathers are collective): after a failure its
     status says so, it puts nothing more in place, and returns the failure for the caller's
-    agreement (where another rank failed, that rank's). Returns the bytes read."""
+    agreement (where another rank failed, that rank's). Where the places go is worked out once and
+    ``kept`` for the next load alike (``key``: what the windows depend on). Returns the bytes read."""
+
+    def placed(w: int) -> Iterator[tuple[ReadItem, int, int]]:
+        window = windows[w]
+        yield from zip(window.items, window.owner, window.at)
+        yield from ((item, index, at) for item, at in (from_turn[w] if from_turn else ()))  # its own, in its turn
+
+    puts = _kept(kept, "shared puts", key, memory, lambda: [Puts.of(placed(w), memory) for w in range(len(windows))])
     reader = Reader()
     error: BaseException | None = None
     try:
@@ -785,12 +807,7 @@ def read_shared(
             if error is not None or not _all_well(gathered.view(-1), [window.part_bytes] * gathered.shape[0]):
                 continue
             try:
-                with torch.no_grad():
-                    alike = (
-                        (item, gathered[owner], at) for item, owner, at in zip(window.items, window.owner, window.at)
-                    )
-                    own = ((item, part, at) for item, at in (from_turn[w] if from_turn else ()))  # its own, in its turn
-                    _put_all(itertools.chain(alike, own), memory)
+                puts[w].put(gathered)
             except Exception as caught:  # noqa: BLE001 - told to every rank by the caller
                 error = caught
     finally:
@@ -802,6 +819,8 @@ def read_exchanged(
     windows: Sequence[ReadExchange],
     memory: Sequence[Memory],
     exchange: Callable[[torch.Tensor, Sequence[int], Sequence[int]], torch.Tensor],
+    kept: dict[Hashable, object] | None = None,
+    key: Hashable = None,
 ) -> tuple[int, BaseException | None]:
     """Small slices read by the ranks whose turn their bytes are and moved to their holders
     (plan.exchanged_reads): per window, this rank's runs read into its buffer, each holder's slices
@@ -809,11 +828,20 @@ def read_exchanged(
     from what it received (converted to their places' dtype) where every sender's status says its
     reads went well. Every rank of the group calls it with its windows whatever failed before or fails
     here (the exchanges are collective): after a failure its status says so and it puts nothing more
-    in place; the failure is returned for the caller's agreement. Returns the bytes read."""
+    in place; the failure is returned for the caller's agreement. Where the places go is worked out
+    once and ``kept`` for the next load alike (``key``: what the windows depend on). Returns the bytes
+    read."""
+    puts = _kept(
+        kept,
+        "exchanged puts",
+        key,
+        memory,
+        lambda: [Puts.of(((i, 0, at) for i, at in w.takes), memory) for w in windows],
+    )
     reader = Reader()
     error: BaseException | None = None
     try:
-        for window in windows:
+        for window, put in zip(windows, puts):
             part = torch.zeros(sum(window.sent), dtype=torch.uint8)
             if error is None:
                 try:
@@ -832,8 +860,7 @@ def read_exchanged(
             if error is not None or not _all_well(got, window.received):
                 continue
             try:
-                with torch.no_grad():
-                    _put_all(((item, got, at) for item, at in window.takes), memory)
+                put.put(got.view(1, -1))
             except Exception as caught:  # noqa: BLE001 - told to every rank by the caller
                 error = caught
     finally:
@@ -841,28 +868,51 @@ def read_exchanged(
     return reader.bytes_read, error
 
 
-def _put_all(placed: Iterable[tuple[ReadItem, torch.Tensor, int]], memory: Sequence[Memory]) -> None:
-    """Each item's elements, stored at byte ``at`` of its tensor (uint8: an owner's part, what a rank
-    received), put in place: one foreach copy for every place that takes one (converting dtypes, as
-    a load plan's moves), the others (a setter) one by one."""
-    into: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    for item, part, at in placed:
-        nbytes = item.ranges.numel * item.dtype.itemsize
-        raw = part[at : at + nbytes]
-        if at % item.dtype.itemsize:  # a view as wider elements must start on one of them
-            raw = raw.clone()
-        stored = raw.view(item.dtype)
-        for target in _targets(item, memory[item.held.source]):
-            lo = target.at - item.ranges.start
-            dest, these = target.dest, stored[lo : lo + target.numel]
-            if dest is not None and dest.is_contiguous() and dest.device == these.device:
-                into.append(dest.view(-1))
-                values.append(these)
-            else:
-                target.write(these)
-    if into:
-        torch._foreach_copy_(into, values)  # one call, not one per piece
+@dataclass(frozen=True)
+class Puts:
+    """Where the items a rank receives in one window go (an exchange's or a gather's), resolved once
+    against its memory: per place, where its values lie in what it receives (row, byte offset, stored
+    dtype, elements) and a flat view of the place (one foreach copy for all, converting dtypes as a
+    load plan's moves), or, where no view can take them (a setter), the target."""
+
+    into: tuple[torch.Tensor, ...]
+    values: tuple[tuple[int, int, torch.dtype, int], ...]
+    rest: tuple[tuple[Target, tuple[int, int, torch.dtype, int]], ...]
+
+    @staticmethod
+    def of(placed: Iterable[tuple[ReadItem, int, int]], memory: Sequence[Memory]) -> Puts:
+        """``placed``: each item, the row of what is received that holds it and the byte its elements
+        start at there."""
+        into: list[torch.Tensor] = []
+        values: list[tuple[int, int, torch.dtype, int]] = []
+        rest: list[tuple[Target, tuple[int, int, torch.dtype, int]]] = []
+        for item, row, at in placed:
+            size = item.dtype.itemsize
+            for target in _targets(item, memory[item.held.source]):
+                where = (row, at + (target.at - item.ranges.start) * size, item.dtype, target.numel)
+                dest = target.dest
+                if dest is not None and dest.is_contiguous() and dest.device.type == "cpu":
+                    into.append(dest.view(-1))
+                    values.append(where)
+                else:
+                    rest.append((target, where))
+        return Puts(tuple(into), tuple(values), tuple(rest))
+
+    def put(self, rows: torch.Tensor) -> None:
+        """Every place filled from ``rows`` (uint8, a row per sender: what this rank received)."""
+        with torch.no_grad():
+            if self.into:
+                torch._foreach_copy_(list(self.into), [_values(rows, where) for where in self.values])
+            for target, where in self.rest:
+                target.write(_values(rows, where))
+
+
+def _values(rows: torch.Tensor, where: tuple[int, int, torch.dtype, int]) -> torch.Tensor:
+    row, at, dtype, numel = where
+    raw = rows[row, at : at + numel * dtype.itemsize]
+    if at % dtype.itemsize:  # a view as wider elements must start on one of them
+        raw = raw.clone()
+    return raw.view(dtype)
 
 
 def joined_runs(runs: Iterable[Run]) -> list[Run]:

@@ -43,7 +43,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
-from torch.distributed import ProcessGroup
 
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
@@ -325,7 +324,7 @@ def save_training_state(
     writer = save.writer()
     records: list[StateRecord] = []
     if save.shared:  # each rank its own ranges, straight from its memory (small pieces exchanged first)
-        save.write(writer, storage.in_memory(save.memory), phases.group)
+        save.write(writer, storage.in_memory(save.memory), phases)
     try:
         # each rank's directory its own: rank 0 writes every tensor as the streams bring it; else only
         # what DeepSpeed's accessors read (BF16_Optimizer's masters and states, NVMe-swapped ZeRO-3)
@@ -367,14 +366,15 @@ class Save:
     #: the collectives that moved them, and this rank's bytes into them
     moved: Tally = field(default_factory=Tally)
 
-    def write(self, writer: storage.Writer, values_of: storage.ValuesOf, group: ProcessGroup | None) -> None:
+    def write(self, writer: storage.Writer, values_of: storage.ValuesOf, phases: Phases) -> None:
         """This rank's bytes written (``values_of``: its memory, or a copy of it): its items where they lie,
-        then its small pieces exchanged over ``group`` (collective where there are any: every rank of
-        the save calls it, whatever failed). Failures are kept in ``writer.error``."""
+        then its small pieces exchanged over ``phases``' group within its bounded wait (collective where
+        there are any: every rank of the save calls it, whatever failed). Failures are kept in
+        ``writer.error``."""
         storage.write(writer, self.items, values_of, self.files.headers(), self.temporary)
         if self.exchanged:
-            assert group is not None, "nothing is exchanged without a group"
-            exchange = exchange_parts(group, self.moved)
+            assert phases.group is not None, "nothing is exchanged without a group"
+            exchange = exchange_parts(phases.group, self.moved, phases.timeout_s)
             storage.write_exchanged(writer, self.exchanged, values_of, self.temporary, exchange)
 
     def staged_items(self) -> list[WriteItem]:

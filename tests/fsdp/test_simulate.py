@@ -104,9 +104,11 @@ def _job(job: str, model: nn.Module, opt: torch.optim.Optimizer, directory: str)
 
 
 def _counted(rank: int, world: int, root: str) -> dict:
-    """Per sharding and job: the figures counted on this rank, and the calls behind them."""
-    from tests.counting import count_io
+    """Per sharding and job: the figures counted on this rank, and the calls behind them (as on a network
+    file system: the simulation's costs)."""
+    from tests.counting import as_on_a_network_file_system, count_io
 
+    as_on_a_network_file_system()
     out = {}
     for nested in (True, False):
         model, opt = _trained(world, rank, nested)
