@@ -179,10 +179,21 @@ class Simulated:
             return _Memory(group.wire_dtype, starts, lambda k: ("flat weights", offsets[k]))
         return _Memory(group.wire_dtype, starts, lambda k: (("whole", k), 0))
 
+    @functools.cached_property
+    def saved_model(self) -> Files:
+        """The files ``save_full_model`` lays out: what a load finds on the disk (not part of its plan)."""
+        return lay_out({"model": _entries(self, "model")}, DEFAULT_MAX_SHARD_BYTES)
+
+    @functools.cached_property
+    def saved_training_state(self) -> Files:
+        """The files ``save_training_state`` lays out: what a load finds on the disk."""
+        return _training_layout(self)
+
     def prepare(self) -> None:
-        """Every layout built: what the adapters hold before any job plans."""
+        """Every layout built: what the adapters hold before any job plans; the files the loads find."""
         for stem in ("grads", *STEMS):
             self.layout(stem)
+        _ = self.saved_model, self.saved_training_state
 
 
 def _flat(
@@ -394,7 +405,7 @@ def _load_full_model(sim: Simulated) -> _Io:
     """``load_full_model`` of what ``save_full_model`` wrote: every header parsed, this rank's holdings of
     the module's weights as read items, and of the masters where the optimizer keeps its own (read from
     the same tensors of the file: load.py's sources, each by its stem)."""
-    files = lay_out({"model": _entries(sim, "model")}, DEFAULT_MAX_SHARD_BYTES)
+    files = sim.saved_model
     stored, header_bytes = _stored(files)
     held = holdings("model", 0, sim.layout("model"), [sim.rank])
     if sim.keeps_masters:
@@ -437,9 +448,15 @@ def _loaded(
     return _Io(calls, read, 0, sent, io.files)
 
 
-def _training_files(sim: Simulated) -> tuple[Files, list[list[Holding]]]:
+def _training_layout(sim: Simulated) -> Files:
     entries = {stem: _entries(sim, stem) for stem in STEMS}
-    files = lay_out(entries, DEFAULT_MAX_SHARD_BYTES, file_names("0" * 16, STEMS))
+    return lay_out(entries, DEFAULT_MAX_SHARD_BYTES, file_names("0" * 16, STEMS))
+
+
+def _training_files(sim: Simulated, saving: bool) -> tuple[Files, list[list[Holding]]]:
+    """The training state's files (laid out: a save's plan; as on the disk: a load's) and this rank's
+    holdings of each kind."""
+    files = _training_layout(sim) if saving else sim.saved_training_state
     held = [holdings(stem, k, sim.layout(stem), [sim.rank]) for k, stem in enumerate(STEMS)]
     return files, held
 
@@ -447,7 +464,7 @@ def _training_files(sim: Simulated) -> tuple[Files, list[list[Holding]]]:
 def _save_training_state(sim: Simulated) -> _Io:
     """``save_training_state`` into a shared directory: every kind's files laid out, this rank's write
     items (its fragments, its turn of the headers and of what every rank holds whole)."""
-    files, held = _training_files(sim)
+    files, held = _training_files(sim, saving=True)
     items = write_items(files, [h for one in held for h in one], sim.rank, sim.world)
     placed = files.placed
     size = lambda t: placed[t].entry.dtype.itemsize if t in placed else None  # noqa: E731
@@ -471,7 +488,7 @@ def _load_training_state(sim: Simulated) -> _Io:
     weights from the fp32 masters' tensors (training.py's ``_match``: trainable weights are the masters
     in the module's dtype; the weights' files are not read), of the masters where the optimizer keeps
     its own, of Adam's two states."""
-    files, held = _training_files(sim)
+    files, held = _training_files(sim, saving=False)
     stored, header_bytes = _stored(files)
     stored.update({("model", name): stored[("fp32", name)] for name, _ in sim.tensors})
     stems = [stem for stem in STEMS if stem != "fp32" or sim.keeps_masters]

@@ -632,10 +632,10 @@ class _Slices(NamedTuple):
     ) -> _Slices:
         """``places[key]``: (file, byte offset, element's bytes, elements) of each tensor of ``small``."""
         by_place: dict[tuple[str, int, int], list[tuple[str, str]]] = {}
-        for key in sorted(small):
-            if key in places:
-                file, offset, _, _ = places[key]
-                by_place.setdefault((file, offset, small[key]), []).append(key)
+        for key, per in small.items():  # in the same order on every rank: the keys' order among a place's
+            found = places.get(key)
+            if found is not None:
+                by_place.setdefault((found[0], found[1], per), []).append(key)
         laid = sorted(by_place, key=lambda p: (order(p[0]), p[1], p[2]))
         keys = [by_place[p] for p in laid]
         first = [places[k[0]] for k in keys]
@@ -655,28 +655,33 @@ class _Slices(NamedTuple):
         )
         return out
 
-    def holders(self, t: int) -> range:
-        per = self.per[t]
-        return range(min(self.turns.world, -(-self.numel[t] // per)) if per else 0)
-
-    def piece(self, t: int, holder: int) -> tuple[int, int]:
-        """Where holder ``holder``'s slice of tensor ``t`` starts among all the bytes, and its bytes."""
-        size, per = self.itemsize[t], self.per[t]
-        return self.starts[t] + holder * per * size, min(per, self.numel[t] - holder * per) * size
-
     def owned(self, rank: int) -> Iterator[tuple[int, int, int, int]]:
-        """The slices whose first byte is in ``rank``'s turn, in order: (tensor, holder, start, bytes)."""
-        lo, hi = self.turns.start(rank), self.turns.start(rank + 1) if rank + 1 < self.turns.world else self.turns.total
-        t = max(0, bisect.bisect_right(self.starts, lo) - 1)
-        while t < len(self.starts) and self.starts[t] < hi:
-            size, per = self.itemsize[t], self.per[t]
-            first = max(0, -(-(lo - self.starts[t]) // (per * size))) if per else 0
-            for holder in range(first, len(self.holders(t))):
-                start, nbytes = self.piece(t, holder)
-                if start >= hi:
-                    break
-                yield t, holder, start, nbytes
+        """The slices whose first byte is in ``rank``'s turn, in order: (tensor, holder, start, bytes).
+        (``holders`` and ``piece`` worked out inline: a rank's turn is every tensor's slices at 1,024
+        ranks.)"""
+        turns = self.turns
+        lo, hi = turns.start(rank), turns.start(rank + 1) if rank + 1 < turns.world else turns.total
+        starts, itemsize, pers, numels = self.starts, self.itemsize, self.per, self.numel
+        t = max(0, bisect.bisect_right(starts, lo) - 1)
+        while t < len(starts) and starts[t] < hi:
+            size, per, numel, first_byte = itemsize[t], pers[t], numels[t], starts[t]
+            if per:
+                step = per * size
+                for holder in range(max(0, -(-(lo - first_byte) // step)), min(turns.world, -(-numel // per))):
+                    start = first_byte + holder * step
+                    if start >= hi:
+                        break
+                    yield t, holder, start, min(per, numel - holder * per) * size
             t += 1
+
+    def held(self, rank: int) -> Iterator[tuple[int, int, int]]:
+        """Rank ``rank``'s slice of every tensor it holds one of, in order: (tensor, start, bytes)."""
+        starts, itemsize, pers, numels = self.starts, self.itemsize, self.per, self.numel
+        for t in range(len(starts)):
+            per, numel = pers[t], numels[t]
+            lo = rank * per
+            if per and lo < numel:
+                yield t, starts[t] + lo * itemsize[t], min(per, numel - lo) * itemsize[t]
 
 
 #: The most bytes of small pieces one window of an exchange moves (each rank holds its part of a window's
@@ -738,16 +743,15 @@ def exchanged_writes(
     turns = sliced.turns
     count = turns.windows
     sends: list[list[list[WriteItem]]] = [[[] for _ in range(world)] for _ in range(count)]
-    for t, keys in enumerate(sliced.keys):
-        for key in keys:
-            item = mine.get(key)
-            if item is not None:
-                start, _ = sliced.piece(t, index)
-                sends[turns.window(start)][turns.owner(start)].append(item)
+    for t, start, _ in sliced.held(index):
+        owner = turns.owner(start)
+        to = sends[(start - turns.start(owner)) // turns.cap][owner]
+        to.extend(item for key in sliced.keys[t] if (item := mine.get(key)) is not None)
     # what this rank writes: its turn's slices, back to back as the files hold them, from every holder
     pieces: list[list[tuple[int, int, int, int]]] = [[] for _ in range(count)]
+    turn = turns.start(index)
     for t, holder, start, nbytes in sliced.owned(index):
-        pieces[turns.window(start)].append((t, holder, start, nbytes))
+        pieces[(start - turn) // turns.cap].append((t, holder, start, nbytes))  # turns.window(start)
     out = []
     for w in range(count):
         runs: list[tuple[str, int, int, int]] = []
@@ -815,26 +819,25 @@ def exchanged_reads(
     runs: list[list[tuple[str, int, int]]] = [[] for _ in range(count)]
     outgoing: list[list[list[tuple[int, int]]]] = [[[] for _ in range(world)] for _ in range(count)]
     filled = [0] * count
+    turn = turns.start(index)
     for t, holder, start, nbytes in sliced.owned(index):
-        w = turns.window(start)
-        offset = sliced.offset[t] + start - sliced.starts[t]
+        w = (start - turn) // turns.cap  # turns.window(start): the start lies in this rank's turn
+        file, offset = sliced.file[t], sliced.offset[t] + start - sliced.starts[t]
         listed = runs[w]
-        if listed and listed[-1][0] == sliced.file[t] and listed[-1][1] + listed[-1][2] == offset:
-            listed[-1] = (listed[-1][0], listed[-1][1], listed[-1][2] + nbytes)
+        if listed and listed[-1][0] == file and listed[-1][1] + listed[-1][2] == offset:
+            listed[-1] = (file, listed[-1][1], listed[-1][2] + nbytes)
         else:
-            listed.append((sliced.file[t], offset, nbytes))
+            listed.append((file, offset, nbytes))
         outgoing[w][holder].append((filled[w], nbytes))  # sent once, whatever kinds take them
         filled[w] += nbytes
     # what this rank receives: its slice of each tensor, from the rank whose turn it is, put into the
     # item of every kind that takes it
     incoming: list[list[list[tuple[list[ReadItem], int]]]] = [[[] for _ in range(world)] for _ in range(count)]
-    for t, keys in enumerate(sliced.keys):
-        if index not in sliced.holders(t):
-            continue
-        start, nbytes = sliced.piece(t, index)
-        taking = [mine[key] for key in keys if key in mine]
-        assert all(item.nbytes == nbytes for item in taking), "a holder's slice"
-        incoming[turns.window(start)][turns.owner(start)].append((taking, nbytes))
+    for t, start, nbytes in sliced.held(index):
+        taking = [mine[key] for key in sliced.keys[t] if key in mine]
+        assert not taking or taking[0].nbytes == nbytes, "a holder's slice"
+        owner = turns.owner(start)
+        incoming[(start - turns.start(owner)) // turns.cap][owner].append((taking, nbytes))
     out = []
     for w in range(count):
         moves, at = [], 0
