@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -333,7 +334,12 @@ def test_what_the_ranks_hold_alike_is_read_once_between_them_and_each_ends_with_
         total = sum(len(_bytes_of(i)) for i in alike)
         assert turn <= -(-total // world) + 8 * len(windows)  # its 1/world, give or take an element a window
         left, taken = in_turn(own, windows, rank)
-        assert sorted(left + [item for per in taken for item, _ in per]) == sorted(own)  # each once
+        # each element of each own item once, into the same place: read, or taken from its part
+        assert _placed_elements(left + [item for per in taken for item, _ in per]) == _placed_elements(own)
+        assert all(c == 1 for c in _placed_elements(own).values())
+        if len(windows) == 1 and all(i.ranges.rows == 1 for i in own):  # nothing of its turn read again
+            turned = {(f, b) for f, o, _, n in turn_runs(windows[0], rank) for b in range(o, o + n)}
+            assert not {(i.file, b) for i in left for b in _bytes_of(i)} & turned
         for w, per in zip(windows, taken):
             runs = turn_runs(w, rank)
             for item, at in per:  # its bytes are where its part holds them
@@ -342,6 +348,18 @@ def test_what_the_ranks_hold_alike_is_read_once_between_them_and_each_ends_with_
                 assert item.offset + item.ranges.numel * item.dtype.itemsize <= run[1] + run[3]
     expected = {(i.file, b) for w in first or () for i in w.items for b in _bytes_of(i)}
     assert set(read_bytes) == expected and all(c == 1 for c in read_bytes.values())
+
+
+def _placed_elements(items) -> Counter:
+    """Every element each item reads (kind, tensor, element) and where it goes (source, group, param, and
+    its place there where the item is one run), counted."""
+    out: Counter = Counter()
+    for i in items:
+        for first, _ in i.ranges.runs():
+            for e in range(first, first + i.ranges.length):
+                place = i.held.offset + e - i.ranges.start if i.ranges.rows == 1 else None
+                out[(i.kind, i.tensor, e, i.held.source, i.held.group, i.held.param, place)] += 1
+    return out
 
 
 def _bytes_of(item) -> range:
@@ -381,6 +399,18 @@ def test_a_zero2_ranks_partition_in_its_turn_is_taken_from_its_part_not_read_aga
         assert left == [] and [item.tensor for item, _ in taken[0]] == [f"g0.p{2 * rank}", f"g0.p{2 * rank + 1}"]
 
 
+#: An exchange's cases: groups (sliced or flat) of tensors of a few elements, the world, the dtype, the
+#: shard size, the window's bytes and the threshold below which a slice is small.
+EXCHANGED = (
+    st.lists(st.tuples(st.sampled_from(["sliced", "flat"]), shapes), min_size=1, max_size=3),
+    st.integers(2, 5),
+    st.sampled_from(DTYPES),
+    st.integers(1, 400),
+    st.integers(1, 200),
+    st.integers(0, 80),
+)
+
+
 def _segmented(lengths, values: list[bytes]) -> bytes:
     """What a rank sends in an exchange: per destination, its status (``STATUS`` zero bytes) and then the
     values of its items for that destination (``values``, in order, filling each segment in turn)."""
@@ -403,14 +433,7 @@ def _values(name: str, lo: int, n: int, dtype: torch.dtype) -> bytes:
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    st.lists(st.tuples(st.sampled_from(["sliced", "flat"]), shapes), min_size=1, max_size=3),
-    st.integers(2, 5),
-    st.sampled_from(DTYPES),
-    st.integers(1, 400),
-    st.integers(1, 200),
-    st.integers(0, 80),
-)
+@given(*EXCHANGED)
 def test_small_pieces_exchanged_every_byte_written_once_with_its_holders_values(
     groups, world, dtype, shard, window, threshold
 ):
@@ -476,14 +499,7 @@ def test_small_pieces_exchanged_every_byte_written_once_with_its_holders_values(
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    st.lists(st.tuples(st.sampled_from(["sliced", "flat"]), shapes), min_size=1, max_size=3),
-    st.integers(2, 5),
-    st.sampled_from(DTYPES),
-    st.integers(1, 400),
-    st.integers(1, 200),
-    st.integers(0, 80),
-)
+@given(*EXCHANGED)
 def test_small_pieces_read_by_one_rank_each_reach_exactly_their_holders(groups, world, dtype, shard, window, threshold):
     """``exchanged_reads``, no process group: the tensors whose slices are small are read whole by one rank
     each (runs of the files) and their slices sent to their holders (an all-to-all emulated here), for
