@@ -159,6 +159,14 @@ def all_to_all(
     return work
 
 
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup) -> dist.Work:
+    """``tensor`` from global rank ``src`` to every rank of ``group``, started: the caller waits on the
+    Work. Every backend implements it."""
+    work: dist.Work | None = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    assert work is not None, "async_op returns a Work"
+    return work
+
+
 def all_gather_list(outputs: list[torch.Tensor], inp: torch.Tensor, group: ProcessGroup) -> dist.Work:
     """The list form of all-gather: every backend implements it, torch's MPI backend included.
 

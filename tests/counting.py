@@ -67,9 +67,15 @@ class Calls(Counter):
         return sum(1 for *_, agreement in self.log if agreement)
 
     @property
+    def metadata(self) -> int:
+        """Broadcasts: collgrad's only are a load's metadata (index or manifest, headers), read by one rank
+        and sent to the others (``agree.metadata_once``: its length, then its bytes)."""
+        return sum(1 for name, _, agreement in self.log if name == "broadcast" and not agreement)
+
+    @property
     def data(self) -> int:
         """Calls torch received for everything else: the data itself."""
-        return self.total - self.agreements
+        return self.total - self.agreements - self.metadata
 
 
 def _first_tensor(args) -> torch.Tensor | None:

@@ -370,7 +370,7 @@ def _entries(sim: Simulated, stem: str) -> list[Entry]:
 
 def _stored(files: Files) -> tuple[dict[tuple[str, str], Stored], int]:
     """Every file's header parsed as a load parses it (the checks of every entry against the file), by
-    (stem, name); and the header bytes read (every rank reads every header)."""
+    (stem, name); and the headers' bytes (the first rank reads them, every rank parses them)."""
     stored: dict[tuple[str, str], Stored] = {}
     header_bytes = 0
     for kind, named in files.shards.items():
@@ -413,8 +413,7 @@ def _load_full_model(sim: Simulated) -> _Io:
         stored.update({("fp32", name): stored[("model", name)] for name, _ in sim.tensors})
     stems = ["model", "fp32"] if sim.keeps_masters else ["model"]
     io = _loaded(sim, stored, held, stems, ["model", "fp32"])
-    headers = len(files.names())
-    return io._replace(calls=io.calls + headers, read=io.read + header_bytes, files=headers)
+    return _with_metadata(sim, io, files, header_bytes)
 
 
 def _loaded(
@@ -436,16 +435,19 @@ def _loaded(
     exchanged = split.exchanged
     io = _read(split.own, lambda h: memories[h.source].place(h), lambda h: memories[h.source].dtype)
     calls, read, sent = io.calls, io.read, 0
+    touched = {item.file for item in split.own}
     for window in split.shared:
         runs = turn_runs(window, sim.rank)
         calls += sum(_pieces(n) for *_, n in runs)
         read += sum(n for *_, n in runs)
         sent += window.part_bytes
+        touched.update(file for file, *_ in runs)
     for one in exchanged:
         calls += sum(_pieces(n) for *_, n in one.runs)
         read += sum(n for *_, n in one.runs)
         sent += sum(one.sent)
-    return _Io(calls, read, 0, sent, io.files)
+        touched.update(file for file, *_ in one.runs)
+    return _Io(calls, read, 0, sent, len(touched))
 
 
 def _training_layout(sim: Simulated) -> Files:
@@ -493,8 +495,19 @@ def _load_training_state(sim: Simulated) -> _Io:
     stored.update({("model", name): stored[("fp32", name)] for name, _ in sim.tensors})
     stems = [stem for stem in STEMS if stem != "fp32" or sim.keeps_masters]
     io = _loaded(sim, stored, [h for k, stem in enumerate(STEMS) if stem in stems for h in held[k]], stems, list(STEMS))
+    return _with_metadata(sim, io, files, header_bytes)
+
+
+def _with_metadata(sim: Simulated, io: _Io, files: Files, header_bytes: int) -> _Io:
+    """A load's reads with its metadata's: the group's first rank reads every header (a call of 8 + N
+    bytes each; the index or manifest, JSON, not counted) and broadcasts them (its bytes sent: the
+    headers'), every other rank reads none (agree.metadata_once). Every rank parses them all (the plan's
+    time)."""
+    if sim.rank != 0:
+        return io
     headers = len(files.names())
-    return io._replace(calls=io.calls + headers, read=io.read + header_bytes, files=headers)
+    read, sent = io.read + header_bytes, io.sent + header_bytes
+    return io._replace(calls=io.calls + headers, read=read, sent=sent, files=headers)
 
 
 _JOBS: Mapping[str, Callable[[Simulated], _Io]] = {

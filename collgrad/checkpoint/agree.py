@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Generic, NamedTuple, Sequence, TypeVar
 
 import torch
 from torch.distributed import ProcessGroup
@@ -24,10 +24,23 @@ from collgrad.backends import agreement
 from collgrad.backends.waits import wait_work
 from collgrad.checkpoint import storage
 from collgrad.checkpoint.match import Opened, Reads, memory, reads
+from collgrad.checkpoint.safetensors import MetadataFiles, RecordedFiles, ReplayedFiles, metadata_from
 from collgrad.core.dispatch import Dispatcher
 from collgrad.errors import ArgumentMismatchError, CollgradError, RankFailedError
 
-__all__ = ["agree_outcome", "Phases", "Tally", "gather_parts", "exchange_parts", "position", "read_together"]
+__all__ = [
+    "agree_outcome",
+    "Phases",
+    "Tally",
+    "gather_parts",
+    "exchange_parts",
+    "metadata_once",
+    "Once",
+    "position",
+    "read_together",
+]
+
+_T = TypeVar("_T")
 
 
 def agree_outcome(
@@ -145,6 +158,61 @@ def exchange_parts(
     return exchange
 
 
+class Once(Generic[_T]):
+    """What ``metadata_once`` read on this rank: ``get()`` gives it, or raises what reading it raised (in
+    the caller's own handling of this rank's errors); ``bytes_read``: the bytes this rank read from the
+    files for it (the first rank all of them, the others none)."""
+
+    def __init__(self, value: _T | None, error: BaseException | None, bytes_read: int) -> None:
+        self._value, self._error, self.bytes_read = value, error, bytes_read
+
+    def get(self) -> _T:
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+
+def metadata_once(
+    group: ProcessGroup | None, me: int, timeout_s: float, read: Callable[[], _T], tally: Tally
+) -> Once[_T]:
+    """``read()``, a load's reading of a checkpoint's metadata (its index or manifest and every file's
+    header), done by the group's first rank, its reads kept (``safetensors.RecordedFiles``) and broadcast,
+    then done by every other rank on those bytes (``ReplayedFiles``): the directory's metadata read
+    once, not once a rank, and every rank checking the same bytes itself (each reaches the same
+    verdict). The two broadcasts (the length, the bytes) counted in ``tally``. Collective over ``group``
+    (None: this rank alone reads): every rank of the load calls it, before anything that may fail
+    alone; what ``read()`` raises is kept for ``Once.get``."""
+    if group is None or group.size() == 1:
+        return _done(read, MetadataFiles())
+    first = _compat.group_ranks(group)[0]
+    device = _compat.agreement_device(agreement.control_device_type(group))
+    what = f"the checkpoint's metadata from rank {first} (a broadcast over {_compat.group_ranks(group)})"
+    recorded = RecordedFiles() if me == first else None
+    once = _done(read, recorded) if recorded is not None else None
+    packed = recorded.packed() if recorded is not None else b""
+    length = torch.tensor([len(packed)], dtype=torch.int64, device=device)
+    wait_work(_compat.broadcast(length, first, group), timeout_s, what)
+    if recorded is not None:
+        data = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+    else:
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+    moved = data.to(device)
+    wait_work(_compat.broadcast(moved, first, group), timeout_s, what)
+    tally.collectives, tally.bytes = tally.collectives + 2, tally.bytes + 8 + moved.numel()
+    if once is not None:
+        return once
+    return _done(read, ReplayedFiles(moved.cpu().numpy().tobytes()))
+
+
+def _done(read: Callable[[], _T], files: MetadataFiles) -> Once[_T]:
+    try:
+        with metadata_from(files):
+            return Once(read(), None, files.bytes_read)
+    except Exception as error:  # noqa: BLE001 - the caller's handling of this rank's errors gets it
+        return Once(None, error, files.bytes_read)
+
+
 def position(group: ProcessGroup | None, me: int) -> tuple[int, int]:
     """This rank's index in ``group`` and the group's size (None: this process alone)."""
     if group is None:
@@ -159,17 +227,17 @@ def read_together(
     planned: Reads,
     dispatcher: Dispatcher,
     group: ProcessGroup | None,
-) -> tuple[int, BaseException | None, Tally]:
+    tally: Tally,
+) -> tuple[int, BaseException | None]:
     """A load's reads (match.planned_reads): this rank's own (storage.read), its small slices read by the
     ranks whose turn their tensors are and exchanged (storage.read_exchanged), then what the ranks of
     ``group`` hold alike, each its turn, gathered (storage.read_shared). Collective over ``group`` where
     anything is exchanged or shared: every rank calls it after the load's check agreed, whatever its
-    own reads did. Returns the bytes read, the first error (for the caller's agreement) and the
-    collectives that moved bytes."""
-    tally = Tally()
+    own reads did. Returns the bytes read and the first error (for the caller's agreement); the
+    collectives that moved bytes are counted in ``tally``."""
     bytes_read, error = storage.read(reads(sources, buffers, planned))
     if not planned.shared and not planned.exchanged:
-        return bytes_read, error, tally
+        return bytes_read, error
     assert group is not None, "nothing is shared or exchanged without a group"
     into = memory(sources, buffers, loading=True)
     kept = sources[0].source.scratch  # where the places go, kept with the plan (as storage.load_plan)
@@ -182,4 +250,4 @@ def read_together(
         turn = planned.from_turn
         more, late = storage.read_shared(planned.shared, planned.position, into, gather, turn, kept, planned.key)
         bytes_read, error = bytes_read + more, error or late
-    return bytes_read, error, tally
+    return bytes_read, error

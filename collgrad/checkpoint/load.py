@@ -25,13 +25,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import storage
-from collgrad.checkpoint.agree import Phases, position, read_together
+from collgrad.checkpoint.agree import Phases, Tally, metadata_once, position, read_together
 from collgrad.checkpoint.match import (
     Matched,
     Opened,
@@ -110,8 +110,9 @@ def load_full_model(
     ``strict=True``: a key the model has and the checkpoint lacks, or the other way round, raises
     CheckpointError naming them; ``strict=False`` loads what matches and returns ``missing_keys`` and
     ``unexpected_keys``. A shape that differs raises either way. ``params``: only these parameters
-    (names or tensors), and then no buffers. Files are untrusted: every header is checked against its
-    file and the index before anything is read; any refusal raises on every rank and leaves the model
+    (names or tensors), and then no buffers. The index and the headers are read by the group's first
+    rank and broadcast. Files are untrusted: every rank checks every header against its file and the
+    index before anything is read; any refusal raises on every rank and leaves the model
     exactly as it was. An I/O error while reading raises on every rank too. ``verify``: where the
     directory records content hashes (``save_full_model`` writes them; ``save_pretrained`` does not),
     the bytes this rank reads are checked against them first, a file that differs refused on every
@@ -130,10 +131,13 @@ def load_full_model(
     differ = 0  # where this rank's reads differ from the save's hashes (verify.differing)
     everywhere = entrance.model_group
     index, world = position(everywhere, me)
+    # the index and every header read by the group's first rank, sent to the others: each checks them
+    moved = Tally()  # the collectives that move checkpoint bytes between the ranks
+    metadata = metadata_once(everywhere, me, ctx.dispatcher.timeout, lambda: open_checkpoint(path), moved)
     try:
         if resolved is not None:
             names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
-            checked = check(ctx, resolved, path, names, strict)
+            checked = check(ctx, resolved, path, names, strict, metadata.get)
             planned = planned_reads(
                 checked.sources,
                 checked.buffers,
@@ -158,7 +162,7 @@ def load_full_model(
     assert checked is not None and planned is not None  # else the agreement raised
     if any(row[2] for row in rows):  # a file some rank reads differs: every rank names the same one
         raise differs(checked.checkpoint.directory, _relative(checked.checkpoint), [row[2] for row in rows if row[2]])
-    bytes_read, error, moved = read_together(checked.sources, checked.buffers, planned, ctx.dispatcher, everywhere)
+    bytes_read, error = read_together(checked.sources, checked.buffers, planned, ctx.dispatcher, everywhere, moved)
     phases.agree(error, "read its part of the checkpoint")
     matched = checked.matched
     files = tuple(sorted({s.file for s in matched.stored.values()}))
@@ -167,7 +171,7 @@ def load_full_model(
         files,
         len(matched.stored),
         bytes_read,
-        checked.checkpoint.header_bytes,
+        metadata.bytes_read,
         time.perf_counter() - start,
         matched.missing,
         matched.unexpected,
@@ -189,11 +193,17 @@ class Checked:
 
 
 def check(
-    ctx: Context, model: adapters.Model, path: str | os.PathLike[str], names: list[str] | None, strict: bool
+    ctx: Context,
+    model: adapters.Model,
+    path: str | os.PathLike[str],
+    names: list[str] | None,
+    strict: bool,
+    opened_checkpoint: Callable[[], Checkpoint] | None = None,
 ) -> Checked:
-    """The load's check on this rank: its sources opened, the checkpoint's headers and index checked,
-    its names and shapes matched with the model's ``state_dict`` (``names``: those parameters only, and
-    no buffers); CheckpointError (this rank) for what is refused. Local."""
+    """The load's check on this rank: its sources opened, the checkpoint's headers and index checked
+    (``opened_checkpoint``: from the group's one read of them), its names and shapes matched
+    with the model's ``state_dict`` (``names``: those parameters only, and no buffers); CheckpointError
+    (this rank) for what is refused. Local."""
     refuse_layout(model)
     sources: list[Opened] = []
     for kind in model.load_kinds():  # the module's weights (every parameter), then the masters
@@ -203,7 +213,7 @@ def check(
             if not chosen:
                 continue
         sources.append(opened(ctx, model, kind.label, kind, None, chosen, loading=True))
-    checkpoint = open_checkpoint(path)
+    checkpoint = open_checkpoint(path) if opened_checkpoint is None else opened_checkpoint()
     buffers = list(persistent_buffers(model.module)) if names is None else []  # as save_full_model writes them
     matched = _matched(model.module, sources[0], buffers, checkpoint, names is not None, strict)
     return Checked(sources, checkpoint, matched, [(n, b) for n, b in buffers if n in matched.stored])

@@ -39,7 +39,7 @@ import torch
 
 from collgrad import _compat
 from collgrad.checkpoint import hashes
-from collgrad.checkpoint.safetensors import SAFE_DTYPES, refused
+from collgrad.checkpoint.safetensors import SAFE_DTYPES, metadata_files, refused
 from collgrad.errors import InvalidArgumentError
 
 __all__ = [
@@ -261,12 +261,12 @@ def _param_states(found: Any, where: str) -> dict[str, Mapping[str, Any]]:
 
 
 def read_manifest(directory: str) -> Manifest:
-    """The manifest of the training state in ``directory``, every field checked (types, file names);
-    CheckpointError naming the file and the reason otherwise. Local."""
+    """The manifest of the training state in ``directory``, every field checked (types, file names), read
+    through ``safetensors.metadata_files()``; CheckpointError naming the file and the reason otherwise.
+    Local."""
     where = manifest_path(directory)
     try:
-        with open(where, "rb") as f:
-            document = json.loads(f.read().decode("utf-8"))
+        document = json.loads(metadata_files().whole(where).decode("utf-8"))
     except FileNotFoundError:
         raise refused(
             directory, f"holds no {MANIFEST_NAME}: not a training state (save one with save_training_state)"

@@ -27,8 +27,10 @@ import math
 import os
 import re
 import struct
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -52,6 +54,11 @@ __all__ = [
     "read_header",
     "open_checkpoint",
     "open_mapped",
+    "MetadataFiles",
+    "RecordedFiles",
+    "ReplayedFiles",
+    "metadata_from",
+    "metadata_files",
     "inside",
     "refused",
     "MAX_HEADER_BYTES",
@@ -225,22 +232,142 @@ def refused(where: str, reason: str) -> CheckpointError:
     return CheckpointError(f"rank {_compat.rank()}: {where}: {reason}; nothing was loaded")
 
 
-def read_header(path: str) -> tuple[dict[str, Stored], int]:
-    """The tensors of the safetensors file ``path`` and the size of its header (8 + N), every entry
-    checked against the file (see the module's docstring). CheckpointError otherwise. Local."""
-    try:
+class MetadataFiles:
+    """Where a checkpoint's metadata is read from (its index, a training state's manifest, each file's
+    header): the files themselves. A load's group reads it once (``agree.metadata_once``): its first rank
+    through ``RecordedFiles``, every other rank from those bytes (``ReplayedFiles``), each checking them
+    itself. ``bytes_read``: what it read from the files. Local."""
+
+    def __init__(self) -> None:
+        self.bytes_read = 0
+
+    def whole(self, path: str) -> bytes:
+        """A small file's bytes (an index, a manifest). OSError where it cannot be read."""
+        with open(path, "rb") as f:
+            data = f.read()
+        self.bytes_read += len(data)
+        return data
+
+    def header(self, path: str) -> tuple[int, bytes]:
+        """The safetensors file's size and its first bytes: the 8 of the header's length, and the header
+        where that length fits the file and ``MAX_HEADER_BYTES`` (else the caller refuses it). OSError."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             first = f.read(8)
             if len(first) < 8:
-                raise refused(path, f"{size} bytes: too short for a safetensors header")
+                return size, first
             (length,) = struct.unpack("<Q", first)
             if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise refused(path, f"the header claims {length} bytes, the file has {size}")
-            text = f.read(length)
+                return size, first
+            data = first + f.read(length)
+        self.bytes_read += len(data)
+        return size, data
+
+
+class RecordedFiles(MetadataFiles):
+    """The files' metadata as ``MetadataFiles`` reads it, every read kept (its bytes, or its OSError) to be
+    sent to the other ranks (``packed``). Local."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: dict[tuple[str, str], tuple[int, bytes] | OSError] = {}
+
+    def whole(self, path: str) -> bytes:
+        return self._kept("whole", path, lambda: (0, super(RecordedFiles, self).whole(path)))[1]
+
+    def header(self, path: str) -> tuple[int, bytes]:
+        return self._kept("header", path, lambda: super(RecordedFiles, self).header(path))
+
+    def _kept(self, kind: str, path: str, read: Callable[[], tuple[int, bytes]]) -> tuple[int, bytes]:
+        try:
+            found = read()
+        except OSError as error:
+            self.reads[(kind, path)] = error
+            raise
+        self.reads[(kind, path)] = found
+        return found
+
+    def packed(self) -> bytes:
+        """Every read: its JSON list ([kind, path, size, bytes, errno, strerror] each) after its 8-byte
+        length, then the bytes read, back to back."""
+        listed, data = [], []
+        for (kind, path), found in self.reads.items():
+            if isinstance(found, OSError):
+                listed.append([kind, path, 0, 0, found.errno or 0, found.strerror or str(found)])
+            else:
+                listed.append([kind, path, found[0], len(found[1]), 0, ""])
+                data.append(found[1])
+        text = json.dumps(listed).encode()
+        return struct.pack("<Q", len(text)) + text + b"".join(data)
+
+
+class ReplayedFiles(MetadataFiles):
+    """Another rank's reads of the files' metadata (``RecordedFiles.packed``), read again here as that rank
+    read them (its bytes, its errors); a file it did not read (a directory mounted elsewhere) read from
+    the file. Local."""
+
+    def __init__(self, packed: bytes) -> None:
+        super().__init__()
+        self.reads: dict[tuple[str, str], tuple[int, bytes] | OSError] = {}
+        (length,) = struct.unpack("<Q", packed[:8])
+        listed = json.loads(packed[8 : 8 + length].decode())
+        at = 8 + length
+        for kind, path, size, nbytes, errno, strerror in listed:
+            if errno:
+                self.reads[(kind, path)] = OSError(errno, strerror, path)
+            else:
+                self.reads[(kind, path)] = (size, packed[at : at + nbytes])
+                at += nbytes
+        assert at == len(packed), "the packed reads are whole"
+
+    def whole(self, path: str) -> bytes:
+        return self._found("whole", path, lambda: (0, super(ReplayedFiles, self).whole(path)))[1]
+
+    def header(self, path: str) -> tuple[int, bytes]:
+        return self._found("header", path, lambda: super(ReplayedFiles, self).header(path))
+
+    def _found(self, kind: str, path: str, read: Callable[[], tuple[int, bytes]]) -> tuple[int, bytes]:
+        found = self.reads.get((kind, path))
+        if found is None:
+            return read()
+        if isinstance(found, OSError):
+            raise OSError(found.errno, found.strerror, path)  # its subclass by errno (FileNotFoundError...)
+        return found
+
+
+_FILES = MetadataFiles()
+_METADATA: ContextVar[MetadataFiles | None] = ContextVar("collgrad_metadata_files", default=None)
+
+
+def metadata_files() -> MetadataFiles:
+    """Where this call reads a checkpoint's metadata from: the files, unless ``metadata_from`` says."""
+    return _METADATA.get() or _FILES
+
+
+@contextmanager
+def metadata_from(files: MetadataFiles) -> Iterator[None]:
+    """Within the block, a checkpoint's metadata (index, manifest, headers) read through ``files``."""
+    token = _METADATA.set(files)
+    try:
+        yield
+    finally:
+        _METADATA.reset(token)
+
+
+def read_header(path: str) -> tuple[dict[str, Stored], int]:
+    """The tensors of the safetensors file ``path`` and the size of its header (8 + N), every entry
+    checked against the file (see the module's docstring); read through ``metadata_files()``.
+    CheckpointError otherwise. Local."""
+    try:
+        size, first = metadata_files().header(path)
     except OSError as error:
         raise refused(path, f"cannot be read ({error.strerror or error})") from error
-    return parse_header(path, text, size)
+    if len(first) < 8:
+        raise refused(path, f"{size} bytes: too short for a safetensors header")
+    (length,) = struct.unpack("<Q", first[:8])
+    if length > MAX_HEADER_BYTES or 8 + length > size:
+        raise refused(path, f"the header claims {length} bytes, the file has {size}")
+    return parse_header(path, first[8:], size)
 
 
 def parse_header(path: str, text: bytes, size: int) -> tuple[dict[str, Stored], int]:
@@ -373,8 +500,7 @@ def open_mapped(path: str, weight_map: Mapping[str, str], index: str) -> Checkpo
 
 def _weight_map(index: str) -> dict[str, str]:
     try:
-        with open(index, "rb") as f:
-            found = json.loads(f.read().decode("utf-8"))
+        found = json.loads(metadata_files().whole(index).decode("utf-8"))
     except OSError as error:
         raise refused(index, f"cannot be read ({error.strerror or error})") from error
     except (UnicodeDecodeError, ValueError) as error:

@@ -47,7 +47,7 @@ import torch
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import commit, hashes, storage
-from collgrad.checkpoint.agree import Phases, Tally, exchange_parts, position, read_together
+from collgrad.checkpoint.agree import Phases, Tally, exchange_parts, metadata_once, position, read_together
 from collgrad.checkpoint.load import LoadedModel
 from collgrad.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -635,8 +635,9 @@ def load_training_state(
     as its first step would make them.
 
     Each rank reads the ranges it holds, or as ``load_full_model`` does where they are small or every rank
-    holds them alike: its turn of them, the rest brought by the group's ranks. Files are
-    untrusted: the manifest, every header and every file name are checked, and the checkpoint against
+    holds them alike: its turn of them, the rest brought by the group's ranks. The manifest and the
+    headers are read by the group's first rank and broadcast. Files are untrusted: every rank checks
+    the manifest, every header and every file name, and the checkpoint against
     the model (names, shapes, param groups, the optimizer's state keys), before any state changes; a
     refusal on any rank raises on every rank and leaves the model and optimizer as they were.
     ``strict=False``: parameters on one side only are left out and named in the result (shapes must
@@ -655,17 +656,18 @@ def load_training_state(
     matched: _Matched | None = None
     view: OptimizerView | None = None
     scheduler = None
-    header_bytes = 0
     differ = 0  # where this rank's reads differ from the save's hashes (see _differing)
     planned: Reads | None = None
     everywhere = entrance.model_group
     index, world = position(everywhere, me)
+    # the manifest and every header read by the group's first rank, sent to the others: each checks them
+    moved = Tally()  # the collectives that move checkpoint bytes between the ranks
+    metadata = metadata_once(everywhere, me, ctx.dispatcher.timeout, lambda: _metadata(path), moved)
+    header_bytes = metadata.bytes_read
     try:
         if resolved is not None:
             refuse_layout(resolved)
-            manifest = read_manifest(path)
-            checkpoints = _checkpoints(path, manifest)
-            header_bytes = sum(c.header_bytes for c in checkpoints.values())
+            manifest, checkpoints = metadata.get()
             view = resolved.optimizer_view(optimizer)
             scheduler = resolved.lr_scheduler(lr_scheduler)
             _check_rest(path, manifest, scheduler, strict)
@@ -695,7 +697,7 @@ def load_training_state(
         raise
     assert manifest is not None and matched is not None and view is not None and resolved is not None
     assert planned is not None  # with the rest: else the agreement raised
-    bytes_read, error, moved = read_together(matched.sources, matched.buffers, planned, ctx.dispatcher, everywhere)
+    bytes_read, error = read_together(matched.sources, matched.buffers, planned, ctx.dispatcher, everywhere, moved)
     phases.agree(error, "read its part of the training state")
     _apply(resolved, view, scheduler, manifest, matched)
     files = sorted({s.file for s in matched.stored.values()})
@@ -727,6 +729,12 @@ def _differing(path: str, manifest: Manifest, planned: Reads) -> int:
     """The pieces of the files this rank reads (``planned.here()``) that overlap its ranges, hashed against
     what the save recorded (verify.py's ``differing``: 0, or 1 + the index of a file that differs). Local."""
     return differing(path, recorded_pieces(path, manifest), sorted(manifest.files()), planned.here())
+
+
+def _metadata(path: str) -> tuple[Manifest, dict[str, Checkpoint]]:
+    """The training state's manifest and every file it names opened (``_checkpoints``)."""
+    manifest = read_manifest(path)
+    return manifest, _checkpoints(path, manifest)
 
 
 def _checkpoints(path: str, manifest: Manifest) -> dict[str, Checkpoint]:

@@ -124,6 +124,7 @@ def _worker(rank, world, root):
         entry = {
             "shared": shared,
             "calls": (seen.data, seen.agreements),
+            "metadata": (seen.metadata, loaded.header_bytes),
             "weights": {
                 n: torch.equal(w, file[n if n != "tied_out.weight" else "tied_in.weight"].to(low))
                 for n, w in weights.items()
@@ -356,9 +357,12 @@ def _exchanges(config: str) -> int:
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_no_collective_carries_a_weight_but_small_slices_exchanged(results, config):
     _, per_rank = results
-    for res in per_rank:
+    for rank, res in enumerate(per_rank):
         data, agreements = res[config]["calls"]
         assert data == _exchanges(config) and agreements == 2, (config, data, agreements)
+        # the index and the headers read by rank 0 alone, sent to the others in one broadcast (and its length)
+        broadcasts, header_bytes = res[config]["metadata"]
+        assert broadcasts == 2 and (header_bytes > 0) == (rank == 0), (config, rank, broadcasts, header_bytes)
 
 
 def test_a_plain_module_loads_whole_on_every_rank(results):

@@ -174,3 +174,43 @@ def _straight_back_to_back(sizes, places, straight) -> bool:
     """The tensors read straight into place lie back to back in memory, in some order."""
     spans = sorted((places[i], sizes[i]) for i in range(len(sizes)) if straight[i])
     return all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+
+
+def test_metadata_read_by_one_rank_is_read_alike_by_the_others(tmp_path):
+    """``agree.metadata_once``'s two halves, no process group: a checkpoint opened through
+    ``RecordedFiles`` (the first rank) and again through ``ReplayedFiles`` of its packed reads (any other
+    rank) gives the same tensors without reading a byte of a file (a stat each, as before); a refusal (a
+    missing shard) is the same refusal; what was not recorded is read from the file."""
+    from collgrad.checkpoint.safetensors import RecordedFiles, ReplayedFiles, metadata_from
+
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    safetensors.save_file(tensors, str(tmp_path / "model.safetensors"))
+    recorded = RecordedFiles()
+    with metadata_from(recorded):
+        first = open_checkpoint(tmp_path)
+    replayed = ReplayedFiles(recorded.packed())
+    with metadata_from(replayed):
+        again = open_checkpoint(tmp_path)
+    assert again.tensors == first.tensors and again.header_bytes == first.header_bytes
+    assert replayed.bytes_read == 0 and recorded.bytes_read == first.header_bytes
+    # a refusal alike: the index names a shard that is not there
+    index = {"weight_map": {"a": "model.safetensors", "b": "gone.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    recorded = RecordedFiles()
+    with metadata_from(recorded), pytest.raises(CheckpointError) as on_first:
+        open_checkpoint(tmp_path)
+    replayed = ReplayedFiles(recorded.packed())
+    with metadata_from(replayed), pytest.raises(CheckpointError) as on_other:
+        open_checkpoint(tmp_path)
+    assert str(on_first.value).split(": ", 1)[1] == str(on_other.value).split(": ", 1)[1]
+    # a read that failed fails alike, as its own OSError subclass
+    gone = str(tmp_path / "nothing.json")
+    recorded = RecordedFiles()
+    with pytest.raises(FileNotFoundError):
+        recorded.whole(gone)
+    with pytest.raises(FileNotFoundError):
+        ReplayedFiles(recorded.packed()).whole(gone)
+    # what the first rank did not read, another reads itself
+    other = ReplayedFiles(RecordedFiles().packed())
+    assert other.whole(str(tmp_path / "model.safetensors.index.json")) == json.dumps(index).encode()
+    assert other.bytes_read == len(json.dumps(index))
