@@ -67,7 +67,7 @@ __all__ = [
     "Exchange",
     "IoCosts",
     "LOCAL_CALL_SECONDS",
-    "EXCHANGE_WINDOW_BYTES",
+    "EXCHANGE_RANK_BYTES",
     "exchanged_writes",
     "ReadExchange",
     "exchanged_reads",
@@ -708,9 +708,11 @@ class _Slices(NamedTuple):
                 yield t, starts[t] + lo * itemsize[t], min(per, numel - lo) * itemsize[t]
 
 
-#: The most bytes of small pieces one window of an exchange moves (each rank holds its part of a window's
-#: pieces twice: sent, received).
-EXCHANGE_WINDOW_BYTES = WINDOW_BYTES
+#: The most bytes of small pieces one rank sends, and receives, in one window of an exchange (a window
+#: moves up to ``world`` times this over the group): each rank's memory for it bounded whatever the
+#: world, and few windows (the 62 GB of a 3.9B-parameter training state's slices at 1,024 ranks: one).
+#: A gather's windows are bounded in all (``WINDOW_BYTES``): every rank receives the whole of each.
+EXCHANGE_RANK_BYTES = 64 * 2**20
 
 
 _Item = TypeVar("_Item", WriteItem, ReadItem)
@@ -744,14 +746,15 @@ def exchanged_writes(
     small: Mapping[tuple[str, str], int],
     index: int,
     world: int,
-    window_bytes: int = EXCHANGE_WINDOW_BYTES,
+    window_bytes: int | None = None,
 ) -> tuple[list[WriteItem], list[Exchange]]:
     """``items`` (rank ``index``'s writes, ``write_items``) with the slices of the tensors ``small`` names
     moved to the ranks that write them: ``small[(kind, name)]`` is the slice each rank of the group
     holds of that tensor (elements ``[r * slice, (r + 1) * slice)`` by rank r: ZeRO-3's and FSDP2's
     slices), the same on every rank. Those tensors' bytes, in the files' order, shared between the
-    ranks by position (``Turns``: a slice goes to the rank whose turn its first byte is), in windows;
-    each rank writes its turn as a few runs. Returns the items still written where they lie and the
+    ranks by position (``Turns``: a slice goes to the rank whose turn its first byte is), in windows
+    (``window_bytes`` over the group; ``EXCHANGE_RANK_BYTES`` a rank where None); each rank writes its
+    turn as a few runs. Returns the items still written where they lie and the
     windows. Over all ranks every byte of every file is written once. Pure."""
     if world == 1 or not small:
         return list(items), []
@@ -762,7 +765,8 @@ def exchanged_writes(
         for p in [files.placed.get(key)]
         if p is not None
     }
-    sliced = _Slices.of(places, small, order.__getitem__, world, window_bytes)
+    window = EXCHANGE_RANK_BYTES * world if window_bytes is None else window_bytes
+    sliced = _Slices.of(places, small, order.__getitem__, world, window)
     mine, direct = _moved(items, small)
     turns = sliced.turns
     count = turns.windows
@@ -824,18 +828,19 @@ def exchanged_reads(
     small: Mapping[tuple[str, str], int],
     index: int,
     world: int,
-    window_bytes: int = EXCHANGE_WINDOW_BYTES,
+    window_bytes: int | None = None,
 ) -> tuple[list[ReadItem], list[ReadExchange]]:
     """``items`` (rank ``index``'s own reads) with the slices of the tensors ``small`` names read by the
     ranks whose turn their bytes are and sent to their holders (``exchanged_writes`` the other way
-    round; each stored tensor read and sent once, put into every kind that takes it with the same slices). The same
-    windows on every rank. Returns the items still read where they lie and the windows. Each rank
-    ends with exactly its holdings. Pure."""
+    round; each stored tensor read and sent once, put into every kind that takes it with the same
+    slices; windows as there). The same windows on every rank. Returns the items still read where they
+    lie and the windows. Each rank ends with exactly its holdings. Pure."""
     if world == 1 or not small:
         return list(items), []
     places = {key: (s.file, s.start, s.dtype.itemsize, s.numel) for key in small for s in [stored.get(key)] if s}
     files = {file: k for k, file in enumerate(sorted({p[0] for p in places.values()}))}
-    sliced = _Slices.of(places, small, files.__getitem__, world, window_bytes)
+    window = EXCHANGE_RANK_BYTES * world if window_bytes is None else window_bytes
+    sliced = _Slices.of(places, small, files.__getitem__, world, window)
     mine, direct = _moved(items, small)
     turns = sliced.turns
     count = turns.windows
