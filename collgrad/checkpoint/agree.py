@@ -194,10 +194,9 @@ def metadata_once(
     length = torch.tensor([len(packed)], dtype=torch.int64, device=device)
     wait_work(_compat.broadcast(length, first, group), timeout_s, what)
     if recorded is not None:
-        data = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+        moved = torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(device)
     else:
-        data = torch.empty(int(length.item()), dtype=torch.uint8)
-    moved = data.to(device)
+        moved = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     wait_work(_compat.broadcast(moved, first, group), timeout_s, what)
     tally.collectives, tally.bytes = tally.collectives + 2, tally.bytes + 8 + moved.numel()
     if once is not None:

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import xxhash
 
-from collgrad.checkpoint.safetensors import refused
+from collgrad.checkpoint.safetensors import MAX_JSON_BYTES, refused
 
 __all__ = [
     "ALGORITHM",
@@ -49,8 +49,6 @@ ALGORITHM = "xxh3_64"
 #: Pieces end at every BLOCK boundary of their file: the most a load reads beyond a range, either side.
 BLOCK = 4 << 20
 _HASH_FILE = re.compile(r"^(training_state/hashes-[0-9a-f]+-|model\.safetensors\.hashes-)\d{5,}\.json$")
-#: the most a hash file or record may hold (a piece per 4 MiB of a rank's writes is ~60 bytes)
-_MOST_JSON = 1 << 30
 #: the record of a ``save_full_model`` directory's hash files (its manifest's ``hashes``)
 RECORD_NAME = "model.safetensors.hashes.json"
 
@@ -278,15 +276,15 @@ def hash_file(name: Any, where: str) -> str:
 
 
 def _read(where: str) -> bytes:
-    """The bytes of the small file ``where`` (a hash file or record: at most ``_MOST_JSON``);
+    """The bytes of the small file ``where`` (a hash file or record: at most ``MAX_JSON_BYTES``);
     CheckpointError naming it where it cannot be read or is larger."""
     try:
         with open(where, "rb") as f:
-            data = f.read(_MOST_JSON + 1)
+            data = f.read(MAX_JSON_BYTES + 1)
     except OSError as error:
         raise refused(where, f"cannot be read ({error.strerror or error})") from None
-    if len(data) > _MOST_JSON:
-        raise refused(where, f"is larger than {_MOST_JSON} bytes: not a hash file or record")
+    if len(data) > MAX_JSON_BYTES:
+        raise refused(where, f"is larger than {MAX_JSON_BYTES} bytes: not a hash file or record")
     return data
 
 

@@ -155,7 +155,11 @@ def load_full_model(
     seen = (
         None if checked is None else sorted((n, str(s.dtype), s.shape) for n, s in checked.checkpoint.tensors.items())
     )
-    compared = "arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes)"
+    compared = (
+        "arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes; or the costs of "
+        "its I/O: the file system it lies on, COLLGRAD_IO_CALL_SECONDS, COLLGRAD_NETWORK_BYTES_PER_SECOND, "
+        "COLLGRAD_SHARED_READ_BYTES)"
+    )
     phases = Phases(everywhere, me, "load_full_model", compared, ctx.dispatcher.timeout)
     arguments = stable_hash((os.fspath(path), strict, names, seen, None if planned is None else planned.fingerprint()))
     rows = phases.agree(error, "check the checkpoint against the model", arguments=arguments, extra=(differ,))

@@ -265,10 +265,12 @@ class Reads(NamedTuple):
 
     def fingerprint(self) -> tuple[object, ...]:
         """What every rank's reads must have alike (the gathers and exchanges are collective): their
-        windows, the bytes of each rank's part of a gather, and the choices that made them (the costs,
-        the least bytes shared: the environment of each rank)."""
+        windows, the bytes of each rank's part of a gather, the bytes the exchanges move over the group,
+        and the choices that made them (the costs, the least bytes shared: the environment of each
+        rank)."""
         choices = self.key[-2:] if isinstance(self.key, tuple) else ()
-        return len(self.shared), sum(w.part_bytes for w in self.shared), len(self.exchanged), *choices
+        exchanged = self.exchanged[0].total if self.exchanged else 0
+        return len(self.shared), sum(w.part_bytes for w in self.shared), len(self.exchanged), exchanged, *choices
 
     def here(self) -> list[ReadItem]:
         """Every item this rank reads from the files itself: its own, and its turn of what is shared

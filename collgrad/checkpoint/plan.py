@@ -813,13 +813,16 @@ class ReadExchange(NamedTuple):
     slice. This rank reads ``runs`` (file, byte offset, bytes) back to back into its buffer, sends
     ``sent[d]`` bytes to rank d (``STATUS`` bytes first; ``moves``: offset in its buffer, offset in
     what it sends, bytes), receives ``received[s]`` bytes from rank s (back to back in rank order) and
-    puts ``takes`` (its own items, each with where its bytes start in what it received) in place."""
+    puts ``takes`` (its own items, each with where its bytes start in what it received) in place.
+    ``total``: the bytes of every exchanged tensor, all windows: the same on every rank (the load's
+    check compares it: ranks that chose other tensors would not meet in the all-to-alls)."""
 
     runs: tuple[tuple[str, int, int], ...]
     moves: tuple[tuple[int, int, int], ...]
     sent: tuple[int, ...]
     received: tuple[int, ...]
     takes: tuple[tuple[ReadItem, int], ...]
+    total: int = 0
 
 
 def exchanged_reads(
@@ -886,7 +889,7 @@ def exchanged_reads(
                 takes.extend((item, got) for item in taking)
                 got += n
             received.append(STATUS + sum(n for _, n in came))
-        out.append(ReadExchange(tuple(runs[w]), tuple(moves), tuple(sent), tuple(received), tuple(takes)))
+        out.append(ReadExchange(tuple(runs[w]), tuple(moves), tuple(sent), tuple(received), tuple(takes), turns.total))
     return direct, out
 
 

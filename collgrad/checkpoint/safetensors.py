@@ -22,6 +22,7 @@ Spec: https://github.com/huggingface/safetensors
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -62,6 +63,7 @@ __all__ = [
     "inside",
     "refused",
     "MAX_HEADER_BYTES",
+    "MAX_JSON_BYTES",
 ]
 
 #: torch dtypes and their safetensors names
@@ -189,6 +191,8 @@ def index_json(weight_map: Mapping[str, str], total_size: int) -> bytes:
 
 #: safetensors' own limit on a header (its reader refuses larger ones: "header too large").
 MAX_HEADER_BYTES = 100_000_000
+#: the most an index, a manifest, a hash file or record may hold: read whole, sent to every rank
+MAX_JSON_BYTES = 1 << 30
 DTYPES = {name: dtype for dtype, name in SAFE_DTYPES.items()}
 #: Each dtype's bytes an element, looked up (``dtype.itemsize`` is a call into torch; a header holds thousands).
 _ITEMSIZE = {dtype: dtype.itemsize for dtype in SAFE_DTYPES}
@@ -242,10 +246,13 @@ class MetadataFiles:
         self.bytes_read = 0
 
     def whole(self, path: str) -> bytes:
-        """A small file's bytes (an index, a manifest). OSError where it cannot be read."""
+        """A small file's bytes (an index, a manifest: at most ``MAX_JSON_BYTES``). OSError where it cannot
+        be read or is larger."""
         with open(path, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_JSON_BYTES + 1)
         self.bytes_read += len(data)
+        if len(data) > MAX_JSON_BYTES:
+            raise OSError(errno.EFBIG, f"larger than {MAX_JSON_BYTES} bytes: not an index or manifest")
         return data
 
     def header(self, path: str) -> tuple[int, bytes]:
@@ -288,14 +295,14 @@ class RecordedFiles(MetadataFiles):
         return found
 
     def packed(self) -> bytes:
-        """Every read: its JSON list ([kind, path, size, bytes, errno, strerror] each) after its 8-byte
-        length, then the bytes read, back to back."""
+        """Every read: its JSON list ([kind, path, size, bytes, failed, errno, strerror] each) after its
+        8-byte length, then the bytes read, back to back."""
         listed, data = [], []
         for (kind, path), found in self.reads.items():
             if isinstance(found, OSError):
-                listed.append([kind, path, 0, 0, found.errno or 0, found.strerror or str(found)])
+                listed.append([kind, path, 0, 0, True, found.errno, found.strerror or str(found)])
             else:
-                listed.append([kind, path, found[0], len(found[1]), 0, ""])
+                listed.append([kind, path, found[0], len(found[1]), False, None, ""])
                 data.append(found[1])
         text = json.dumps(listed).encode()
         return struct.pack("<Q", len(text)) + text + b"".join(data)
@@ -312,9 +319,9 @@ class ReplayedFiles(MetadataFiles):
         (length,) = struct.unpack("<Q", packed[:8])
         listed = json.loads(packed[8 : 8 + length].decode())
         at = 8 + length
-        for kind, path, size, nbytes, errno, strerror in listed:
-            if errno:
-                self.reads[(kind, path)] = OSError(errno, strerror, path)
+        for kind, path, size, nbytes, failed, number, strerror in listed:
+            if failed:
+                self.reads[(kind, path)] = OSError(number, strerror, path) if number else OSError(strerror)
             else:
                 self.reads[(kind, path)] = (size, packed[at : at + nbytes])
                 at += nbytes
@@ -330,8 +337,8 @@ class ReplayedFiles(MetadataFiles):
         found = self.reads.get((kind, path))
         if found is None:
             return read()
-        if isinstance(found, OSError):
-            raise OSError(found.errno, found.strerror, path)  # its subclass by errno (FileNotFoundError...)
+        if isinstance(found, OSError):  # as the first rank's: its subclass by errno (FileNotFoundError...)
+            raise OSError(found.errno, found.strerror, path) if found.errno else OSError(*found.args)
         return found
 
 

@@ -483,7 +483,7 @@ LOCAL_FILE_SYSTEMS = frozenset(
 
 def file_system(path: str) -> str | None:
     """The type of the file system ``path`` (or, where it is not there yet, the nearest directory above
-    it) lies on, from Linux's ``/proc/self/mountinfo`` (the mount point that holds it longest); None
+    it) lies on, from Linux's ``/proc/self/mountinfo`` (the deepest mount point that holds it); None
     where that cannot be read (another OS). Local."""
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
@@ -503,7 +503,9 @@ def file_system(path: str) -> str | None:
         point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
         kind = fields[fields.index("-", 6) + 1]
         inside = at == point or at.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= best:  # a later mount over the same point hides the earlier
+        # the deepest mount point that holds the path (the table's order is not always the mounts': in a
+        # container the root may come after /proc); of two at one point, the later, which hides the other
+        if inside and len(point) >= best:
             best, found = len(point), kind
     return found
 
@@ -790,9 +792,9 @@ def read_shared(
         yield from zip(window.items, window.owner, window.at)
         yield from ((item, index, at) for item, at in (from_turn[w] if from_turn else ()))  # its own, in its turn
 
-    puts = _kept(kept, "shared puts", key, memory, lambda: [Puts.of(placed(w), memory) for w in range(len(windows))])
+    every = range(len(windows))
+    puts, error = _resolved(kept, "shared puts", key, memory, lambda: [Puts.of(placed(w), memory) for w in every])
     reader = Reader()
-    error: BaseException | None = None
     try:
         for w, window in enumerate(windows):
             part = torch.zeros(window.part_bytes, dtype=torch.uint8)
@@ -831,17 +833,12 @@ def read_exchanged(
     in place; the failure is returned for the caller's agreement. Where the places go is worked out
     once and ``kept`` for the next load alike (``key``: what the windows depend on). Returns the bytes
     read."""
-    puts = _kept(
-        kept,
-        "exchanged puts",
-        key,
-        memory,
-        lambda: [Puts.of(((i, 0, at) for i, at in w.takes), memory) for w in windows],
+    puts, error = _resolved(
+        kept, "exchanged puts", key, memory, lambda: [Puts.of(((i, 0, t) for i, t in w.takes), memory) for w in windows]
     )
     reader = Reader()
-    error: BaseException | None = None
     try:
-        for window, put in zip(windows, puts):
+        for w, window in enumerate(windows):
             part = torch.zeros(sum(window.sent), dtype=torch.uint8)
             if error is None:
                 try:
@@ -860,12 +857,27 @@ def read_exchanged(
             if error is not None or not _all_well(got, window.received):
                 continue
             try:
-                put.put(got.view(1, -1))
+                puts[w].put(got.view(1, -1))
             except Exception as caught:  # noqa: BLE001 - told to every rank by the caller
                 error = caught
     finally:
         reader.close()
     return reader.bytes_read, error
+
+
+def _resolved(
+    kept: dict[Hashable, object] | None,
+    name: str,
+    key: Hashable,
+    memory: Sequence[Memory],
+    make: Callable[[], list[Puts]],
+) -> tuple[list[Puts], BaseException | None]:
+    """Where a gather's or an exchange's pieces go (``_kept``), or the failure to work it out: kept for
+    the caller to tell in every window, as a failed read (it still takes part in each collective)."""
+    try:
+        return _kept(kept, name, key, memory, make), None
+    except Exception as caught:  # noqa: BLE001 - told to every rank by the caller
+        return [], caught
 
 
 @dataclass(frozen=True)

@@ -681,7 +681,11 @@ def load_training_state(
                 differ = _differing(path, manifest, planned)
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
-    compared = "arguments or checkpoints (directory, strict; or the files' names, dtypes and shapes)"
+    compared = (
+        "arguments or checkpoints (directory, strict; or the files' names, dtypes and shapes; or the costs of its "
+        "I/O: the file system it lies on, COLLGRAD_IO_CALL_SECONDS, COLLGRAD_NETWORK_BYTES_PER_SECOND, "
+        "COLLGRAD_SHARED_READ_BYTES)"
+    )
     phases = Phases(everywhere, me, "load_training_state", compared, ctx.dispatcher.timeout)
     try:
         shared = None if planned is None else planned.fingerprint()

@@ -210,6 +210,9 @@ def test_metadata_read_by_one_rank_is_read_alike_by_the_others(tmp_path):
         recorded.whole(gone)
     with pytest.raises(FileNotFoundError):
         ReplayedFiles(recorded.packed()).whole(gone)
+    recorded.reads[("whole", "nameless")] = OSError("a failure with no errno")  # as a FUSE mount may give
+    with pytest.raises(OSError, match="a failure with no errno"):
+        ReplayedFiles(recorded.packed()).whole("nameless")
     # what the first rank did not read, another reads itself
     other = ReplayedFiles(RecordedFiles().packed())
     assert other.whole(str(tmp_path / "model.safetensors.index.json")) == json.dumps(index).encode()
