@@ -499,14 +499,15 @@ def _load_training_state(sim: Simulated) -> _Io:
 
 
 def _with_metadata(sim: Simulated, io: _Io, files: Files, header_bytes: int) -> _Io:
-    """A load's reads with its metadata's: the group's first rank reads every header (a call of 8 + N
-    bytes each; the index or manifest, JSON, not counted) and broadcasts them (its bytes sent: the
-    headers'), every other rank reads none (agree.metadata_once). Every rank parses them all (the plan's
-    time)."""
-    if sim.rank != 0:
+    """A load's reads with its metadata's: every header (a call of 8 + N bytes each; the index or manifest,
+    JSON, not counted) read by every rank, or, where the costs say it pays (``IoCosts.shares``), by the
+    group's first rank, which broadcasts them (its bytes sent: the headers'), the others reading none
+    (agree.metadata_once). Every rank parses them all (the plan's time)."""
+    once = io_costs().shares(sim.world)
+    if once and sim.rank != 0:
         return io
     headers = len(files.names())
-    read, sent = io.read + header_bytes, io.sent + header_bytes
+    read, sent = io.read + header_bytes, io.sent + (header_bytes if once else 0)
     return io._replace(calls=io.calls + headers, read=read, sent=sent, files=headers)
 
 

@@ -23,10 +23,10 @@ from collgrad import _compat
 from collgrad.backends import agreement
 from collgrad.backends.waits import wait_work
 from collgrad.checkpoint import storage
-from collgrad.checkpoint.match import Opened, Reads, memory, reads
+from collgrad.checkpoint.match import Opened, Reads, io_costs, memory, reads
 from collgrad.checkpoint.safetensors import MetadataFiles, RecordedFiles, ReplayedFiles, metadata_from
 from collgrad.core.dispatch import Dispatcher
-from collgrad.errors import ArgumentMismatchError, CollgradError, RankFailedError
+from collgrad.errors import ArgumentMismatchError, CollgradError, InvalidArgumentError, RankFailedError
 
 __all__ = [
     "agree_outcome",
@@ -180,10 +180,17 @@ def metadata_once(
     header), done by the group's first rank, its reads kept (``safetensors.RecordedFiles``) and broadcast,
     then done by every other rank on those bytes (``ReplayedFiles``): the directory's metadata read
     once, not once a rank, and every rank checking the same bytes itself (each reaches the same
-    verdict). The two broadcasts (the length, the bytes) counted in ``tally``. Collective over ``group``
-    (None: this rank alone reads): every rank of the load calls it, before anything that may fail
+    verdict). Where it pays, as for what the ranks hold alike (``IoCosts.shares``: from 12 ranks with
+    the default costs, where the file system's bandwidth, shared by every rank, is the bound; below,
+    each rank reads them itself, at once with the others, as one read and a broadcast cannot beat). The
+    two broadcasts (the length, the bytes) counted in ``tally``. Collective over ``group`` where it
+    pays (None: this rank alone reads): every rank of the load calls it, before anything that may fail
     alone; what ``read()`` raises is kept for ``Once.get``."""
-    if group is None or group.size() == 1:
+    try:
+        pays = group is not None and io_costs().shares(group.size())
+    except InvalidArgumentError:  # a malformed cost: the load's plan raises it, on every rank together
+        pays = False
+    if group is None or not pays:
         return _done(read, MetadataFiles())
     first = _compat.group_ranks(group)[0]
     device = _compat.agreement_device(agreement.control_device_type(group))
