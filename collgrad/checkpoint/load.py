@@ -111,9 +111,10 @@ def load_full_model(
     CheckpointError naming them; ``strict=False`` loads what matches and returns ``missing_keys`` and
     ``unexpected_keys``. A shape that differs raises either way. ``params``: only these parameters
     (names or tensors), and then no buffers. The index and the headers are read by the group's first
-    rank and broadcast. Files are untrusted: every rank checks every header against its file and the
-    index before anything is read; any refusal raises on every rank and leaves the model
-    exactly as it was. An I/O error while reading raises on every rank too. ``verify``: where the
+    rank and broadcast where that pays (``IoCosts.shares``: from 12 ranks). Files are untrusted: every
+    rank checks every header against its file and the index before anything is read; any refusal
+    raises on every rank and leaves the model exactly as it was. An I/O error while reading raises on
+    every rank too. ``verify``: where the
     directory records content hashes (``save_full_model`` writes them; ``save_pretrained`` does not),
     the bytes this rank reads are checked against them first, a file that differs refused on every
     rank, naming it.

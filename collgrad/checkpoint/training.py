@@ -636,9 +636,9 @@ def load_training_state(
 
     Each rank reads the ranges it holds, or as ``load_full_model`` does where they are small or every rank
     holds them alike: its turn of them, the rest brought by the group's ranks. The manifest and the
-    headers are read by the group's first rank and broadcast. Files are untrusted: every rank checks
-    the manifest, every header and every file name, and the checkpoint against
-    the model (names, shapes, param groups, the optimizer's state keys), before any state changes; a
+    headers are read by the group's first rank and broadcast where that pays (from 12 ranks). Files are
+    untrusted: every rank checks the manifest, every header and every file name, and the checkpoint
+    against the model (names, shapes, param groups, the optimizer's state keys), before any state changes; a
     refusal on any rank raises on every rank and leaves the model and optimizer as they were.
     ``strict=False``: parameters on one side only are left out and named in the result (shapes must
     still match, and the optimizer's keys).
