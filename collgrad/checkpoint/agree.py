@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Generic, NamedTuple, Sequence, TypeVar
+from typing import Callable, Generic, NamedTuple, Sequence, TypeVar, cast
 
 import torch
 from torch.distributed import ProcessGroup
@@ -36,6 +36,7 @@ __all__ = [
     "exchange_parts",
     "metadata_once",
     "Once",
+    "deferred",
     "position",
     "read_together",
 ]
@@ -159,9 +160,10 @@ def exchange_parts(
 
 
 class Once(Generic[_T]):
-    """What ``metadata_once`` read on this rank: ``get()`` gives it, or raises what reading it raised (in
-    the caller's own handling of this rank's errors); ``bytes_read``: the bytes this rank read from the
-    files for it (the first rank all of them, the others none)."""
+    """What ``metadata_once`` read on this rank (or ``deferred`` did): ``get()`` gives it, or raises what
+    reading it raised (in the caller's own handling of this rank's errors, in its own order);
+    ``bytes_read``: the bytes this rank read from the files for it (the first rank all of them, the
+    others none)."""
 
     def __init__(self, value: _T | None, error: BaseException | None, bytes_read: int) -> None:
         self._value, self._error, self.bytes_read = value, error, bytes_read
@@ -169,8 +171,16 @@ class Once(Generic[_T]):
     def get(self) -> _T:
         if self._error is not None:
             raise self._error
-        assert self._value is not None
-        return self._value
+        return cast(_T, self._value)
+
+
+def deferred(read: Callable[[], _T]) -> Once[_T]:
+    """``read()`` done now (within ``metadata_once``'s read: its files recorded with the rest), what it
+    raises kept for ``get``, where the caller meets it in its own order. Local."""
+    try:
+        return Once(read(), None, 0)
+    except Exception as error:  # noqa: BLE001 - the caller's handling of this rank's errors gets it
+        return Once(None, error, 0)
 
 
 def metadata_once(

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import xxhash
 
-from collgrad.checkpoint.safetensors import MAX_JSON_BYTES, refused
+from collgrad.checkpoint.safetensors import metadata_files, refused
 
 __all__ = [
     "ALGORITHM",
@@ -276,16 +276,13 @@ def hash_file(name: Any, where: str) -> str:
 
 
 def _read(where: str) -> bytes:
-    """The bytes of the small file ``where`` (a hash file or record: at most ``MAX_JSON_BYTES``);
-    CheckpointError naming it where it cannot be read or is larger."""
+    """The bytes of the small file ``where`` (a hash file or record: at most ``MAX_JSON_BYTES``), read
+    through ``safetensors.metadata_files()`` (a load's group reads them once); CheckpointError naming it
+    where it cannot be read or is larger."""
     try:
-        with open(where, "rb") as f:
-            data = f.read(MAX_JSON_BYTES + 1)
+        return metadata_files().whole(where)
     except OSError as error:
         raise refused(where, f"cannot be read ({error.strerror or error})") from None
-    if len(data) > MAX_JSON_BYTES:
-        raise refused(where, f"is larger than {MAX_JSON_BYTES} bytes: not a hash file or record")
-    return data
 
 
 def _parsed(where: str, data: bytes) -> Any:

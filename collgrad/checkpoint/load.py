@@ -31,7 +31,8 @@ import torch
 
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import storage
-from collgrad.checkpoint.agree import Phases, Tally, metadata_once, position, read_together
+from collgrad.checkpoint.agree import Once, Phases, Tally, deferred, metadata_once, position, read_together
+from collgrad.checkpoint.hashes import Piece
 from collgrad.checkpoint.match import (
     Matched,
     Opened,
@@ -63,8 +64,9 @@ __all__ = ["load_full_model", "LoadedModel", "Checked", "check", "plan"]
 @dataclass(frozen=True)
 class LoadedModel:
     """What ``load_full_model`` did on this rank: the checkpoint's path and the files it read, how many of
-    its tensors it loaded (a tied weight once), the bytes of tensor data this rank read and of headers
-    and index, the seconds it took; with ``strict=False`` the model's keys the checkpoint lacks and the
+    its tensors it loaded (a tied weight once), the bytes of tensor data this rank read and of its
+    metadata (headers, index, the hash files a verified load checks against; none where another rank
+    read them for the group), the seconds it took; with ``strict=False`` the model's keys the checkpoint lacks and the
     checkpoint's keys the model lacks; the collectives that moved checkpoint bytes and this rank's bytes
     into them."""
 
@@ -111,7 +113,8 @@ def load_full_model(
     CheckpointError naming them; ``strict=False`` loads what matches and returns ``missing_keys`` and
     ``unexpected_keys``. A shape that differs raises either way. ``params``: only these parameters
     (names or tensors), and then no buffers. The index and the headers are read by the group's first
-    rank and broadcast where that pays (``IoCosts.shares``: from 12 ranks). Files are untrusted: every
+    rank (with the hash files a verified load checks against) and broadcast where that pays
+    (``IoCosts.shares``: from 12 ranks). Files are untrusted: every
     rank checks every header against its file and the index before anything is read; any refusal
     raises on every rank and leaves the model exactly as it was. An I/O error while reading raises on
     every rank too. ``verify``: where the
@@ -134,11 +137,11 @@ def load_full_model(
     index, world = position(everywhere, me)
     # the index and every header read by the group's first rank, sent to the others: each checks them
     moved = Tally()  # the collectives that move checkpoint bytes between the ranks
-    metadata = metadata_once(everywhere, me, ctx.dispatcher.timeout, lambda: open_checkpoint(path), moved)
+    metadata = metadata_once(everywhere, me, ctx.dispatcher.timeout, lambda: _metadata(path, verify), moved)
     try:
         if resolved is not None:
             names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
-            checked = check(ctx, resolved, path, names, strict, metadata.get)
+            checked = check(ctx, resolved, path, names, strict, lambda: metadata.get()[0])
             planned = planned_reads(
                 checked.sources,
                 checked.buffers,
@@ -148,7 +151,7 @@ def load_full_model(
                 costs=io_costs(checked.checkpoint.directory),
             )
             if verify:
-                differ = _differing(checked, planned)
+                differ = _differing(checked, planned, metadata.get()[1].get())
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
     # what every rank must share: its arguments, and the checkpoint as it sees it (names, dtypes, shapes: all
@@ -229,14 +232,21 @@ def _relative(checkpoint: Checkpoint) -> list[str]:
     return sorted(os.path.relpath(f, checkpoint.directory) for f in checkpoint.files)
 
 
-def _differing(checked: Checked, planned: Reads) -> int:
-    """The bytes this rank reads from the files (``planned.here()``) against the hashes its directory
-    records (none: 0); verify.differing. Local."""
-    directory = checked.checkpoint.directory
-    pieces = record_pieces(directory) if os.path.isdir(directory) else None
+def _metadata(path: str | os.PathLike[str], verify: bool) -> tuple[Checkpoint, Once[list[Piece] | None]]:
+    """The checkpoint opened (its index and headers checked) and, for a verified load, the hashes its
+    directory records (``verify.record_pieces``; None where it records none): what the group reads once
+    (``metadata_once``). Local."""
+    checkpoint = open_checkpoint(path)
+    directory = checkpoint.directory
+    return checkpoint, deferred(lambda: record_pieces(directory) if verify and os.path.isdir(directory) else None)
+
+
+def _differing(checked: Checked, planned: Reads, pieces: list[Piece] | None) -> int:
+    """The bytes this rank reads from the files (``planned.here()``) against ``pieces``, the hashes its
+    directory records (none: 0); verify.differing. Local."""
     if pieces is None:
         return 0
-    return differing(directory, pieces, _relative(checked.checkpoint), planned.here())
+    return differing(checked.checkpoint.directory, pieces, _relative(checked.checkpoint), planned.here())
 
 
 def plan(checked: Checked, index: int = 0, world: int = 1) -> tuple[storage.Run, ...]:

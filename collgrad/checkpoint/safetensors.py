@@ -246,13 +246,13 @@ class MetadataFiles:
         self.bytes_read = 0
 
     def whole(self, path: str) -> bytes:
-        """A small file's bytes (an index, a manifest: at most ``MAX_JSON_BYTES``). OSError where it cannot
-        be read or is larger."""
+        """A small file's bytes (an index, a manifest, a hash file or record: at most ``MAX_JSON_BYTES``).
+        OSError where it cannot be read or is larger."""
         with open(path, "rb") as f:
             data = f.read(MAX_JSON_BYTES + 1)
         self.bytes_read += len(data)
         if len(data) > MAX_JSON_BYTES:
-            raise OSError(errno.EFBIG, f"larger than {MAX_JSON_BYTES} bytes: not an index or manifest")
+            raise OSError(errno.EFBIG, f"larger than {MAX_JSON_BYTES} bytes: not an index, manifest or hash file")
         return data
 
     def header(self, path: str) -> tuple[int, bytes]:

@@ -47,7 +47,16 @@ import torch
 from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import commit, hashes, storage
-from collgrad.checkpoint.agree import Phases, Tally, exchange_parts, metadata_once, position, read_together
+from collgrad.checkpoint.agree import (
+    Once,
+    Phases,
+    Tally,
+    deferred,
+    exchange_parts,
+    metadata_once,
+    position,
+    read_together,
+)
 from collgrad.checkpoint.load import LoadedModel
 from collgrad.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -147,7 +156,8 @@ class SavedTrainingState:
 @dataclass(frozen=True)
 class LoadedTrainingState(LoadedModel):
     """What ``load_training_state`` did on this rank: what ``load_full_model`` tells (``path``: the
-    directory; the files it read, the tensors, the bytes of data and headers, the seconds, with
+    directory; the files it read, the tensors, the bytes of data and of metadata (manifest, headers, hash
+    files: none where another rank read them for the group), the seconds, with
     ``strict=False`` what did not match), and the optimizer states it loaded by key and whether it
     created them (an optimizer that had never stepped)."""
 
@@ -662,12 +672,12 @@ def load_training_state(
     index, world = position(everywhere, me)
     # the manifest and every header read by the group's first rank, sent to the others: each checks them
     moved = Tally()  # the collectives that move checkpoint bytes between the ranks
-    metadata = metadata_once(everywhere, me, ctx.dispatcher.timeout, lambda: _metadata(path), moved)
+    metadata = metadata_once(everywhere, me, ctx.dispatcher.timeout, lambda: _metadata(path, verify), moved)
     header_bytes = metadata.bytes_read
     try:
         if resolved is not None:
             refuse_layout(resolved)
-            manifest, checkpoints = metadata.get()
+            manifest, checkpoints, pieces = metadata.get()
             view = resolved.optimizer_view(optimizer)
             scheduler = resolved.lr_scheduler(lr_scheduler)
             _check_rest(path, manifest, scheduler, strict)
@@ -678,7 +688,7 @@ def load_training_state(
                 matched.sources, matched.buffers, matched.stored, index, world, costs=io_costs(path)
             )
             if verify:  # the bytes this rank reads, against the save's hashes, before anything changes
-                differ = _differing(path, manifest, planned)
+                differ = _differing(path, manifest, planned, pieces.get())
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
     compared = (
@@ -729,16 +739,21 @@ class _Matched:
     unexpected: tuple[str, ...] = ()
 
 
-def _differing(path: str, manifest: Manifest, planned: Reads) -> int:
+def _differing(path: str, manifest: Manifest, planned: Reads, pieces: list[hashes.Piece] | None) -> int:
     """The pieces of the files this rank reads (``planned.here()``) that overlap its ranges, hashed against
-    what the save recorded (verify.py's ``differing``: 0, or 1 + the index of a file that differs). Local."""
-    return differing(path, recorded_pieces(path, manifest), sorted(manifest.files()), planned.here())
+    ``pieces``, what the save recorded (verify.py's ``differing``: 0, or 1 + the index of a file that
+    differs). Local."""
+    assert pieces is not None, "a verified load reads the recorded pieces"
+    return differing(path, pieces, sorted(manifest.files()), planned.here())
 
 
-def _metadata(path: str) -> tuple[Manifest, dict[str, Checkpoint]]:
-    """The training state's manifest and every file it names opened (``_checkpoints``)."""
+def _metadata(path: str, verify: bool) -> tuple[Manifest, dict[str, Checkpoint], Once[list[hashes.Piece] | None]]:
+    """The training state's manifest, every file it names opened (``_checkpoints``) and, for a verified
+    load, the pieces its hash files record (``verify.recorded_pieces``, its refusal kept for the load's
+    own order): what the group reads once (``metadata_once``)."""
     manifest = read_manifest(path)
-    return manifest, _checkpoints(path, manifest)
+    pieces = deferred(lambda: recorded_pieces(path, manifest) if verify else None)
+    return manifest, _checkpoints(path, manifest), pieces
 
 
 def _checkpoints(path: str, manifest: Manifest) -> dict[str, Checkpoint]:

@@ -488,7 +488,8 @@ def _second(rank, world, root):
     _dump(root, "world3", rank, _recorded(fresh))
     other = _engine(2, "bf16", False)
     with _sharing():  # ZeRO-2's weights, which every rank holds whole, read once between the ranks
-        load_training_state(other, os.path.join(root, "zero3_bf16"))
+        loaded = load_training_state(other, os.path.join(root, "zero3_bf16"))
+    out["metadata read by"] = loaded.header_bytes > 0  # the manifest, headers and hash files: rank 0 alone
     got = _recorded(other)
     out["zero3_bf16 -> fresh zero2 bf16"] = {
         **_equal(got, _kept(root, "zero3_bf16")),
@@ -673,6 +674,9 @@ def test_world_2_resumes_at_world_3_into_fresh_engines_bitwise(results):
         assert all(entry.values()), entry
         assert all(res["zero3_bf16 -> fresh zero2 bf16"].values()), res["zero3_bf16 -> fresh zero2 bf16"]
         assert all(res["fsdp2 world 2 -> fsdp2 world 3"].values())
+    # where sharing pays, the manifest, the headers and the hash files (a verified load) are read by the
+    # first rank alone and broadcast: the others read none of them
+    assert [res["metadata read by"] for res in results[1]] == [True, False, False]
 
 
 def test_training_at_world_3_goes_on_as_plain_pytorch_from_the_saved_state(results):
