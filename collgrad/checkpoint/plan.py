@@ -794,17 +794,30 @@ def exchanged_writes(
                 runs.append((sliced.file[t], size, offset, nbytes))
             incoming[holder].append((filled, nbytes))
             filled += nbytes
-        received = tuple(STATUS + sum(n for _, n in came) for came in incoming)
-        moves, got = [], 0
-        for came in incoming:
-            got += STATUS
-            for dst, n in came:
-                moves.append((got, dst, n))
-                got += n
-        sent = tuple(STATUS + sum(i.nbytes for i in to) for to in sends[w])
+        placed, received = _segments(incoming)
+        moves = tuple((at, dst, n) for dst, at, n in placed)
+        _, sent = _segments([[(i, i.nbytes) for i in to] for to in sends[w]])
         flat = tuple(i for to in sends[w] for i in to)
-        out.append(Exchange(flat, sent, received, tuple(moves), tuple(runs)))
+        out.append(Exchange(flat, sent, received, moves, tuple(runs)))
     return direct, out
+
+
+_Piece = TypeVar("_Piece")
+
+
+def _segments(by_rank: Sequence[Sequence[tuple[_Piece, int]]]) -> tuple[list[tuple[_Piece, int, int]], tuple[int, ...]]:
+    """What one rank sends every rank, or receives from every rank, in an all-to-all: each rank's pieces
+    (what, bytes) back to back in rank order, each rank's segment after its status (``STATUS`` bytes).
+    Returns every piece with where it starts, ``(what, offset, bytes)``, and each segment's bytes. Pure."""
+    placed: list[tuple[_Piece, int, int]] = []
+    lengths, at = [], 0
+    for pieces in by_rank:
+        first, at = at, at + STATUS
+        for what, n in pieces:
+            placed.append((what, at, n))
+            at += n
+        lengths.append(at - first)
+    return placed, tuple(lengths)
 
 
 class ReadExchange(NamedTuple):
@@ -872,24 +885,10 @@ def exchanged_reads(
         incoming[(start - turns.start(owner)) // turns.cap][owner].append((taking, nbytes))
     out = []
     for w in range(count):
-        moves, at = [], 0
-        sent = []
-        for to in outgoing[w]:
-            at += STATUS
-            for src, n in to:
-                moves.append((src, at, n))
-                at += n
-            sent.append(STATUS + sum(n for _, n in to))
-        takes: list[tuple[ReadItem, int]] = []
-        got = 0
-        received = []
-        for came in incoming[w]:
-            got += STATUS
-            for taking, n in came:
-                takes.extend((item, got) for item in taking)
-                got += n
-            received.append(STATUS + sum(n for _, n in came))
-        out.append(ReadExchange(tuple(runs[w]), tuple(moves), tuple(sent), tuple(received), tuple(takes), turns.total))
+        moves, sent = _segments(outgoing[w])  # (offset in its buffer, offset in what it sends, bytes)
+        placed, received = _segments(incoming[w])
+        takes = tuple((item, at) for taking, at, _ in placed for item in taking)
+        out.append(ReadExchange(tuple(runs[w]), tuple(moves), sent, received, takes, turns.total))
     return direct, out
 
 

@@ -358,12 +358,18 @@ def _all_well(got: torch.Tensor, lengths: Sequence[int]) -> bool:
 
 
 def _moved(got: torch.Tensor, moves: Sequence[tuple[int, int, int]], nbytes: int) -> torch.Tensor:
-    """``nbytes`` laid out from ``got`` by ``moves`` (offset in ``got``, offset in the result, bytes)."""
+    """``nbytes`` laid out from ``got`` by ``moves`` (``_laid``)."""
     out = torch.empty(nbytes, dtype=torch.uint8)
-    into, came = bytes_of(out), bytes_of(got)
-    for src, dst, n in moves:
-        into[dst : dst + n] = came[src : src + n]
+    _laid(out, got, moves)
     return out
+
+
+def _laid(out: torch.Tensor, came: torch.Tensor, moves: Sequence[tuple[int, int, int]]) -> None:
+    """``out`` filled from ``came`` (both uint8) by ``moves``: (offset in ``came``, offset in ``out``,
+    bytes) each."""
+    into, have = bytes_of(out), bytes_of(came)
+    for src, dst, n in moves:
+        into[dst : dst + n] = have[src : src + n]
 
 
 class Staging:
@@ -847,9 +853,7 @@ def read_exchanged(
                     for file, offset, n in window.runs:
                         reader.read_at(file, offset, buffer[at : at + n])
                         at += n
-                    into, have = bytes_of(part), bytes_of(buffer)
-                    for src, dst, n in window.moves:
-                        into[dst : dst + n] = have[src : src + n]
+                    _laid(part, buffer, window.moves)
                 except Exception as caught:  # noqa: BLE001 - told to every rank by the caller
                     error = caught
             _told(part, window.sent, error)
