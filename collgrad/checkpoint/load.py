@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from collgrad import _compat
 from collgrad.backends.agreement import stable_hash
 from collgrad.checkpoint import storage
 from collgrad.checkpoint.agree import Once, Phases, Tally, deferred, metadata_once, position, read_together
@@ -232,6 +233,7 @@ def _relative(checkpoint: Checkpoint) -> list[str]:
     return sorted(os.path.relpath(f, checkpoint.directory) for f in checkpoint.files)
 
 
+@_compat.uncollected
 def _metadata(path: str | os.PathLike[str], verify: bool) -> tuple[Checkpoint, Once[list[Piece] | None]]:
     """The checkpoint opened (its index and headers checked) and, for a verified load, the hashes its
     directory records (``verify.record_pieces``; None where it records none): what the group reads once

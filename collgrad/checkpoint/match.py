@@ -331,6 +331,7 @@ def plain_kinds(sources: Sequence[Opened]) -> list[tuple[str, StateLayout]]:
     return [(one.stem, one.source.layout) for one in sources if not (one.source.splits or one.source.experts)]
 
 
+@_compat.uncollected
 def planned_reads(
     sources: Sequence[Opened],
     buffers: Sequence[tuple[str, torch.Tensor]],

@@ -35,6 +35,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, NamedTu
 
 import torch
 
+from collgrad._compat import uncollected
 from collgrad.checkpoint.safetensors import Entry, Shard, Stored, cut_shards, shard_name
 from collgrad.state.layout import LayoutGroup, Partitioning, Split, StateLayout, owned_fragments
 
@@ -141,6 +142,7 @@ class Holding(NamedTuple):
     among: str = EVERY_RANK
 
 
+@uncollected
 def holdings(
     kind: str,
     source: int,
@@ -239,6 +241,7 @@ class Files:
         return {file: shard.header for named in self.shards.values() for file, shard in named}
 
 
+@uncollected
 def lay_out(
     entries: Mapping[str, Sequence[Entry]],
     max_shard_bytes: int,
@@ -253,6 +256,7 @@ def lay_out(
     headers' JSON is most of the work). Pure but for ``memo``."""
     shards: dict[str, tuple[tuple[str, Shard], ...]] = {}
     placed: dict[tuple[str, str], Placed] = {}
+    # kinds of the same tensors (the fp32 masters and Adam's two states) cut once
     kept: dict[tuple[tuple[Entry, ...], int], tuple[Shard, ...]] = {}
     if memo is not None:
         kept = memo.setdefault("cut shards", {})
@@ -263,10 +267,9 @@ def lay_out(
         cut = kept.get(key)
         if cut is None:
             cut = cut_shards(*key)
-            if memo is not None:
-                if len(kept) >= 8:  # a few kinds of state, each its own tensors
-                    kept.pop(next(iter(kept)))
-                kept[key] = cut
+            if len(kept) >= 8:  # a few kinds of state, each its own tensors
+                kept.pop(next(iter(kept)))
+            kept[key] = cut
         pattern = (name or {}).get(kind)
         count = len(cut)
         named = tuple(
@@ -316,6 +319,7 @@ def owners(sizes: Sequence[int], world: int) -> list[int]:
     return out
 
 
+@uncollected
 def write_items(
     files: Files,
     held: Sequence[Holding],
@@ -390,6 +394,7 @@ class ReadItem(NamedTuple):
         return self.ranges.numel * self.dtype.itemsize
 
 
+@uncollected
 def read_items(stored: Mapping[tuple[str, str], Stored], held: Sequence[Holding]) -> list[ReadItem]:
     """What this rank reads for ``held``: each holding of a tensor the checkpoint holds (``stored``, by
     (kind, name)) from where its elements lie; holdings of tensors it does not hold are not read. Pure."""
@@ -458,6 +463,7 @@ class Turns(NamedTuple):
         return -(-longest // self.cap)
 
 
+@uncollected
 def shared_reads(items: Sequence[ReadItem], world: int, window_bytes: int = WINDOW_BYTES) -> list[SharedRead]:
     """``items`` (what every rank of a group of ``world`` reads alike, whole tensors, the same on every rank)
     read once between the ranks: their bytes in the files' order, each rank its turn of them
@@ -740,6 +746,7 @@ def _moved(
     return mine, rest
 
 
+@uncollected
 def exchanged_writes(
     files: Files,
     items: Sequence[WriteItem],
@@ -838,6 +845,7 @@ class ReadExchange(NamedTuple):
     total: int = 0
 
 
+@uncollected
 def exchanged_reads(
     stored: Mapping[tuple[str, str], Stored],
     items: Sequence[ReadItem],
@@ -903,6 +911,7 @@ class SplitReads(NamedTuple):
     exchanged: list[ReadExchange]
 
 
+@uncollected
 def split_reads(
     stored: Mapping[tuple[str, str], Stored],
     held: Sequence[Holding],
@@ -940,6 +949,7 @@ def split_reads(
     return SplitReads(own, windows, from_turn, exchanged)
 
 
+@uncollected
 def small_slices(
     kinds: Iterable[tuple[str, StateLayout]],
     itemsize: Callable[[tuple[str, str]], int | None],

@@ -351,6 +351,7 @@ def _plan(
     return planned
 
 
+@_compat.uncollected
 def plan_full_model(
     entries: Sequence[Entry],
     max_shard_bytes: int,

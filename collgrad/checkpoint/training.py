@@ -400,6 +400,7 @@ class Save:
         return storage.Writer(hashes.Hasher({self.temporary(f): f for f in self.files.names()}))
 
 
+@_compat.uncollected
 def begin_save(
     ctx: Context,
     entrance: adapters.Entrance,
@@ -747,6 +748,7 @@ def _differing(path: str, manifest: Manifest, planned: Reads, pieces: list[hashe
     return differing(path, pieces, sorted(manifest.files()), planned.here())
 
 
+@_compat.uncollected
 def _metadata(path: str, verify: bool) -> tuple[Manifest, dict[str, Checkpoint], Once[list[hashes.Piece] | None]]:
     """The training state's manifest, every file it names opened (``_checkpoints``) and, for a verified
     load, the pieces its hash files record (``verify.recorded_pieces``, its refusal kept for the load's
@@ -778,6 +780,7 @@ def _check_rest(path: str, manifest: Manifest, scheduler: Any, strict: bool) -> 
         )
 
 
+@_compat.uncollected
 def _match(
     ctx: Context,
     model: adapters.Model,

@@ -28,6 +28,7 @@ from typing import Callable, Mapping, Union
 
 import torch
 
+from collgrad._compat import uncollected
 from collgrad.backends.ops import ValueEnum
 from collgrad.state.layout import LayoutGroup, Partitioning, StateLayout
 from collgrad.state.steps import ReduceStep, SlicesStep, reduce_step, slices_step
@@ -184,6 +185,7 @@ def batch_params(group: LayoutGroup, kind: PlanKind, call: GradCall) -> tuple[tu
     return tuple(batches), budget
 
 
+@uncollected
 def plan_grads(
     layout: StateLayout,
     call: GradCall,

@@ -601,3 +601,36 @@ def test_the_costs_of_a_directory_follow_its_file_system(tmp_path, monkeypatch):
     assert io_costs("/proc").small_below == io_costs().small_below == 995_000
     monkeypatch.setenv("COLLGRAD_IO_CALL_SECONDS", "0.002")
     assert io_costs(str(tmp_path)).small_below == 1_995_000
+
+
+def test_a_planner_runs_with_the_collector_paused_and_leaves_it_as_it_was():
+    """``uncollected``: the cyclic collector paused inside a planner (and inside one it calls), running again
+    after it returns or raises; left paused where the program paused it."""
+    import gc
+
+    from collgrad._compat import uncollected
+
+    seen: list[bool] = []
+
+    @uncollected
+    def inner() -> None:
+        seen.append(gc.isenabled())
+
+    @uncollected
+    def outer(fail: bool) -> None:
+        inner()
+        seen.append(gc.isenabled())
+        if fail:
+            raise ValueError("refused")
+
+    assert gc.isenabled()
+    outer(False)
+    with pytest.raises(ValueError):
+        outer(True)
+    assert seen == [False] * 4 and gc.isenabled()
+    gc.disable()
+    try:
+        outer(False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

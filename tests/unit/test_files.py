@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.checkpoint.safetensors import open_checkpoint, read_header
+from collgrad.checkpoint.safetensors import SAFE_DTYPES, Entry, lay_out_file, open_checkpoint, read_header
 from collgrad.checkpoint.storage import MAX_RUN_BYTES, Copy, Run, Target, joined_runs, reads, with_moves
 from collgrad.checkpoint.storage import Reader as RangeReader
 from collgrad.errors import CheckpointError
@@ -54,6 +54,32 @@ def test_what_safetensors_writes_reads_back_bitwise(tmp_path_factory, specs):
                 part = torch.empty(s.numel - 2, dtype=s.dtype)
                 assert reader.read(s, 1, s.numel - 2, part).data_ptr() == part.data_ptr()
                 assert torch.equal(part, tensor.reshape(-1)[1:-1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.dictionaries(
+        st.text(min_size=1, max_size=12),  # quotes, backslashes, control characters, any code point
+        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 5), max_size=3)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=2),
+)
+def test_a_laid_out_header_is_the_json_safetensors_reads(tmp_path_factory, specs, metadata):
+    """A header written entry by entry is json.dumps' own (byte for byte), and safetensors loads the file."""
+    entries = [Entry(name, tuple(shape), dtype) for name, (dtype, shape) in specs.items()]
+    shard = lay_out_file(entries, metadata)
+    header: dict[str, object] = {"__metadata__": metadata}
+    at = 0
+    for e in entries:
+        header[e.name] = {"dtype": SAFE_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [at, at + e.nbytes]}
+        at += e.nbytes
+    assert shard.header[8:].rstrip(b" ") == json.dumps(header, separators=(",", ":")).encode()
+    path = tmp_path_factory.mktemp("laid") / "m.safetensors"
+    path.write_bytes(shard.header + bytes(shard.data_bytes))
+    loaded = safetensors.load_file(str(path))
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in loaded.items()} == {e.name: (e.dtype, e.shape) for e in entries}
 
 
 def _raw(path, header, data=b""):
