@@ -67,7 +67,7 @@ from collgrad.checkpoint.plan import (
     turn_runs,
     write_items,
 )
-from collgrad.checkpoint.safetensors import Entry, Stored, parse_header
+from collgrad.checkpoint.safetensors import Entry, MetadataFiles, Stored
 from collgrad.checkpoint.save import DEFAULT_MAX_SHARD_BYTES, plan_full_model
 from collgrad.checkpoint.storage import MAX_RUN_BYTES, reads
 from collgrad.checkpoint.training import file_names
@@ -374,9 +374,10 @@ def _stored(files: Files) -> tuple[dict[tuple[str, str], Stored], int]:
     (stem, name); and the headers' bytes (the first rank reads them, every rank parses them)."""
     stored: dict[tuple[str, str], Stored] = {}
     header_bytes = 0
+    read = MetadataFiles()  # as a load's: a header of the same bytes as the one before parsed once
     for kind, named in files.shards.items():
         for file, shard in named:
-            tensors, size = parse_header(file, shard.header[8:], shard.size)
+            tensors, size = read.parsed(file, shard.header[8:], shard.size)
             header_bytes += size
             stored.update(((kind, name), found) for name, found in tensors.items())
     return stored, header_bytes

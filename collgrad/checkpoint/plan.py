@@ -174,11 +174,10 @@ def _group_holdings(kind: str, source: int, group: LayoutGroup, rank: int) -> It
         for k, slot in enumerate(group.params):
             yield Holding(kind, slot.name, Ranges(0, slot.numel), Held(source, group.index, k), replica=True)
         return
-    for fragment in owned_fragments(group, rank):
-        if fragment.numel:
-            name = group.params[fragment.param].name
-            held = Held(source, group.index, -1, fragment.local_offset)
-            yield Holding(kind, name, Ranges(fragment.param_offset, fragment.numel), held)
+    params, index = group.params, group.index
+    for param, param_offset, local_offset, numel in owned_fragments(group, rank):
+        if numel:
+            yield Holding(kind, params[param].name, Ranges(param_offset, numel), Held(source, index, -1, local_offset))
 
 
 def in_whole(holding: Holding, split: Split) -> list[Holding]:
@@ -350,11 +349,13 @@ def write_items(
             item = WriteItem(file, shard.size, 0, torch.uint8, kind, "", header, None)
             alike[EVERY_RANK].append((order[file], 0, item))
     fragments: list[WriteItem] = []
-    for holding in held:
-        place = files.placed[(holding.kind, holding.tensor)]
-        item = _item(place, holding)
-        if holding.replica:
-            alike[holding.among].append((order[place.file], place.offset, item))
+    placed = files.placed
+    for kind, name, ranges, at, replica, among_ in held:  # unpacked: 160,000 a 3.9B-parameter training state's
+        file, size, offset, entry = placed[(kind, name)]
+        dtype = entry.dtype
+        item = WriteItem(file, size, offset + ranges.start * dtype.itemsize, dtype, kind, name, ranges, at)
+        if replica:
+            alike[among_].append((order[file], offset, item))
         else:
             fragments.append(item)
     mine: list[WriteItem] = []
@@ -368,14 +369,6 @@ def write_items(
         sizes = [0 if a[2].held is None else a[2].nbytes for a in listed]
         mine += [listed[k][2] for k in turns(sizes, *sets[name])]
     return [item for item in mine if item.held is None] + fragments + [item for item in mine if item.held is not None]
-
-
-def _item(place: Placed, holding: Holding) -> WriteItem:
-    entry = place.entry
-    offset = place.offset + holding.ranges.start * entry.dtype.itemsize
-    return WriteItem(
-        place.file, place.size, offset, entry.dtype, holding.kind, entry.name, holding.ranges, holding.held
-    )
 
 
 class ReadItem(NamedTuple):

@@ -23,8 +23,10 @@ Spec: https://github.com/huggingface/safetensors
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import math
+import operator
 import os
 import re
 import struct
@@ -242,6 +244,10 @@ def refused(where: str, reason: str) -> CheckpointError:
     return CheckpointError(f"rank {_compat.rank()}: {where}: {reason}; nothing was loaded")
 
 
+#: A header's tensors as columns: names, dtypes, shapes, starts.
+_Columns = tuple[list[str], list[torch.dtype], list[tuple[int, ...]], list[int]]
+
+
 class MetadataFiles:
     """Where a checkpoint's metadata is read from (its index, a training state's manifest, each file's
     header): the files themselves. A load's group reads it once (``agree.metadata_once``): its first rank
@@ -250,6 +256,26 @@ class MetadataFiles:
 
     def __init__(self) -> None:
         self.bytes_read = 0
+        # each header parsed through these files, by its file's size and its bytes: its tensors as
+        # columns (names, dtypes, shapes, starts) and its size (``parsed``)
+        self._parsed: dict[tuple[int, bytes], tuple[_Columns, int]] = {}
+
+    def parsed(self, path: str, text: bytes, size: int) -> tuple[dict[str, Stored], int]:
+        """``parse_header(path, text, size)``, where a header of the same bytes in a file of the same size
+        was parsed before through these files (a training state's fp32 masters and Adam's two states
+        hold the same tensors cut alike: the same headers, 40,000 entries for a 3.9B-parameter model)
+        its tensors placed in ``path`` instead of parsed again: the same checks, the same verdict.
+        CheckpointError as ``parse_header``."""
+        found = self._parsed.get((size, text))
+        if found is not None:
+            (names, dtypes, shapes, starts), header = found
+            at = zip(itertools.repeat(path), dtypes, shapes, starts)
+            return dict(zip(names, map(Stored._make, at))), header
+        tensors, header = parse_header(path, text, size)
+        values = tensors.values()
+        dtypes, shapes, starts = (list(map(operator.itemgetter(k), values)) for k in (1, 2, 3))
+        self._parsed[(size, text)] = (list(tensors), dtypes, shapes, starts), header
+        return tensors, header
 
     def whole(self, path: str) -> bytes:
         """A small file's bytes (an index, a manifest, a hash file or record: at most ``MAX_JSON_BYTES``).
@@ -348,13 +374,12 @@ class ReplayedFiles(MetadataFiles):
         return found
 
 
-_FILES = MetadataFiles()
 _METADATA: ContextVar[MetadataFiles | None] = ContextVar("collgrad_metadata_files", default=None)
 
 
 def metadata_files() -> MetadataFiles:
     """Where this call reads a checkpoint's metadata from: the files, unless ``metadata_from`` says."""
-    return _METADATA.get() or _FILES
+    return _METADATA.get() or MetadataFiles()  # a load's, or one of a call's own
 
 
 @contextmanager
@@ -371,8 +396,9 @@ def read_header(path: str) -> tuple[dict[str, Stored], int]:
     """The tensors of the safetensors file ``path`` and the size of its header (8 + N), every entry
     checked against the file (see the module's docstring); read through ``metadata_files()``.
     CheckpointError otherwise. Local."""
+    files = metadata_files()
     try:
-        size, first = metadata_files().header(path)
+        size, first = files.header(path)
     except OSError as error:
         raise refused(path, f"cannot be read ({error.strerror or error})") from error
     if len(first) < 8:
@@ -380,7 +406,7 @@ def read_header(path: str) -> tuple[dict[str, Stored], int]:
     (length,) = struct.unpack("<Q", first[:8])
     if length > MAX_HEADER_BYTES or 8 + length > size:
         raise refused(path, f"the header claims {length} bytes, the file has {size}")
-    return parse_header(path, first[8:], size)
+    return files.parsed(path, first[8:], size)
 
 
 @_compat.uncollected

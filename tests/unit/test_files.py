@@ -12,7 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collgrad.checkpoint.safetensors import SAFE_DTYPES, Entry, lay_out_file, open_checkpoint, read_header
+from collgrad.checkpoint.safetensors import (
+    SAFE_DTYPES,
+    Entry,
+    MetadataFiles,
+    lay_out_file,
+    metadata_from,
+    open_checkpoint,
+    read_header,
+)
 from collgrad.checkpoint.storage import MAX_RUN_BYTES, Copy, Run, Target, joined_runs, reads, with_moves
 from collgrad.checkpoint.storage import Reader as RangeReader
 from collgrad.errors import CheckpointError
@@ -243,3 +251,27 @@ def test_metadata_read_by_one_rank_is_read_alike_by_the_others(tmp_path):
     other = ReplayedFiles(RecordedFiles().packed())
     assert other.whole(str(tmp_path / "model.safetensors.index.json")) == json.dumps(index).encode()
     assert other.bytes_read == len(json.dumps(index))
+
+
+def test_a_header_of_the_same_bytes_is_parsed_once_and_placed_in_its_own_file(tmp_path):
+    """Within one load's metadata (``MetadataFiles``), a header of the same bytes as one parsed before (a
+    training state's masters and Adam's states) gives its own file's tensors; a file of another size
+    with those bytes is checked as its own (refused where the data does not fit)."""
+    tensors = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 3, dtype=torch.bfloat16)}
+    first, second, short = (str(tmp_path / f"{n}.safetensors") for n in ("first", "second", "short"))
+    safetensors.save_file(tensors, first)
+    safetensors.save_file({k: v + 1 for k, v in tensors.items()}, second)
+    with open(first, "rb") as f:
+        data = f.read()
+    with open(short, "wb") as f:
+        f.write(data[:-2])
+    files = MetadataFiles()
+    with metadata_from(files):
+        one, size_one = read_header(first)
+        two, size_two = read_header(second)
+        with pytest.raises(CheckpointError, match="short.safetensors"):
+            read_header(short)
+    assert size_one == size_two and {s.file for s in two.values()} == {second}
+    assert {n: s._replace(file=second) for n, s in one.items()} == two
+    with RangeReader() as reader:
+        assert torch.equal(reader.read(two["b"], 0, 6).reshape(2, 3), tensors["b"] + 1)

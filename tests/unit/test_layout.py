@@ -53,3 +53,14 @@ def test_a_partitions_fragments_found_by_bisection_are_a_scan_of_every_parameter
         assert [fragment_of(group, k, rank) for k in range(len(sizes))] == [
             next((f for f in scanned if f.param == k), None) for k in range(len(sizes))
         ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 6))
+def test_a_sliced_groups_fragments_are_each_parameters_own(sizes, world):
+    """A sliced group's fragments, made in one sweep, are what ``fragment_of`` finds for each parameter,
+    empty parameters and ranks past the last slice holding none."""
+    group = sliced_group(sizes, world)
+    for rank in range(world):
+        each = [fragment_of(group, k, rank) for k in range(len(sizes))]
+        assert owned_fragments(group, rank) == tuple(f for f in each if f is not None)
