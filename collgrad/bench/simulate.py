@@ -431,8 +431,7 @@ def _loaded(
     window), the rest read where it lies."""
     memories = [sim.memory(stem) for stem in by_source]
     costs = io_costs()
-    size = lambda t: stored[t].dtype.itemsize if t in stored else None  # noqa: E731
-    small = small_slices([(stem, sim.layout(stem)) for stem in stems], size, costs, sim.world)
+    small = small_slices([(stem, sim.layout(stem)) for stem in stems], stored, costs, sim.world)
     split = split_reads(stored, held, sim.rank, sim.world, costs.shares(sim.world), shared_min_bytes(), small)
     exchanged = split.exchanged
     io = _read(split.own, lambda h: memories[h.source].place(h), lambda h: memories[h.source].dtype)
@@ -470,9 +469,7 @@ def _save_training_state(sim: Simulated) -> _Io:
     items (its fragments, its turn of the headers and of what every rank holds whole)."""
     files, held = _training_files(sim, saving=True)
     items = write_items(files, [h for one in held for h in one], sim.rank, sim.world)
-    placed = files.placed
-    size = lambda t: placed[t].entry.dtype.itemsize if t in placed else None  # noqa: E731
-    small = small_slices([(stem, sim.layout(stem)) for stem in STEMS], size, io_costs(), sim.world)
+    small = small_slices([(stem, sim.layout(stem)) for stem in STEMS], files.placed, io_costs(), sim.world)
     direct, exchanged = exchanged_writes(files, items, small, sim.rank, sim.world)
     memories = [sim.memory(stem) for stem in STEMS]
     io = _written(direct, lambda h: memories[h.source].place(h), kept=True)

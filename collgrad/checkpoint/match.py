@@ -374,8 +374,7 @@ def planned_reads(
     parallel = any(one.source.splits or one.source.experts for one in sources)
     costs, min_bytes = key[-2], key[-1]
     assert isinstance(costs, IoCosts) and isinstance(min_bytes, int)
-    size = lambda t: stored[t].dtype.itemsize if t in stored else None  # noqa: E731
-    small = small_slices(plain_kinds(sources), size, costs, world)
+    small = small_slices(plain_kinds(sources), stored, costs, world)
     split = split_reads(stored, mine, index, world, not parallel and costs.shares(world), min_bytes, small)
     planned = Reads(split.own, split.shared, index, key, split.from_turn, tuple(split.exchanged))
     scratch["planned reads"] = (key, planned)

@@ -169,15 +169,18 @@ def holdings(
     return out
 
 
-def _group_holdings(kind: str, source: int, group: LayoutGroup, rank: int) -> Iterator[Holding]:
-    if group.kind is Partitioning.REPLICATED:
-        for k, slot in enumerate(group.params):
-            yield Holding(kind, slot.name, Ranges(0, slot.numel), Held(source, group.index, k), replica=True)
-        return
+def _group_holdings(kind: str, source: int, group: LayoutGroup, rank: int) -> list[Holding]:
     params, index = group.params, group.index
-    for param, param_offset, local_offset, numel in owned_fragments(group, rank):
-        if numel:
-            yield Holding(kind, params[param].name, Ranges(param_offset, numel), Held(source, index, -1, local_offset))
+    if group.kind is Partitioning.REPLICATED:
+        return [
+            Holding(kind, slot.name, Ranges(0, slot.numel), Held(source, index, k), replica=True)
+            for k, slot in enumerate(params)
+        ]
+    return [
+        Holding(kind, params[param].name, Ranges(param_offset, numel), Held(source, index, -1, local_offset))
+        for param, param_offset, local_offset, numel in owned_fragments(group, rank)
+        if numel
+    ]
 
 
 def in_whole(holding: Holding, split: Split) -> list[Holding]:
@@ -215,6 +218,11 @@ class Placed(NamedTuple):
     size: int
     offset: int
     entry: Entry
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it is written in."""
+        return self.entry.dtype
 
 
 @dataclass(frozen=True)
@@ -395,13 +403,12 @@ class ReadItem(NamedTuple):
 def read_items(stored: Mapping[tuple[str, str], Stored], held: Sequence[Holding]) -> list[ReadItem]:
     """What this rank reads for ``held``: each holding of a tensor the checkpoint holds (``stored``, by
     (kind, name)) from where its elements lie; holdings of tensors it does not hold are not read. Pure."""
-    out = []
-    for kind, name, ranges, held_at, *_ in held:  # unpacked: a 3.9B-parameter training state's are 160,000
-        found = stored.get((kind, name))
-        if found is not None:
-            file, dtype, shape, start = found
-            out.append(ReadItem(file, start + ranges.start * dtype.itemsize, dtype, kind, name, ranges, held_at, shape))
-    return out
+    # unpacked (file, dtype, shape, start): a 3.9B-parameter training state's are 160,000
+    return [
+        ReadItem(s[0], s[3] + ranges.start * s[1].itemsize, s[1], kind, name, ranges, held_at, s[2])
+        for kind, name, ranges, held_at, *_ in held
+        if (s := stored.get((kind, name))) is not None
+    ]
 
 
 class SharedRead(NamedTuple):
@@ -635,13 +642,13 @@ class IoCosts(NamedTuple):
 
 class _Slices(NamedTuple):
     """The tensors whose slices are exchanged, one after another in the files' byte order (each its
-    holders' slices back to back, as the file holds it): the keys that take each (every kind stored
-    in the same bytes with the same slices: a load's weights and masters), and as columns, a row a
+    holders' slices back to back, as the file holds it): the tensor each key is (every kind stored in
+    the same bytes with the same slices is one: a load's weights and masters), and as columns, a row a
     tensor (int64; so that a plan of 160,000 tensors' slices at 1,024 ranks, a 3.9B-parameter training
     state's, takes no Python step a slice): its file (an index into ``files``), where it lies in the
     file, its element's bytes, elements and slice, and where it starts among all of them."""
 
-    keys: list[list[tuple[str, str]]]
+    position: dict[tuple[str, str], int]
     files: list[str]
     file: torch.Tensor
     offset: torch.Tensor
@@ -662,7 +669,7 @@ class _Slices(NamedTuple):
         in the same order on every rank (the keys' order among those stored in the same bytes)."""
         if not places:
             empty = _column([])
-            return _Slices([], [], empty, empty, empty, empty, empty, empty, Turns.of(0, world, window_bytes))
+            return _Slices({}, [], empty, empty, empty, empty, empty, empty, Turns.of(0, world, window_bytes))
         file_of, offset, per, itemsize, numel, keys = zip(*places)
         files = sorted(set(file_of), key=order)
         number = {file: k for k, file in enumerate(files)}
@@ -675,13 +682,11 @@ class _Slices(NamedTuple):
         new = torch.ones(laid.numel(), dtype=torch.bool)
         new[1:] = (file[1:] != file[:-1]) | (at[1:] != at[:-1]) | (slice_[1:] != slice_[:-1])
         first = new.nonzero().squeeze(1)
-        grouped: list[list[tuple[str, str]]] = [[] for _ in range(first.numel())]
-        for k, key in zip((torch.cumsum(new, 0) - 1).tolist(), laid.tolist()):
-            grouped[k].append(keys[key])
+        position = dict(zip(map(keys.__getitem__, laid.tolist()), (torch.cumsum(new, 0) - 1).tolist()))
         itemsize_, numel_ = columns[3][laid][first], columns[4][laid][first]
         nbytes = itemsize_ * numel_
         return _Slices(
-            grouped,
+            position,
             files,
             file[first],
             at[first],
@@ -800,21 +805,39 @@ def _is_slice(held: Held | None) -> bool:
     return held is not None and held.group >= 0 and held.param == -1
 
 
-def _moved(
-    items: Sequence[_Item], small: Mapping[tuple[str, str], int]
-) -> tuple[dict[tuple[str, str], _Item], list[_Item]]:
-    """``items`` split into this rank's slices of the tensors ``small`` names (by key; one a tensor) and
-    the rest (what it holds whole besides, a ZeRO-3 persistent parameter, goes as it is)."""
-    mine: dict[tuple[str, str], _Item] = {}
+def _moved(items: Sequence[_Item], sliced: _Slices) -> tuple[list[_Item], torch.Tensor, list[_Item]]:
+    """``items`` split into this rank's slices of the tensors ``sliced`` exchanges, with the tensor each is
+    (a column), and the rest (what it holds whole besides, a ZeRO-3 persistent parameter, goes as it is)."""
+    moved: list[_Item] = []
+    tensors: list[int] = []
     rest: list[_Item] = []
+    position = sliced.position
     for item in items:
         held = item.held  # _is_slice, inline: 160,000 items a training state's at 1,024 ranks
-        if held is not None and held.group >= 0 and held.param == -1 and (item.kind, item.tensor) in small:
-            assert (item.kind, item.tensor) not in mine, "one slice a tensor and rank"
-            mine[(item.kind, item.tensor)] = item
-        else:
+        slice_ = held is not None and held.group >= 0 and held.param == -1
+        t = position.get((item.kind, item.tensor)) if slice_ else None
+        if t is None:
             rest.append(item)
-    return mine, rest
+        else:  # a rank's one slice of a tensor of a kind (one run of a sliced group's tensor)
+            moved.append(item)
+            tensors.append(t)
+    return moved, _column(tensors), rest
+
+
+def _held_rows(sliced: _Slices, tensors: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """Each of ``tensors``' row among ``held`` (``_Slices.held``'s tensors): every slice moved is one this
+    rank holds."""
+    row = torch.full((sliced.per.numel(),), -1, dtype=torch.int64)
+    row[held] = torch.arange(held.numel())
+    rows = row[tensors]
+    assert bool((rows >= 0).all()), "a slice moved is one this rank holds"
+    return rows
+
+
+def _by(window: torch.Tensor, then: torch.Tensor) -> torch.Tensor:
+    """The indexes that order rows by ``window``, then ``then`` (stable: ties in their order)."""
+    order = torch.sort(then, stable=True).indices
+    return order[torch.sort(window[order], stable=True).indices]
 
 
 @uncollected
@@ -845,22 +868,18 @@ def exchanged_writes(
     ]
     window = EXCHANGE_RANK_BYTES * world if window_bytes is None else window_bytes
     sliced = _Slices.of(places, order.__getitem__, world, window)
-    mine, direct = _moved(items, small)
+    moved, tensors, direct = _moved(items, sliced)
     count = sliced.turns.windows
-    # what this rank sends: its slice of each tensor to the rank whose turn it is (by window, then rank)
-    t, start, slice_bytes = sliced.held(index)
-    owner, w = sliced.whose(start)
-    sends: list[list[WriteItem]] = [[] for _ in range(count)]
-    peer, into, nbytes = [], [], []
-    for tensor, to, at, n in zip(t.tolist(), owner.tolist(), w.tolist(), slice_bytes.tolist()):
-        for key in sliced.keys[tensor]:
-            item = mine.get(key)
-            if item is not None:  # its slice of the tensor: ``n`` bytes in the file
-                sends[at].append(item)
-                peer.append(to)
-                into.append(at)
-                nbytes.append(n)
-    _, _, sent = _segments(_column(into), _column(peer), _column(nbytes), count, world)
+    # what this rank sends: its slice of each tensor to the rank whose turn it is (by window, then rank:
+    # in the tensors' order), each its slice's bytes in the file
+    held, start, slice_bytes = sliced.held(index)
+    rows = _held_rows(sliced, tensors, held)
+    owner, w = sliced.whose(start[rows])
+    order_ = _by(w, tensors)
+    _, _, sent = _segments(w, owner, slice_bytes[rows], count, world)
+    listed = [moved[k] for k in order_.tolist()]
+    cut = torch.bincount(w, minlength=count).cumsum(0).tolist()
+    sends = [listed[lo:hi] for lo, hi in zip([0, *cut], cut)]
     # what this rank writes: its turn's slices, back to back as the files hold them, from every holder
     t, holder, start, nbytes_ = sliced.owned(index)
     w = (start - sliced.turns.start(index)) // sliced.turns.cap
@@ -918,7 +937,7 @@ def exchanged_reads(
     files = {file: k for k, file in enumerate(sorted({p[0] for p in places}))}
     window = EXCHANGE_RANK_BYTES * world if window_bytes is None else window_bytes
     sliced = _Slices.of(places, files.__getitem__, world, window)
-    mine, direct = _moved(items, small)
+    moved, tensors, direct = _moved(items, sliced)
     count = sliced.turns.windows
     # this rank's reads: its turn's slices, then each sent to its holder (once, whatever kinds take it)
     t, holder, start, nbytes = sliced.owned(index)
@@ -929,17 +948,14 @@ def exchanged_reads(
     moves = _windows((filled[by_holder], at[by_holder], nbytes[by_holder]), w[by_holder], count)
     # what this rank receives: its slice of each tensor, from the rank whose turn it is, put into the
     # item of every kind that takes it
-    t, start, nbytes = sliced.held(index)
+    held, start, nbytes = sliced.held(index)
     owner, w = sliced.whose(start)
-    at, by_owner, received = _segments(w, owner, nbytes, count, world)
-    takes: list[list[tuple[ReadItem, int]]] = [[] for _ in range(count)]
-    keys, tensors, starts, windows = sliced.keys, t.tolist(), at.tolist(), w.tolist()
-    for k in by_owner.tolist():
-        into, at_ = takes[windows[k]], starts[k]
-        for key in keys[tensors[k]]:
-            item = mine.get(key)
-            if item is not None:  # its slice of the tensor (every kind stored in those bytes)
-                into.append((item, at_))
+    at, _, received = _segments(w, owner, nbytes, count, world)
+    rows = _held_rows(sliced, tensors, held)
+    order_ = _by(w[rows], at[rows])
+    taken = list(zip(map(moved.__getitem__, order_.tolist()), at[rows][order_].tolist()))
+    cut = torch.bincount(w[rows], minlength=count).cumsum(0).tolist()
+    takes = [taken[lo:hi] for lo, hi in zip([0, *cut], cut)]
     out = []
     for k in range(count):
         laid = tuple((sliced.files[f], at, n) for f, at, n in runs[k])
@@ -1004,16 +1020,16 @@ def split_reads(
 @uncollected
 def small_slices(
     kinds: Iterable[tuple[str, StateLayout]],
-    itemsize: Callable[[tuple[str, str]], int | None],
+    files: Mapping[tuple[str, str], Stored | Placed],
     costs: IoCosts,
     world: int,
 ) -> dict[tuple[str, str], int]:
     """The tensors of ``kinds`` (stem, layout; by (stem, name)) whose every rank's slice is small enough to
     be moved to or from the rank that writes or reads it rather than written or read where it lies
-    (below ``costs.small_below`` bytes in the file's dtype: ``itemsize``, None for a tensor the file
-    lacks), with the slice's elements: the sliced groups (ZeRO-3, FSDP2) of the ``world`` ranks the
-    exchange runs over (not HSDP's shard groups, whose replicas hold the same slices). The same on
-    every rank. Pure."""
+    (below ``costs.small_below`` bytes in the file's dtype: ``files``' tensor, by (stem, name); one it
+    lacks is not moved), with the slice's elements: the sliced groups (ZeRO-3, FSDP2) of the ``world``
+    ranks the exchange runs over (not HSDP's shard groups, whose replicas hold the same slices). The
+    same on every rank. Pure."""
     out: dict[tuple[str, str], int] = {}
     below = costs.small_below
     for stem, layout in kinds:
@@ -1021,7 +1037,8 @@ def small_slices(
             if group.kind is not Partitioning.SLICED or group.world == 1 or group.world != world:
                 continue
             for slot in group.params:
-                size = itemsize((stem, slot.name))
-                if size is not None and slot.slice_numel * size < below:
-                    out[(stem, slot.name)] = slot.slice_numel
+                key, per = (stem, slot.name), slot.slice_numel
+                found = files.get(key)
+                if found is not None and per * found.dtype.itemsize < below:
+                    out[key] = per
     return out

@@ -465,9 +465,7 @@ def begin_save(
         readable = [one for one in held_.sources if one.source.accessor is None]
         among = holders(one.source for one in readable)
         items = write_items(files, held(readable, held_.buffers), index, world, among=among)
-        placed = files.placed
-        size = lambda t: placed[t].entry.dtype.itemsize if t in placed else None  # noqa: E731
-        small = small_slices(plain_kinds(readable), size, costs, world)
+        small = small_slices(plain_kinds(readable), files.placed, costs, world)
         save.items, save.exchanged = exchanged_writes(files, items, small, index, world)
         save.memory = memory(readable, held_.buffers)
     return save
