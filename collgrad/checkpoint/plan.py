@@ -1001,7 +1001,7 @@ def split_reads(
     if not shared or sum(item.nbytes for item in shared) < min_bytes:
         alike, shared = [], []
     chosen = set(map(id, alike))
-    left = read_items(stored, [h for h in held if id(h) not in chosen])
+    left = read_items(stored, [h for h in held if id(h) not in chosen] if chosen else held)
     # a tensor this rank reads whole anyway (a ZeRO-3 persistent parameter's weights, whose fp32 masters
     # are slices; persistent on every rank alike) is not exchanged: its slices come from the same read
     whole = {(i.file, i.offset) for i in left if not _is_slice(i.held) and i.ranges.numel == math.prod(i.shape)}
