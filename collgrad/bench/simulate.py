@@ -266,11 +266,14 @@ def _pieces(nbytes: int) -> int:
 
 
 def _written(items: Sequence[WriteItem], place: Callable[[Held], tuple[object, int]], kept: bool) -> _Io:
-    """The pwrites of ``items`` as storage.write makes them: a header one call; an item's values joined
-    with the write before it where its bytes follow in the file and its values in the same storage
-    (``kept``: values that stay where they are; a stream's bucket is written at once)."""
+    """The pwrites of ``items`` as storage.Writer makes them: a header one call; an item's values joined
+    with the write waiting before it where its bytes follow in the file, as one view where its values
+    follow in the same storage, else through the writer's buffer while together at most
+    ``MAX_RUN_BYTES``; a write waits where its values stay (``kept``) or, copied into that buffer,
+    where it is smaller than it (a stream's bucket, overwritten by the next)."""
     calls = written = 0
-    held: tuple[str, int, object, int] | None = None  # (file, end in it, storage, end in it) of a waiting write
+    # the write waiting: (file, its end in it, the storage its values lie in ("buffer": the writer's), their end)
+    held: tuple[str, int, object, int] | None = None
     held_bytes = 0
     for item in items:
         if item.held is None:  # a header: the write waiting goes first
@@ -281,16 +284,20 @@ def _written(items: Sequence[WriteItem], place: Callable[[Held], tuple[object, i
         nbytes = item.nbytes
         written += nbytes
         storage, at = place(item.held)
-        size = item.dtype.itemsize
-        if held is not None and (held[0], held[1], held[2], held[3]) == (item.file, item.offset, storage, at * size):
-            held = (item.file, item.offset + nbytes, storage, (at * size + nbytes))
-            held_bytes += nbytes
-            continue
+        start = at * item.dtype.itemsize
+        if held is not None and (held[0], held[1]) == (item.file, item.offset):
+            if (held[2], held[3]) == (storage, start):
+                held, held_bytes = (item.file, item.offset + nbytes, storage, start + nbytes), held_bytes + nbytes
+                continue
+            if held_bytes + nbytes <= MAX_RUN_BYTES:
+                held, held_bytes = (item.file, item.offset + nbytes, "buffer", 0), held_bytes + nbytes
+                continue
         if held is not None:
-            calls += _pieces(held_bytes)
-            held = None
+            calls, held = calls + _pieces(held_bytes), None
         if kept:
-            held, held_bytes = (item.file, item.offset + nbytes, storage, at * size + nbytes), nbytes
+            held, held_bytes = (item.file, item.offset + nbytes, storage, start + nbytes), nbytes
+        elif nbytes < MAX_RUN_BYTES:
+            held, held_bytes = (item.file, item.offset + nbytes, "buffer", 0), nbytes
         else:
             calls += _pieces(nbytes)
     if held is not None:
@@ -392,7 +399,7 @@ def _save_full_model(sim: Simulated) -> _Io:
         stream = _grads_of(layout, sim.rank, streaming=True)
         sent = stream.sent
     _, items = plan_full_model(_entries(sim, "model"), DEFAULT_MAX_SHARD_BYTES, sim.rank, sim.world)
-    kept = layout.groups[0].kind is Partitioning.REPLICATED  # a stream's bucket is written at once
+    kept = layout.groups[0].kind is Partitioning.REPLICATED  # a stream's bucket: its tensors copied to wait
     return _written(items, sim.memory("model").place, kept)._replace(sent=sent)
 
 

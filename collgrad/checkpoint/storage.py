@@ -134,12 +134,18 @@ class Writer:
         self.hasher = hasher
         #: a write waiting to be joined with the next: (path, size, offset, values)
         self._held: tuple[str, int, int, torch.Tensor] | None = None
+        #: where writes that follow on in a file but not in memory are joined (``MAX_RUN_BYTES``, made at
+        #: the first): a stream's tensors, each in a bucket the next overwrites
+        self._joined: torch.Tensor | None = None
 
     def write(self, path: str, size: int, offset: int, values: torch.Tensor, dtype: torch.dtype, kept: bool) -> None:
         """``values`` (any elements, flattened) written as ``dtype`` at byte ``offset`` of ``path``, a file
         of ``size`` bytes. ``kept``: the caller keeps ``values`` as they are until the next write (a
-        module's own weight, a mapped file; not a stream's bucket, which the next bucket overwrites):
-        only then may a write wait to be joined with the next."""
+        module's own weight, a mapped file; not a stream's bucket, which the next bucket overwrites).
+        Writes whose bytes follow on in the file are one system call: as one view where their values
+        follow on in memory too (a flat buffer), else copied one after another into the writer's
+        buffer while together under ``MAX_RUN_BYTES`` (a stream's tensors, each its own: thousands of
+        small writes otherwise, each a round trip on a parallel file system)."""
         if self.error is not None:
             return
         try:
@@ -149,16 +155,37 @@ class Writer:
             held = self._held
             if held is not None:
                 joined = follows_on((held[0], held[2], held[3]), path, offset, data)
+                if (
+                    joined is None
+                    and (held[0], held[2] + held[3].nbytes) == (path, offset)
+                    and held[3].nbytes + data.nbytes <= MAX_RUN_BYTES
+                ):
+                    joined = self._joining(held[3], data)
                 if joined is not None:
                     self._held = (path, size, held[2], joined)
                     return
                 self._let_go()
             if kept or copied:
                 self._held = (path, size, offset, data)
+            elif data.nbytes < MAX_RUN_BYTES:  # the caller's values change after this call: a copy waits
+                self._held = (path, size, offset, self._joining(None, data))
             else:
                 self._pwrite(path, size, offset, bytes_of(data))
         except Exception as error:  # noqa: BLE001 - told to every rank by the caller
             self.error = error
+
+    def _joining(self, first: torch.Tensor | None, then: torch.Tensor) -> torch.Tensor:
+        """``first`` (a waiting write's values, or None) and ``then`` one after another in the writer's
+        buffer (together at most ``MAX_RUN_BYTES``), as its bytes."""
+        n = 0 if first is None else first.nbytes
+        assert n + then.nbytes <= MAX_RUN_BYTES, "a write joined in the buffer fits it"
+        if self._joined is None:
+            self._joined = torch.empty(MAX_RUN_BYTES, dtype=torch.uint8)
+        out = self._joined
+        if first is not None and first.data_ptr() != out.data_ptr():  # waiting elsewhere: copied in first
+            out[:n].copy_(first.reshape(-1).view(torch.uint8))
+        out[n : n + then.nbytes].copy_(then.reshape(-1).view(torch.uint8))
+        return out[: n + then.nbytes]
 
     def write_bytes(self, path: str, size: int, offset: int, data: bytes | memoryview) -> None:
         """``data`` at byte ``offset`` of ``path`` (a header; a run of exchanged pieces)."""

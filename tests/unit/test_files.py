@@ -21,9 +21,10 @@ from collgrad.checkpoint.safetensors import (
     open_checkpoint,
     read_header,
 )
-from collgrad.checkpoint.storage import MAX_RUN_BYTES, Copy, Run, Target, joined_runs, reads, with_moves
+from collgrad.checkpoint.storage import MAX_RUN_BYTES, Copy, Run, Target, Writer, joined_runs, reads, with_moves
 from collgrad.checkpoint.storage import Reader as RangeReader
 from collgrad.errors import CheckpointError
+from tests.counting import count_io
 
 safetensors = pytest.importorskip(
     "safetensors.torch", reason="safetensors is not installed (pip install 'collgrad[hf]')"
@@ -275,3 +276,26 @@ def test_a_header_of_the_same_bytes_is_parsed_once_and_placed_in_its_own_file(tm
     assert {n: s._replace(file=second) for n, s in one.items()} == two
     with RangeReader() as reader:
         assert torch.equal(reader.read(two["b"], 0, 6).reshape(2, 3), tensors["b"] + 1)
+
+
+def test_a_streams_small_writes_that_follow_on_are_one_write_each_buffer_full(tmp_path):
+    """``Writer.write`` of values the caller overwrites after each call (``kept=False``: a stream's bucket),
+    one after another in the file: joined in the writer's buffer up to ``MAX_RUN_BYTES`` a call, the
+    file's bytes each value's as it was at its call; a value as large as the buffer written at once."""
+    per = 3 * 2**20 // 4  # 3 MiB of fp32 values a write: five fit in the buffer of 16 MiB, six do not
+    count, big = 12, MAX_RUN_BYTES // 4
+    size = (count * per + big) * 4
+    path = str(tmp_path / "m.safetensors")
+    bucket = torch.empty(per)
+    with count_io(str(tmp_path)) as io:
+        writer = Writer()
+        for k in range(count):
+            bucket.fill_(k)  # the stream's next bucket in the same memory
+            writer.write(path, size, k * per * 4, bucket, torch.float32, kept=False)
+        writer.write(path, size, count * per * 4, torch.full((big,), -1.0), torch.float32, kept=False)
+        writer.finish()
+    assert writer.error is None
+    assert [n for *_, n in io.log] == [5 * per * 4, 5 * per * 4, 2 * per * 4, big * 4]
+    written = torch.from_file(path, size=size // 4, dtype=torch.float32)
+    expected = torch.cat([torch.arange(count, dtype=torch.float32).repeat_interleave(per), torch.full((big,), -1.0)])
+    assert torch.equal(written, expected)
