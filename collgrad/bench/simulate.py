@@ -28,7 +28,8 @@ plans are the jobs' own (``plan_grads``, ``plan_full_model``, ``write_items``, `
 ``IoCosts`` say so: a network file system's costs, IoCosts' defaults, or the environment's ``COLLGRAD_*``
 costs as a real job's). The calls follow
 storage.py's rules, applied to a model of each framework's memory (``_Memory``): a write joins the one
-before it where both its bytes in the file and its values in memory follow on; a read goes straight
+before it where its bytes follow on in the file and its values in memory, or where both are small
+(``IoCosts.joined_below``: copied into the writer's buffer, at most ``JOINED_WRITE_BYTES``); a read goes straight
 into place where the place is contiguous and of the stored dtype, and joins the run before it where
 both follow on (or both go through a buffer, together at most ``MAX_RUN_BYTES``); an exchanged or
 shared turn is a call a run. tests/fsdp/test_simulate.py compares these figures with the calls and
@@ -69,7 +70,7 @@ from collgrad.checkpoint.plan import (
 )
 from collgrad.checkpoint.safetensors import Entry, MetadataFiles, Stored
 from collgrad.checkpoint.save import DEFAULT_MAX_SHARD_BYTES, plan_full_model
-from collgrad.checkpoint.storage import MAX_RUN_BYTES, reads
+from collgrad.checkpoint.storage import JOINED_WRITE_BYTES, MAX_RUN_BYTES, reads
 from collgrad.checkpoint.training import file_names
 from collgrad.state.layout import LayoutGroup, ParamSlot, Partitioning, StateLayout, gathered_runs
 from collgrad.state.plan import GradCall, PlanKind, plan_grads
@@ -265,16 +266,20 @@ def _pieces(nbytes: int) -> int:
     return max(1, -(-nbytes // _MOST))
 
 
-def _written(items: Sequence[WriteItem], place: Callable[[Held], tuple[object, int]], kept: bool) -> _Io:
+def _written(
+    items: Sequence[WriteItem], place: Callable[[Held], tuple[object, int]], kept: bool, joined_below: int
+) -> _Io:
     """The pwrites of ``items`` as storage.Writer makes them: a header one call; an item's values joined
     with the write waiting before it where its bytes follow in the file, as one view where its values
-    follow in the same storage, else through the writer's buffer while together at most
-    ``MAX_RUN_BYTES``; a write waits where its values stay (``kept``) or, copied into that buffer,
-    where it is smaller than it (a stream's bucket, overwritten by the next)."""
+    follow in the same storage, else through the writer's buffer where both are small (under
+    ``joined_below`` and ``JOINED_WRITE_BYTES``; the waiting one may be in the buffer already) and
+    together at most ``JOINED_WRITE_BYTES``; a write waits where its values stay (``kept``) or, copied
+    into that buffer, where it is small (a stream's bucket, overwritten by the next)."""
     calls = written = 0
     # the write waiting: (file, its end in it, the storage its values lie in ("buffer": the writer's), their end)
     held: tuple[str, int, object, int] | None = None
     held_bytes = 0
+    small = min(joined_below, JOINED_WRITE_BYTES + 1)
     for item in items:
         if item.held is None:  # a header: the write waiting goes first
             if held is not None:
@@ -289,14 +294,18 @@ def _written(items: Sequence[WriteItem], place: Callable[[Held], tuple[object, i
             if (held[2], held[3]) == (storage, start):
                 held, held_bytes = (item.file, item.offset + nbytes, storage, start + nbytes), held_bytes + nbytes
                 continue
-            if held_bytes + nbytes <= MAX_RUN_BYTES:
+            if (
+                nbytes < small
+                and (held_bytes < small or held[2] == "buffer")
+                and held_bytes + nbytes <= JOINED_WRITE_BYTES
+            ):
                 held, held_bytes = (item.file, item.offset + nbytes, "buffer", 0), held_bytes + nbytes
                 continue
         if held is not None:
             calls, held = calls + _pieces(held_bytes), None
         if kept:
             held, held_bytes = (item.file, item.offset + nbytes, storage, start + nbytes), nbytes
-        elif nbytes < MAX_RUN_BYTES:
+        elif nbytes < small:
             held, held_bytes = (item.file, item.offset + nbytes, "buffer", 0), nbytes
         else:
             calls += _pieces(nbytes)
@@ -400,7 +409,7 @@ def _save_full_model(sim: Simulated) -> _Io:
         sent = stream.sent
     _, items = plan_full_model(_entries(sim, "model"), DEFAULT_MAX_SHARD_BYTES, sim.rank, sim.world)
     kept = layout.groups[0].kind is Partitioning.REPLICATED  # a stream's bucket: its tensors copied to wait
-    return _written(items, sim.memory("model").place, kept)._replace(sent=sent)
+    return _written(items, sim.memory("model").place, kept, io_costs().joined_below)._replace(sent=sent)
 
 
 def _grads_of(layout: StateLayout, rank: int, streaming: bool) -> _Io:
@@ -479,7 +488,7 @@ def _save_training_state(sim: Simulated) -> _Io:
     small = small_slices([(stem, sim.layout(stem)) for stem in STEMS], files.placed, io_costs(), sim.world)
     direct, exchanged = exchanged_writes(files, items, small, sim.rank, sim.world)
     memories = [sim.memory(stem) for stem in STEMS]
-    io = _written(direct, lambda h: memories[h.source].place(h), kept=True)
+    io = _written(direct, lambda h: memories[h.source].place(h), True, io_costs().joined_below)
     calls, written, sent = io.calls, io.written, 0
     touched = {item.file for item in direct}
     for one in exchanged:  # its runs, each written at once, then the next window's

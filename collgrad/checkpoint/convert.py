@@ -29,6 +29,7 @@ import torch
 from collgrad.checkpoint import commit, hashes, storage
 from collgrad.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint, Placement, read_deepspeed_checkpoint
 from collgrad.checkpoint.manifest import MANIFEST_NAME, STATE_DIR, Manifest, ParamGroup, manifest_path
+from collgrad.checkpoint.match import io_costs
 from collgrad.checkpoint.plan import WHOLE, Files, Held, Holding, Ranges, WriteItem, in_whole, lay_out, write_items
 from collgrad.checkpoint.safetensors import INDEX_NAME, Entry
 from collgrad.checkpoint.save import DEFAULT_MAX_SHARD_BYTES, checked_shard_bytes
@@ -90,7 +91,8 @@ def convert_deepspeed_checkpoint(
         if progress is not None and item.held is not None:
             progress(done, total)
 
-    writer = storage.Writer(hashes.Hasher({commit.temporary(os.path.join(path, f)): f for f in files.names()}))
+    hasher = hashes.Hasher({commit.temporary(os.path.join(path, f)): f for f in files.names()})
+    writer = storage.Writer(hasher, io_costs(path).joined_below)
     renames: list[tuple[str, str]] = []
     try:
         os.makedirs(os.path.join(path, STATE_DIR), exist_ok=True)

@@ -625,6 +625,8 @@ class IoCosts(NamedTuple):
     #: a piece's handling in an exchange: packed by its holder, put in place by the rank that takes it
     #: (~4 us each way, measured in a load's profile on the 2-core machine)
     piece_seconds: float = 5e-6
+    #: the bytes per second a rank copies within its memory (~7 GB/s a core on the 2-core machine)
+    memory_bytes_per_second: float = 5e9
 
     def shares(self, world: int) -> bool:
         """Whether ``world`` ranks that each need the same bytes read them once between them and gather
@@ -633,6 +635,13 @@ class IoCosts(NamedTuple):
         ``1 + fs / network`` ranks on (11 with these defaults; on one host two ranks read faster from
         the page cache than Gloo moves the bytes)."""
         return world > 1 + self.file_system_bytes_per_second / max(self.network_bytes_per_second, 1e-9)
+
+    @property
+    def joined_below(self) -> int:
+        """A write of fewer bytes is copied to be joined with the writes after it in the file (its copy costs
+        less than the call it saves: ~5 MB on a network file system, ~25 KB on a local one;
+        ``storage.Writer``)."""
+        return int(self.call_seconds * self.memory_bytes_per_second)
 
     @property
     def small_below(self) -> int:

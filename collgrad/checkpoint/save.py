@@ -35,6 +35,7 @@ from collgrad.checkpoint.match import (
     SHARD_HOLDERS,
     expert_holders,
     holders,
+    io_costs,
     others,
     persistent_buffers,
     refuse_layout,
@@ -140,9 +141,11 @@ def save_full_model(
     wanted: list[_Wanted] = []
     entries: list[Entry] = []
     buffers: list[tuple[str, torch.Tensor]] = []
+    joined_below = 0
     try:
         if resolved is not None:
             writers = _checked(ranks, dtype, max_shard_bytes)
+            joined_below = io_costs(path).joined_below  # this rank's writes: how small a write is joined
             names = None if params is None else [n for n, _ in select(resolved.module, params, trainable=False)]
             buffers = list(persistent_buffers(resolved.module)) if names is None else []
             wanted, entries = _wanted(ctx, resolved, dtype, names, buffers)
@@ -174,7 +177,7 @@ def save_full_model(
     into = {file: commit.temporary(os.path.join(path, file)) for file in files.names()}
     # every byte hashed as it goes out where one directory holds every file (hashes.py)
     recorded = shared or len(writers) == 1
-    writer = Writer(hashes.Hasher({into[f]: f for f in files.names()}) if recorded else None)
+    writer = Writer(hashes.Hasher({into[f]: f for f in files.names()}) if recorded else None, joined_below)
     streams: list[FullStateStream] = []
     hashed = None  # this rank's hash file: ((temporary, final), digest)
     try:

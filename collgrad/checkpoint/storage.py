@@ -72,6 +72,7 @@ __all__ = [
     "file_system",
     "LOCAL_FILE_SYSTEMS",
     "MAX_RUN_BYTES",
+    "JOINED_WRITE_BYTES",
 ]
 
 #: the most one ``os.pwrite`` or ``os.preadv`` moves on Linux
@@ -125,8 +126,10 @@ class Writer:
     (later writes skipped), never raised. ``finish`` flushes every file to the disk and closes it;
     ``remove`` takes away the files this rank opened (after a failure anywhere). Local."""
 
-    def __init__(self, hasher: Hasher | None = None) -> None:
-        """``hasher``: takes every byte written, as it goes out (hashes.py)."""
+    def __init__(self, hasher: Hasher | None = None, joined_below: int = 0) -> None:
+        """``hasher``: takes every byte written, as it goes out (hashes.py). ``joined_below``: a write of
+        fewer bytes whose values lie apart from the next's is copied to be joined with it where their
+        bytes follow on in the file (``IoCosts.joined_below`` of the directory; 0: never)."""
         self._fds: dict[str, int] = {}
         self.opened: list[str] = []
         self.error: BaseException | None = None
@@ -134,8 +137,9 @@ class Writer:
         self.hasher = hasher
         #: a write waiting to be joined with the next: (path, size, offset, values)
         self._held: tuple[str, int, int, torch.Tensor] | None = None
-        #: where writes that follow on in a file but not in memory are joined (``MAX_RUN_BYTES``, made at
-        #: the first): a stream's tensors, each in a bucket the next overwrites
+        self.joined_below = joined_below
+        #: where small writes that follow on in a file but not in memory are joined (``JOINED_WRITE_BYTES``,
+        #: made at the first): a stream's tensors, each in a bucket the next overwrites
         self._joined: torch.Tensor | None = None
 
     def write(self, path: str, size: int, offset: int, values: torch.Tensor, dtype: torch.dtype, kept: bool) -> None:
@@ -143,9 +147,10 @@ class Writer:
         of ``size`` bytes. ``kept``: the caller keeps ``values`` as they are until the next write (a
         module's own weight, a mapped file; not a stream's bucket, which the next bucket overwrites).
         Writes whose bytes follow on in the file are one system call: as one view where their values
-        follow on in memory too (a flat buffer), else copied one after another into the writer's
-        buffer while together under ``MAX_RUN_BYTES`` (a stream's tensors, each its own: thousands of
-        small writes otherwise, each a round trip on a parallel file system)."""
+        follow on in memory too (a flat buffer), else, each smaller than ``joined_below``, copied one
+        after another into the writer's buffer while together at most ``JOINED_WRITE_BYTES`` (a
+        stream's small tensors: thousands of writes otherwise, each a round trip on a parallel file
+        system)."""
         if self.error is not None:
             return
         try:
@@ -158,7 +163,9 @@ class Writer:
                 if (
                     joined is None
                     and (held[0], held[2] + held[3].nbytes) == (path, offset)
-                    and held[3].nbytes + data.nbytes <= MAX_RUN_BYTES
+                    and self._small(data)
+                    and (self._small(held[3]) or held[3].data_ptr() == self._joined_at())
+                    and held[3].nbytes + data.nbytes <= JOINED_WRITE_BYTES
                 ):
                     joined = self._joining(held[3], data)
                 if joined is not None:
@@ -167,24 +174,33 @@ class Writer:
                 self._let_go()
             if kept or copied:
                 self._held = (path, size, offset, data)
-            elif data.nbytes < MAX_RUN_BYTES:  # the caller's values change after this call: a copy waits
+            elif self._small(data):  # the caller's values change after this call: a copy waits
                 self._held = (path, size, offset, self._joining(None, data))
             else:
                 self._pwrite(path, size, offset, bytes_of(data))
         except Exception as error:  # noqa: BLE001 - told to every rank by the caller
             self.error = error
 
+    def _small(self, data: torch.Tensor) -> bool:
+        """Whether ``data`` is copied to be joined: fewer bytes than ``joined_below``, and the buffer's."""
+        return data.nbytes < min(self.joined_below, JOINED_WRITE_BYTES + 1)
+
+    def _joined_at(self) -> int:
+        """Where the writer's buffer lies (0: not made yet)."""
+        return 0 if self._joined is None else self._joined.data_ptr()
+
     def _joining(self, first: torch.Tensor | None, then: torch.Tensor) -> torch.Tensor:
         """``first`` (a waiting write's values, or None) and ``then`` one after another in the writer's
-        buffer (together at most ``MAX_RUN_BYTES``), as its bytes."""
+        buffer (together at most ``JOINED_WRITE_BYTES``), as its bytes."""
         n = 0 if first is None else first.nbytes
-        assert n + then.nbytes <= MAX_RUN_BYTES, "a write joined in the buffer fits it"
+        assert n + then.nbytes <= JOINED_WRITE_BYTES, "a write joined in the buffer fits it"
         if self._joined is None:
-            self._joined = torch.empty(MAX_RUN_BYTES, dtype=torch.uint8)
+            self._joined = torch.empty(JOINED_WRITE_BYTES, dtype=torch.uint8)
         out = self._joined
+        into = bytes_of(out)  # memoryview copies: a small tensor's copy_ costs more than its bytes
         if first is not None and first.data_ptr() != out.data_ptr():  # waiting elsewhere: copied in first
-            out[:n].copy_(first.reshape(-1).view(torch.uint8))
-        out[n : n + then.nbytes].copy_(then.reshape(-1).view(torch.uint8))
+            into[:n] = bytes_of(first)
+        into[n : n + then.nbytes] = bytes_of(then)
         return out[: n + then.nbytes]
 
     def write_bytes(self, path: str, size: int, offset: int, data: bytes | memoryview) -> None:
@@ -651,6 +667,10 @@ def reads(targets: Sequence[tuple[int, int]], numel: int) -> tuple[tuple[int, in
 
 
 _T = TypeVar("_T")
+
+#: The most bytes of small writes a writer joins in its buffer (``Writer.write``): a few ms of a parallel
+#: file system's bandwidth a call, against its ~1 ms a call; the writer's memory for it.
+JOINED_WRITE_BYTES = 4 * 2**20
 
 #: The most bytes of ranges read together into a buffer of their own (ranges read straight into place
 #: are joined without a bound: they take no memory).

@@ -375,6 +375,8 @@ class Save:
     exchanged: list[Exchange] = field(default_factory=list)
     #: the collectives that moved them, and this rank's bytes into them
     moved: Tally = field(default_factory=Tally)
+    #: what the directory's I/O costs (match.io_costs): the plan's choices, and how small a write is joined
+    costs: IoCosts = field(default_factory=IoCosts)
 
     def write(self, writer: storage.Writer, values_of: storage.ValuesOf, phases: Phases) -> None:
         """This rank's bytes written (``values_of``: its memory, or a copy of it): its items where they lie,
@@ -397,7 +399,9 @@ class Save:
 
     def writer(self) -> storage.Writer:
         """A writer hashing every byte of the save's files as it goes out (hashes.py)."""
-        return storage.Writer(hashes.Hasher({self.temporary(f): f for f in self.files.names()}))
+        return storage.Writer(
+            hashes.Hasher({self.temporary(f): f for f in self.files.names()}), self.costs.joined_below
+        )
 
 
 @_compat.uncollected
@@ -457,7 +461,7 @@ def begin_save(
     entries = _entries_of(held_)
     files = lay_out(entries, max_shard_bytes, file_names(generation, entries), held_.sources[0].source.scratch)
     manifest = _manifest(resolved, held_, files, generation, world)
-    save = Save(path, held_, files, manifest, generation, index, world, shared, [], [])
+    save = Save(path, held_, files, manifest, generation, index, world, shared, [], [], costs=costs)
     lacking = needs(save)
     if lacking is not None:
         raise InvalidArgumentError(f"rank {me}: {lacking}")

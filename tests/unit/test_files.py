@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from collgrad.checkpoint.plan import LOCAL_CALL_SECONDS, IoCosts
 from collgrad.checkpoint.safetensors import (
     SAFE_DTYPES,
     Entry,
@@ -21,7 +22,17 @@ from collgrad.checkpoint.safetensors import (
     open_checkpoint,
     read_header,
 )
-from collgrad.checkpoint.storage import MAX_RUN_BYTES, Copy, Run, Target, Writer, joined_runs, reads, with_moves
+from collgrad.checkpoint.storage import (
+    JOINED_WRITE_BYTES,
+    MAX_RUN_BYTES,
+    Copy,
+    Run,
+    Target,
+    Writer,
+    joined_runs,
+    reads,
+    with_moves,
+)
 from collgrad.checkpoint.storage import Reader as RangeReader
 from collgrad.errors import CheckpointError
 from tests.counting import count_io
@@ -278,24 +289,29 @@ def test_a_header_of_the_same_bytes_is_parsed_once_and_placed_in_its_own_file(tm
         assert torch.equal(reader.read(two["b"], 0, 6).reshape(2, 3), tensors["b"] + 1)
 
 
-def test_a_streams_small_writes_that_follow_on_are_one_write_each_buffer_full(tmp_path):
+@pytest.mark.parametrize("call_seconds", [IoCosts().call_seconds, LOCAL_CALL_SECONDS], ids=["network", "local"])
+def test_a_streams_small_writes_that_follow_on_are_one_write_each_buffer_full(tmp_path, call_seconds):
     """``Writer.write`` of values the caller overwrites after each call (``kept=False``: a stream's bucket),
-    one after another in the file: joined in the writer's buffer up to ``MAX_RUN_BYTES`` a call, the
-    file's bytes each value's as it was at its call; a value as large as the buffer written at once."""
-    per = 3 * 2**20 // 4  # 3 MiB of fp32 values a write: five fit in the buffer of 16 MiB, six do not
-    count, big = 12, MAX_RUN_BYTES // 4
+    one after another in the file: where each is under ``joined_below`` (a network file system's), joined
+    in the writer's buffer up to ``JOINED_WRITE_BYTES`` a call; where not (a local disk's: copying
+    costs more than a call), one call each; a value larger than that threshold written at once. The
+    file's bytes are each value's as it was at its call."""
+    joined_below = IoCosts(call_seconds=call_seconds).joined_below
+    per = 768 * 2**10 // 4  # 768 KiB of fp32 values a write: five fit in the buffer of 4 MiB, six do not
+    count, big = 12, 2 * JOINED_WRITE_BYTES // 4
     size = (count * per + big) * 4
     path = str(tmp_path / "m.safetensors")
     bucket = torch.empty(per)
     with count_io(str(tmp_path)) as io:
-        writer = Writer()
+        writer = Writer(None, joined_below)
         for k in range(count):
             bucket.fill_(k)  # the stream's next bucket in the same memory
             writer.write(path, size, k * per * 4, bucket, torch.float32, kept=False)
         writer.write(path, size, count * per * 4, torch.full((big,), -1.0), torch.float32, kept=False)
         writer.finish()
     assert writer.error is None
-    assert [n for *_, n in io.log] == [5 * per * 4, 5 * per * 4, 2 * per * 4, big * 4]
+    joined = [5 * per * 4, 5 * per * 4, 2 * per * 4] if per * 4 < joined_below else [per * 4] * count
+    assert [n for *_, n in io.log] == [*joined, big * 4]
     written = torch.from_file(path, size=size // 4, dtype=torch.float32)
     expected = torch.cat([torch.arange(count, dtype=torch.float32).repeat_interleave(per), torch.full((big,), -1.0)])
     assert torch.equal(written, expected)
