@@ -141,6 +141,7 @@ class Writer:
         #: where small writes that follow on in a file but not in memory are joined (``JOINED_WRITE_BYTES``,
         #: made at the first): a stream's tensors, each in a bucket the next overwrites
         self._joined: torch.Tensor | None = None
+        self._joined_bytes = memoryview(b"")
 
     def write(self, path: str, size: int, offset: int, values: torch.Tensor, dtype: torch.dtype, kept: bool) -> None:
         """``values`` (any elements, flattened) written as ``dtype`` at byte ``offset`` of ``path``, a file
@@ -196,8 +197,8 @@ class Writer:
         assert n + then.nbytes <= JOINED_WRITE_BYTES, "a write joined in the buffer fits it"
         if self._joined is None:
             self._joined = torch.empty(JOINED_WRITE_BYTES, dtype=torch.uint8)
-        out = self._joined
-        into = bytes_of(out)  # memoryview copies: a small tensor's copy_ costs more than its bytes
+            self._joined_bytes = bytes_of(self._joined)  # memoryview copies: a small tensor's copy_ costs more
+        out, into = self._joined, self._joined_bytes
         if first is not None and first.data_ptr() != out.data_ptr():  # waiting elsewhere: copied in first
             into[:n] = bytes_of(first)
         into[n : n + then.nbytes] = bytes_of(then)
