@@ -741,6 +741,39 @@ class _Slices(NamedTuple):
         return owner, (start - _ceil_div(owner * turns.total, turns.world)) // turns.cap
 
 
+class _Turn(NamedTuple):
+    """A rank's turn of the exchanged bytes, its pieces (each a holder's slice of a tensor) in order as
+    columns: each window's runs of the files, read or written back to back in its buffer (file's index,
+    offset, bytes); each piece's window, bytes, and where it starts among its window's runs (``filled``)
+    and in its window's all-to-all buffer (``at``: each holder's segment after its status, in rank order;
+    ``by_holder``: the pieces in that order); each window's segments' bytes, holder by holder."""
+
+    runs: list[list[tuple[int, int, int]]]
+    window: torch.Tensor
+    nbytes: torch.Tensor
+    filled: torch.Tensor
+    at: torch.Tensor
+    by_holder: torch.Tensor
+    lengths: list[list[int]]
+
+    @staticmethod
+    def of(sliced: _Slices, index: int, count: int) -> _Turn:
+        t, holder, start, nbytes = sliced.owned(index)
+        window = (start - sliced.turns.start(index)) // sliced.turns.cap  # the start lies in this rank's turn
+        offset = sliced.offset[t] + start - sliced.starts[t]
+        runs, filled = _runs(window, sliced.file[t], offset, nbytes, count)
+        at, by_holder, lengths = _segments(window, holder, nbytes, count, sliced.turns.world)
+        return _Turn(runs, window, nbytes, filled, at, by_holder, lengths)
+
+    def moves(self, into_runs: bool) -> list[tuple[tuple[int, int, int], ...]]:
+        """Each window's moves between its all-to-all buffer and its runs, in the all-to-all's order: (from,
+        to, bytes), from the all-to-all's into the runs' where ``into_runs`` (a save: received, then
+        written), else from the runs' into the all-to-all's (a load: read, then sent)."""
+        o = self.by_holder
+        pair = (self.at[o], self.filled[o]) if into_runs else (self.filled[o], self.at[o])
+        return _windows((*pair, self.nbytes[o]), self.window[o], len(self.runs))
+
+
 def _column(values: Sequence[int]) -> torch.Tensor:
     """``values`` as an int64 tensor (through an array: four times faster than ``torch.tensor``'s look at
     each int)."""
@@ -890,17 +923,13 @@ def exchanged_writes(
     cut = torch.bincount(w, minlength=count).cumsum(0).tolist()
     sends = [listed[lo:hi] for lo, hi in zip([0, *cut], cut)]
     # what this rank writes: its turn's slices, back to back as the files hold them, from every holder
-    t, holder, start, nbytes_ = sliced.owned(index)
-    w = (start - sliced.turns.start(index)) // sliced.turns.cap
-    offset = sliced.offset[t] + start - sliced.starts[t]
-    runs, filled = _runs(w, sliced.file[t], offset, nbytes_, count)
-    at, by_holder, received = _segments(w, holder, nbytes_, count, world)
-    moves = _windows((at[by_holder], filled[by_holder], nbytes_[by_holder]), w[by_holder], count)
+    turn = _Turn.of(sliced, index, count)
+    moves = turn.moves(into_runs=True)
     size = {file: shard.size for named in files.shards.values() for file, shard in named}
     out = []
     for k in range(count):
-        laid = tuple((sliced.files[f], size[sliced.files[f]], at, n) for f, at, n in runs[k])
-        out.append(Exchange(tuple(sends[k]), tuple(sent[k]), tuple(received[k]), moves[k], laid))
+        laid = tuple((sliced.files[f], size[sliced.files[f]], at, n) for f, at, n in turn.runs[k])
+        out.append(Exchange(tuple(sends[k]), tuple(sent[k]), tuple(turn.lengths[k]), moves[k], laid))
     return direct, out
 
 
@@ -949,12 +978,8 @@ def exchanged_reads(
     moved, tensors, direct = _moved(items, sliced)
     count = sliced.turns.windows
     # this rank's reads: its turn's slices, then each sent to its holder (once, whatever kinds take it)
-    t, holder, start, nbytes = sliced.owned(index)
-    w = (start - sliced.turns.start(index)) // sliced.turns.cap
-    offset = sliced.offset[t] + start - sliced.starts[t]
-    runs, filled = _runs(w, sliced.file[t], offset, nbytes, count)
-    at, by_holder, sent = _segments(w, holder, nbytes, count, world)
-    moves = _windows((filled[by_holder], at[by_holder], nbytes[by_holder]), w[by_holder], count)
+    turn = _Turn.of(sliced, index, count)
+    moves = turn.moves(into_runs=False)
     # what this rank receives: its slice of each tensor, from the rank whose turn it is, put into the
     # item of every kind that takes it
     held, start, nbytes = sliced.held(index)
@@ -967,10 +992,9 @@ def exchanged_reads(
     takes = [taken[lo:hi] for lo, hi in zip([0, *cut], cut)]
     out = []
     for k in range(count):
-        laid = tuple((sliced.files[f], at, n) for f, at, n in runs[k])
-        out.append(
-            ReadExchange(laid, moves[k], tuple(sent[k]), tuple(received[k]), tuple(takes[k]), sliced.turns.total)
-        )
+        laid = tuple((sliced.files[f], at, n) for f, at, n in turn.runs[k])
+        sent = tuple(turn.lengths[k])
+        out.append(ReadExchange(laid, moves[k], sent, tuple(received[k]), tuple(takes[k]), sliced.turns.total))
     return direct, out
 
 
