@@ -8,6 +8,10 @@ OLD=$1 NEW=$2
 N=${N:-5} OUT=${OUT:-/tmp/pairs} PY=${PY:-python}
 M=${METHODS:-collgrad_all_gather,collgrad_iter,collgrad_fp32,collgrad_save,collgrad_load,collgrad_training_save,collgrad_training_load}
 export OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu
+if compgen -G "$OUT/*.json" > /dev/null; then  # the summary reads every run in OUT: earlier ones would count
+  echo "paired_bench: $OUT holds earlier runs; give OUT a fresh directory" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 for cfg in "s2:--stage 2" "s3:--stage 3" "f2:--source fsdp2"; do
   tag=${cfg%%:*} args=${cfg#*:}
