@@ -256,8 +256,11 @@ def uncollected(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     collection every 700 new tuples, and a full one each time the objects that outlived collections
     grow by a quarter, walking every object the process holds: for the plans of a 40,000-tensor
     training state at 1,024 ranks that was half the planning time (1.7 s of 3.3 s, measured with
-    ``python -m collgrad simulate``). The collector is process-wide: another thread's cycles wait for
-    the planner's return, when it runs again."""
+    ``python -m collgrad simulate``). Also around the job phases that plan (a training save's check and
+    plan, whose two agreements are bounded waits; a load's metadata and match), so that what one
+    planner leaves for the next is not collected between them. The collector is process-wide: another
+    thread's cycles wait for the planner's return, when it runs again; a thread that pauses it while a
+    planner runs finds it running again after (its own pause must be ``gc.disable()`` again)."""
 
     @functools.wraps(fn)
     def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:

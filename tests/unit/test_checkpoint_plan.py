@@ -634,3 +634,25 @@ def test_a_planner_runs_with_the_collector_paused_and_leaves_it_as_it_was():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_tensor_of_no_elements_where_the_next_one_starts_leaves_its_bytes_exchanged():
+    """A tensor of no elements lies where the next one starts; given the same slice (as a kind sliced
+    otherwise could give it), it must not stand for that place: the next tensor's slices are all
+    written, each byte once, by the ranks whose turn they are."""
+    world = 2
+    layout = _layout(["sliced"], [[(0,), (8,), (3,)]], world)
+    files = lay_out({"model": _entries(layout, [], torch.float32)}, 1 << 20)
+    small = {("model", p.name): p.slice_numel or 4 for p in layout.groups[0].params}  # 4: the empty one's
+    counts = {file: [0] * shard.size for named in files.shards.values() for file, shard in named}
+    for rank in range(world):
+        items = write_items(files, holdings("model", 0, layout, [rank]), rank, world)
+        direct, windows = exchanged_writes(files, items, small, rank, world)
+        for file, _, offset, n in (run for window in windows for run in window.runs):
+            for b in range(offset, offset + n):
+                counts[file][b] += 1
+        for item in direct:  # the headers
+            assert item.held is None
+            for b in range(item.ranges.numel):
+                counts[item.file][b] += 1
+    assert all(c == 1 for per_file in counts.values() for c in per_file)
