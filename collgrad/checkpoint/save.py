@@ -118,7 +118,8 @@ def save_full_model(
     rank 0 alone. ``params``: only these parameters (names or parameters), and then no buffers.
 
     Memory: a rank holds at most one tensor converted to the file's dtype plus what the stream holds
-    (about two buckets of ``bucket_bytes``). No shard appears under its final name
+    (about two buckets of ``bucket_bytes``), and on a network file system a buffer of 4 MiB that joins
+    its small writes (``storage.JOINED_WRITE_BYTES``). No shard appears under its final name
     before every rank has written all of its own; a failure on any rank (a bad directory, a full disk)
     raises on every rank (that rank: CollgradError with the cause; the others: RankFailedError) and
     removes the temporary files.
