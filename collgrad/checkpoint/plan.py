@@ -659,7 +659,7 @@ class _Slices(NamedTuple):
     file, its element's bytes, elements and slice, and where it starts among all of them."""
 
     position: dict[tuple[str, str], int]
-    keys: torch.Tensor  # how many keys each tensor is
+    key_counts: torch.Tensor  # how many keys each tensor is
     files: list[str]
     file: torch.Tensor
     offset: torch.Tensor
@@ -833,9 +833,17 @@ def _windows(
     columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor], window: torch.Tensor, count: int
 ) -> list[tuple[tuple[int, int, int], ...]]:
     """Three ``columns`` (a row a piece, in windows' order) cut into each window's rows, as tuples."""
-    sizes = torch.bincount(window, minlength=count).tolist()
-    cut = [torch.split(c, sizes) for c in columns]
-    return [tuple(zip(a.tolist(), b.tolist(), c.tolist())) for a, b, c in zip(*cut)]
+    a, b, c = (column.tolist() for column in columns)
+    return [tuple(rows) for rows in _windowed(list(zip(a, b, c)), window, count)]
+
+
+_V = TypeVar("_V")
+
+
+def _windowed(values: list[_V], window: torch.Tensor, count: int) -> list[list[_V]]:
+    """``values`` (a piece each, in windows' order; ``window``: each piece's) cut into each window's."""
+    ends = torch.bincount(window, minlength=count).cumsum(0).tolist()
+    return [values[lo:hi] for lo, hi in zip([0, *ends], ends)]
 
 
 #: The most bytes of small pieces one rank sends, and receives, in one window of an exchange (a window
@@ -879,7 +887,8 @@ def _held_rows(sliced: _Slices, tensors: torch.Tensor, held: torch.Tensor) -> to
     row[held] = torch.arange(held.numel())
     rows = row[tensors]
     assert bool((rows >= 0).all()), "a slice moved is one this rank holds"
-    assert bool((torch.bincount(tensors, minlength=row.numel()) <= sliced.keys).all()), "one slice a tensor and rank"
+    moved = torch.bincount(tensors, minlength=row.numel())
+    assert bool((moved <= sliced.key_counts).all()), "one slice a tensor and rank"
     return rows
 
 
@@ -926,9 +935,7 @@ def exchanged_writes(
     owner, w = sliced.whose(start[rows])
     order_ = _by(w, tensors)
     _, _, sent = _segments(w, owner, slice_bytes[rows], count, world)
-    listed = [moved[k] for k in order_.tolist()]
-    cut = torch.bincount(w, minlength=count).cumsum(0).tolist()
-    sends = [listed[lo:hi] for lo, hi in zip([0, *cut], cut)]
+    sends = _windowed([moved[k] for k in order_.tolist()], w, count)
     # what this rank writes: its turn's slices, back to back as the files hold them, from every holder
     turn = _Turn.of(sliced, index, count)
     moves = turn.moves(into_runs=True)
@@ -994,9 +1001,7 @@ def exchanged_reads(
     at, _, received = _segments(w, owner, nbytes, count, world)
     rows = _held_rows(sliced, tensors, held)
     order_ = _by(w[rows], at[rows])
-    taken = list(zip(map(moved.__getitem__, order_.tolist()), at[rows][order_].tolist()))
-    cut = torch.bincount(w[rows], minlength=count).cumsum(0).tolist()
-    takes = [taken[lo:hi] for lo, hi in zip([0, *cut], cut)]
+    takes = _windowed(list(zip(map(moved.__getitem__, order_.tolist()), at[rows][order_].tolist())), w[rows], count)
     out = []
     for k in range(count):
         laid = tuple((sliced.files[f], at, n) for f, at, n in turn.runs[k])

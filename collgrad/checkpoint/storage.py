@@ -165,7 +165,7 @@ class Writer:
                     joined is None
                     and (held[0], held[2] + held[3].nbytes) == (path, offset)
                     and self._small(data)
-                    and (self._small(held[3]) or held[3].data_ptr() == self._joined_at())
+                    and (self._small(held[3]) or self._in_buffer(held[3]))
                     and held[3].nbytes + data.nbytes <= JOINED_WRITE_BYTES
                 ):
                     joined = self._joining(held[3], data)
@@ -186,9 +186,9 @@ class Writer:
         """Whether ``data`` is copied to be joined: fewer bytes than ``joined_below``, and the buffer's."""
         return data.nbytes < min(self.joined_below, JOINED_WRITE_BYTES + 1)
 
-    def _joined_at(self) -> int:
-        """Where the writer's buffer lies (0: not made yet)."""
-        return 0 if self._joined is None else self._joined.data_ptr()
+    def _in_buffer(self, data: torch.Tensor) -> bool:
+        """Whether ``data`` waits in the writer's buffer (it always starts it)."""
+        return self._joined is not None and data.data_ptr() == self._joined.data_ptr()
 
     def _joining(self, first: torch.Tensor | None, then: torch.Tensor) -> torch.Tensor:
         """``first`` (a waiting write's values, or None) and ``then`` one after another in the writer's
@@ -198,11 +198,11 @@ class Writer:
         if self._joined is None:
             self._joined = torch.empty(JOINED_WRITE_BYTES, dtype=torch.uint8)
             self._joined_bytes = bytes_of(self._joined)  # memoryview copies: a small tensor's copy_ costs more
-        out, into = self._joined, self._joined_bytes
-        if first is not None and first.data_ptr() != out.data_ptr():  # waiting elsewhere: copied in first
+        into = self._joined_bytes
+        if first is not None and not self._in_buffer(first):  # waiting elsewhere: copied in first
             into[:n] = bytes_of(first)
         into[n : n + then.nbytes] = bytes_of(then)
-        return out[: n + then.nbytes]
+        return self._joined[: n + then.nbytes]
 
     def write_bytes(self, path: str, size: int, offset: int, data: bytes | memoryview) -> None:
         """``data`` at byte ``offset`` of ``path`` (a header; a run of exchanged pieces)."""
