@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import gc
-from typing import Callable, ParamSpec, Sequence, TypeVar
+from typing import Any, Callable, Iterable, ParamSpec, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ __all__ = [
     "xpu_available",
     "vector_norms",
     "uncollected",
+    "maker",
 ]
 
 
@@ -273,3 +274,14 @@ def uncollected(fn: Callable[_P, _R]) -> Callable[_P, _R]:
             gc.enable()
 
     return paused
+
+
+_T = TypeVar("_T", bound=tuple[Any, ...])
+
+
+def maker(cls: type[_T]) -> Callable[[Iterable[Any]], _T]:
+    """What makes a ``cls`` (a NamedTuple) from every one of its fields in order, in C: CPython's
+    ``NamedTuple.__new__`` and ``_make`` are Python functions (a frame a tuple, a third of its making),
+    and a planner makes one a tensor (160,000 for a 3.9B-parameter training state). Nothing checked:
+    the caller gives every field, defaults included."""
+    return functools.partial(tuple.__new__, cls)

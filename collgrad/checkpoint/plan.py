@@ -38,7 +38,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, NamedTu
 
 import torch
 
-from collgrad._compat import uncollected
+from collgrad._compat import maker, uncollected
 from collgrad.checkpoint.safetensors import Entry, Shard, Stored, cut_shards, shard_name
 from collgrad.state.layout import LayoutGroup, Partitioning, Split, StateLayout, owned_fragments
 
@@ -75,6 +75,7 @@ __all__ = [
     "exchanged_writes",
     "ReadExchange",
     "exchanged_reads",
+    "SmallSlices",
     "small_slices",
 ]
 
@@ -169,6 +170,9 @@ def holdings(
     return out
 
 
+_ranges, _held, _holding = maker(Ranges), maker(Held), maker(Holding)
+
+
 def _group_holdings(kind: str, source: int, group: LayoutGroup, rank: int) -> list[Holding]:
     params, index = group.params, group.index
     if group.kind is Partitioning.REPLICATED:
@@ -176,9 +180,9 @@ def _group_holdings(kind: str, source: int, group: LayoutGroup, rank: int) -> li
             Holding(kind, slot.name, Ranges(0, slot.numel), Held(source, index, k), replica=True)
             for k, slot in enumerate(params)
         ]
-    return [
-        Holding(kind, params[param].name, Ranges(param_offset, numel), Held(source, index, -1, local_offset))
-        for param, param_offset, local_offset, numel in owned_fragments(group, rank)
+    return [  # made in C (maker): a tensor a kind, 160,000 a 3.9B-parameter training state's
+        _holding((kind, params[param].name, _ranges((at, numel, 1, 0)), _held((source, index, -1, local)), False, ""))
+        for param, at, local, numel in owned_fragments(group, rank)
         if numel
     ]
 
@@ -251,6 +255,9 @@ class Files:
         return {file: shard.header for named in self.shards.values() for file, shard in named}
 
 
+_placed = maker(Placed)
+
+
 @uncollected
 def lay_out(
     entries: Mapping[str, Sequence[Entry]],
@@ -289,7 +296,7 @@ def lay_out(
         for file, shard in named:  # made in C's loops (zip, map): 160,000 tensors a 3.9B-parameter training state
             names = zip(itertools.repeat(kind), map(operator.itemgetter(0), shard.entries))  # (kind, entry.name)
             at = zip(itertools.repeat(file), itertools.repeat(shard.size), shard.offsets, shard.entries)
-            placed.update(zip(names, map(Placed._make, at)))
+            placed.update(zip(names, map(_placed, at)))
     return Files(shards, placed)
 
 
@@ -311,6 +318,9 @@ class WriteItem(NamedTuple):
     def nbytes(self) -> int:
         """Its elements' bytes in the file."""
         return self.ranges.numel * self.dtype.itemsize
+
+
+_write_item = maker(WriteItem)
 
 
 def turns(sizes: Sequence[int], index: int, world: int) -> list[int]:
@@ -361,7 +371,7 @@ def write_items(
     for kind, name, ranges, at, replica, among_ in held:  # unpacked: 160,000 a 3.9B-parameter training state's
         file, size, offset, entry = placed[(kind, name)]
         dtype = entry.dtype
-        item = WriteItem(file, size, offset + ranges.start * dtype.itemsize, dtype, kind, name, ranges, at)
+        item = _write_item((file, size, offset + ranges.start * dtype.itemsize, dtype, kind, name, ranges, at))
         if replica:
             alike[among_].append((order[file], offset, item))
         else:
@@ -399,13 +409,16 @@ class ReadItem(NamedTuple):
         return self.ranges.numel * self.dtype.itemsize
 
 
+_read_item = maker(ReadItem)
+
+
 @uncollected
 def read_items(stored: Mapping[tuple[str, str], Stored], held: Sequence[Holding]) -> list[ReadItem]:
     """What this rank reads for ``held``: each holding of a tensor the checkpoint holds (``stored``, by
     (kind, name)) from where its elements lie; holdings of tensors it does not hold are not read. Pure."""
     # unpacked (file, dtype, shape, start): a 3.9B-parameter training state's are 160,000
     return [
-        ReadItem(s[0], s[3] + ranges.start * s[1].itemsize, s[1], kind, name, ranges, held_at, s[2])
+        _read_item((s[0], s[3] + ranges.start * s[1].itemsize, s[1], kind, name, ranges, held_at, s[2]))
         for kind, name, ranges, held_at, *_ in held
         if (s := stored.get((kind, name))) is not None
     ]
@@ -472,52 +485,74 @@ def shared_reads(items: Sequence[ReadItem], world: int, window_bytes: int = WIND
     read once between the ranks: their bytes in the files' order, each rank its turn of them
     (``Turns``), every window of every turn at most ``cap`` bytes, a tensor cut where a turn or a window
     ends; so each rank reads about 1/world of the bytes in a few runs and every gather moves at most
-    about ``window_bytes``. Pure."""
+    about ``window_bytes``. A cut within an element cuts out the element, whose first byte's turn and
+    window take it (a piece may end an element past its window's cap). The cuts as columns (world x
+    windows of them: 240,000 for a 3.9B-parameter model's masters at 4,096 ranks), a Python step a
+    piece only to make it. Pure."""
     ordered = sorted(items, key=lambda item: (item.file, item.offset))
-    sizes = [item.nbytes for item in ordered]
-    turns = Turns.of(sum(sizes), world, window_bytes)
-    windows: list[tuple[list[ReadItem], list[int], list[int]]] = [([], [], []) for _ in range(turns.windows)]
-    pos = 0
-    total, cap = max(turns.total, 1), turns.cap
-    first_byte = [turns.start(r) for r in range(world + 1)]  # Turns' arithmetic inline: a piece a turn and window
-    for item, nbytes in zip(ordered, sizes):
-        size, done = item.dtype.itemsize, 0
-        while done < nbytes:  # cut where a turn or a window ends (at an element)
-            at = pos + done
-            owner = min(world - 1, at * world // total)
-            w, within = divmod(at - first_byte[owner], cap)
-            end = min(first_byte[owner + 1], at - within + cap)
-            n = max(size, (min(nbytes - done, end - at) // size) * size)
-            piece = item if n == nbytes else _cut(item, done // size, n // size)
-            into = windows[w]
-            into[0].append(piece)
-            into[1].append(owner)
-            into[2].append(STATUS + within)
-            done += n
-        pos += nbytes
-    out = []
-    for pieces, whose, starts in windows:
-        # every rank's part as wide as the fullest (a piece may end an element past its window's cap)
-        ends = [a + i.nbytes for i, a in zip(pieces, starts)]
-        part = -(-max(ends, default=STATUS) // 8) * 8
-        out.append(SharedRead(tuple(pieces), tuple(whose), tuple(starts), part))
-    return out
+    nbytes = _column([item.nbytes for item in ordered])
+    turns = Turns.of(int(nbytes.sum()), world, window_bytes)
+    if not turns.total:
+        return []
+    itemsize = _column([item.dtype.itemsize for item in ordered])
+    ends = torch.cumsum(nbytes, 0)
+    starts = ends - nbytes
+    # every window's first byte, of every turn (a turn's first is where the one before ends)
+    first_byte = _ceil_div(torch.arange(world + 1) * turns.total, world)
+    count = _ceil_div(first_byte[1:] - first_byte[:-1], turns.cap)
+    turn = torch.repeat_interleave(count)
+    bounds = first_byte[turn] + (torch.arange(turn.numel()) - (torch.cumsum(count, 0) - count)[turn]) * turns.cap
+    # each cut at the elements on either side of it, within the tensor it falls in
+    cut = torch.searchsorted(ends, bounds, right=True)
+    inside = cut < len(ordered)
+    bounds, cut = bounds[inside], cut[inside]
+    rel, size = bounds - starts[cut], itemsize[cut]
+    below, above = rel // size * size, _ceil_div(rel, size) * size
+    at = torch.cat([starts[nbytes > 0], (starts[cut] + below)[below > 0], (starts[cut] + above)[above < nbytes[cut]]])
+    at = torch.unique(at)  # sorted: each piece's first byte, in order
+    piece = torch.searchsorted(ends, at, right=True)
+    length = torch.cat([at[1:], ends[-1:]]) - at
+    owner = (at * world // turns.total).clamp(max=world - 1)
+    window = (at - first_byte[owner]) // turns.cap
+    within = at - first_byte[owner] - window * turns.cap
+    size = itemsize[piece]  # each piece made in the files' order (the items' memory in order: 1.5x faster)
+    made = _cuts(ordered, piece.tolist(), ((at - starts[piece]) // size).tolist(), (length // size).tolist())
+    laid = torch.sort(window, stable=True).indices  # by window, in order within each
+    made = list(map(made.__getitem__, laid.tolist()))
+    length, owner, window, within = (c[laid] for c in (length, owner, window, within))
+    place = within + STATUS
+    # every rank's part as wide as the fullest (a piece may end an element past its window's cap)
+    part = torch.full((turns.windows,), STATUS, dtype=torch.int64).scatter_reduce_(0, window, place + length, "amax")
+    part = _ceil_div(part, 8) * 8
+    owners, places = _windowed(owner.tolist(), window, turns.windows), _windowed(place.tolist(), window, turns.windows)
+    return [
+        SharedRead(tuple(pieces), tuple(whose), tuple(starts_), width)
+        for pieces, whose, starts_, width in zip(_windowed(made, window, turns.windows), owners, places, part.tolist())
+    ]
 
 
 def _cut(item: ReadItem, first: int, numel: int) -> ReadItem:
     """Elements ``[first, first + numel)`` of a contiguous item (one run: ``ranges.rows == 1``), as an item
     of their own: read from where they lie, put where they go."""
-    held = item.held  # built directly, not by _replace: a 4,096-rank gather's windows cut ~300,000 of them
-    return ReadItem(
-        item.file,
-        item.offset + first * item.dtype.itemsize,
-        item.dtype,
-        item.kind,
-        item.tensor,
-        Ranges(item.ranges.start + first, numel),
-        Held(held.source, held.group, held.param, held.offset + first),
-        item.shape,
-    )
+    return _cuts([item], [0], [first], [numel])[0]
+
+
+def _cuts(items: Sequence[ReadItem], which: list[int], first: list[int], numel: list[int]) -> list[ReadItem]:
+    """``_cut(items[which[k]], first[k], numel[k])`` for each k, made in C's loops (``maker``, ``map``): a
+    4,096-rank gather's windows cut ~280,000 pieces of a 3.9B-parameter model's tensors."""
+    cut = list(map(items.__getitem__, which))
+    held = list(map(operator.itemgetter(6), cut))
+
+    def field(of: list[Any], k: int) -> Iterator[Any]:
+        return map(operator.itemgetter(k), of)
+
+    size = map(operator.attrgetter("itemsize"), field(cut, 2))
+    offset = map(operator.add, field(cut, 1), map(operator.mul, first, size))
+    start = map(operator.add, map(operator.attrgetter("start"), field(cut, 5)), first)
+    ranges = map(_ranges, zip(start, numel, itertools.repeat(1), itertools.repeat(0)))
+    at = map(_held, zip(field(held, 0), field(held, 1), field(held, 2), map(operator.add, field(held, 3), first)))
+    fields = (field(cut, 0), offset, field(cut, 2), field(cut, 3), field(cut, 4), ranges, at, field(cut, 7))
+    return list(map(_read_item, zip(*fields)))
 
 
 def turn_runs(window: SharedRead, index: int) -> list[tuple[str, int, int, int]]:
@@ -653,7 +688,7 @@ class _Slices(NamedTuple):
     """The tensors whose slices are exchanged, one after another in the files' byte order (each its
     holders' slices back to back, as the file holds it): the tensor each key is (every kind stored in
     the same bytes with the same slices is one: a load's weights and masters; a tensor of no elements
-    none), how many keys each is, and as columns, a row a
+    -1), how many keys each is, and as columns, a row a
     tensor (int64; so that a plan of 160,000 tensors' slices at 1,024 ranks, a 3.9B-parameter training
     state's, takes no Python step a slice): its file (an index into ``files``), where it lies in the
     file, its element's bytes, elements and slice, and where it starts among all of them."""
@@ -670,21 +705,14 @@ class _Slices(NamedTuple):
     turns: Turns
 
     @staticmethod
-    def of(
-        places: list[tuple[str, int, int, int, int, tuple[str, str]]],
-        order: Callable[[str], int],
-        world: int,
-        window_bytes: int,
-    ) -> _Slices:
-        """``places``: (file, byte offset, slice, element's bytes, elements, key) of each tensor exchanged,
-        in the same order on every rank (the keys' order among those stored in the same bytes)."""
-        if not places:
+    def of(small: SmallSlices, order: Callable[[str], int], world: int, window_bytes: int) -> _Slices:
+        """The tensors ``small`` names; ``order``: each file's place in the files' order."""
+        if not small.keys:
             empty = _column([])
             return _Slices({}, empty, [], empty, empty, empty, empty, empty, empty, Turns.of(0, world, window_bytes))
-        file_of, offset, per, itemsize, numel, keys = zip(*places)
-        files = sorted(set(file_of), key=order)
+        files = sorted(set(small.file), key=order)
         number = {file: k for k, file in enumerate(files)}
-        columns = [_column([number[f] for f in file_of]), *map(_column, (offset, per, itemsize, numel))]
+        columns = [_column(list(map(number.__getitem__, small.file))), *map(_column, small[2:])]
         # by file, offset and slice (stable: the keys of one place in their order), each place once; a
         # tensor of no elements has nothing to move (and may start where the next one does)
         laid = torch.sort(columns[2], stable=True).indices
@@ -696,11 +724,12 @@ class _Slices(NamedTuple):
         new[1:] = (file[1:] != file[:-1]) | (at[1:] != at[:-1]) | (slice_[1:] != slice_[:-1])
         first = new.nonzero().squeeze(1)
         place = torch.cumsum(new, 0) - 1
-        position = dict(zip(map(keys.__getitem__, laid.tolist()), place.tolist()))
+        where = torch.full((len(small.keys),), -1, dtype=torch.int64)  # a tensor of no elements: none
+        where[laid] = place
         itemsize_, numel_ = columns[3][laid][first], columns[4][laid][first]
         nbytes = itemsize_ * numel_
         return _Slices(
-            position,
+            dict(zip(small.keys, where.tolist())),
             torch.bincount(place, minlength=first.numel()),
             files,
             file[first],
@@ -871,8 +900,8 @@ def _moved(items: Sequence[_Item], sliced: _Slices) -> tuple[list[_Item], torch.
     for item in items:
         held = item.held  # _is_slice, inline: 160,000 items a training state's at 1,024 ranks
         slice_ = held is not None and held.group >= 0 and held.param == -1
-        t = position.get((item.kind, item.tensor)) if slice_ else None
-        if t is None:
+        t = position.get((item.kind, item.tensor), -1) if slice_ else -1
+        if t < 0:
             rest.append(item)
         else:  # a rank's one slice of a tensor of a kind (one run of a sliced group's tensor)
             moved.append(item)
@@ -902,30 +931,24 @@ def _by(window: torch.Tensor, then: torch.Tensor) -> torch.Tensor:
 def exchanged_writes(
     files: Files,
     items: Sequence[WriteItem],
-    small: Mapping[tuple[str, str], int],
+    small: SmallSlices,
     index: int,
     world: int,
     window_bytes: int | None = None,
 ) -> tuple[list[WriteItem], list[Exchange]]:
     """``items`` (rank ``index``'s writes, ``write_items``) with the slices of the tensors ``small`` names
-    moved to the ranks that write them: ``small[(kind, name)]`` is the slice each rank of the group
-    holds of that tensor (elements ``[r * slice, (r + 1) * slice)`` by rank r: ZeRO-3's and FSDP2's
-    slices), the same on every rank. Those tensors' bytes, in the files' order, shared between the
-    ranks by position (``Turns``: a slice goes to the rank whose turn its first byte is), in windows
-    (``window_bytes`` over the group; ``EXCHANGE_RANK_BYTES`` a rank where None); each rank writes its
-    turn as a few runs. Returns the items still written where they lie and the
-    windows. Over all ranks every byte of every file is written once. Pure."""
-    if world == 1 or not small:
+    (``small_slices``: where each lies in ``files`` and the slice each rank of the group holds of it,
+    ZeRO-3's and FSDP2's; the same on every rank) moved to the ranks that write them. Those tensors'
+    bytes, in the files' order, shared between the ranks by position (``Turns``: a slice goes to the
+    rank whose turn its first byte is), in windows (``window_bytes`` over the group;
+    ``EXCHANGE_RANK_BYTES`` a rank where None); each rank writes its turn as a few runs. Returns the
+    items still written where they lie and the windows. Over all ranks every byte of every file is
+    written once. Pure."""
+    if world == 1 or not small.keys:
         return list(items), []
     order = {file: k for k, file in enumerate(files.names())}
-    placed = files.placed
-    places = [
-        (p[0], p[2], per, p[3].dtype.itemsize, math.prod(p[3].shape), key)  # file, offset, entry
-        for key, per in small.items()
-        if (p := placed.get(key)) is not None
-    ]
     window = EXCHANGE_RANK_BYTES * world if window_bytes is None else window_bytes
-    sliced = _Slices.of(places, order.__getitem__, world, window)
+    sliced = _Slices.of(small, order.__getitem__, world, window)
     moved, tensors, direct = _moved(items, sliced)
     count = sliced.turns.windows
     # what this rank sends: its slice of each tensor to the rank whose turn it is (by window, then rank:
@@ -969,7 +992,7 @@ class ReadExchange(NamedTuple):
 def exchanged_reads(
     stored: Mapping[tuple[str, str], Stored],
     items: Sequence[ReadItem],
-    small: Mapping[tuple[str, str], int],
+    small: SmallSlices,
     index: int,
     world: int,
     window_bytes: int | None = None,
@@ -979,16 +1002,11 @@ def exchanged_reads(
     round; each stored tensor read and sent once, put into every kind that takes it with the same
     slices; windows as there). The same windows on every rank. Returns the items still read where they
     lie and the windows. Each rank ends with exactly its holdings. Pure."""
-    if world == 1 or not small:
+    if world == 1 or not small.keys:
         return list(items), []
-    places = [
-        (s[0], s[3], per, s[1].itemsize, math.prod(s[2]), key)  # file, start, dtype, shape
-        for key, per in small.items()
-        if (s := stored.get(key)) is not None
-    ]
-    files = {file: k for k, file in enumerate(sorted({p[0] for p in places}))}
+    files = {file: k for k, file in enumerate(sorted(set(small.file)))}
     window = EXCHANGE_RANK_BYTES * world if window_bytes is None else window_bytes
-    sliced = _Slices.of(places, files.__getitem__, world, window)
+    sliced = _Slices.of(small, files.__getitem__, world, window)
     moved, tensors, direct = _moved(items, sliced)
     count = sliced.turns.windows
     # this rank's reads: its turn's slices, then each sent to its holder (once, whatever kinds take it)
@@ -1029,7 +1047,7 @@ def split_reads(
     world: int,
     sharing: bool,
     min_bytes: int,
-    small: Mapping[tuple[str, str], int],
+    small: SmallSlices,
 ) -> SplitReads:
     """What rank ``index`` of a group of ``world`` reads of ``stored`` for ``held``: what every rank of the
     group holds alike (``replica`` among EVERY_RANK, one run, not through a setter; the caller passes
@@ -1051,15 +1069,37 @@ def split_reads(
     # are slices; persistent on every rank alike) is not exchanged: its slices come from the same read
     whole = {(i.file, i.offset) for i in left if not _is_slice(i.held) and i.ranges.numel == math.prod(i.shape)}
     if whole:
-        small = {
-            key: n
-            for key, n in small.items()
-            if key not in stored or (stored[key].file, stored[key].start) not in whole
-        }
+        small = small.without(whole)
     own, exchanged = exchanged_reads(stored, left, small, index, world)
     windows = shared_reads(shared, world) if shared else []
     own, from_turn = in_turn(own, windows, index)
     return SplitReads(own, windows, from_turn, exchanged)
+
+
+class SmallSlices(NamedTuple):
+    """The tensors whose slices are exchanged (``small_slices``), as columns in the kinds' and groups'
+    order: each one's key (kind, name), the file it lies in and where its bytes start there, the slice
+    each rank of the group holds of it (elements ``[r * per, (r + 1) * per)`` by rank r), its element's
+    bytes and its elements. The same on every rank. Columns: the exchange's plan takes them as they are
+    (a 3.9B-parameter training state's at 1,024 ranks are 160,000)."""
+
+    keys: list[tuple[str, str]]
+    file: list[str]
+    start: list[int]
+    per: list[int]
+    itemsize: list[int]
+    numel: list[int]
+
+    def without(self, places: set[tuple[str, int]]) -> SmallSlices:
+        """These tensors but those whose bytes start at one of ``places`` (file, byte)."""
+        kept = [k for k, at in enumerate(zip(self.file, self.start)) if at not in places]
+
+        def of(column: list[_V]) -> list[_V]:
+            return [column[k] for k in kept]
+
+        return SmallSlices(
+            of(self.keys), of(self.file), of(self.start), of(self.per), of(self.itemsize), of(self.numel)
+        )
 
 
 @uncollected
@@ -1068,14 +1108,14 @@ def small_slices(
     files: Mapping[tuple[str, str], Stored | Placed],
     costs: IoCosts,
     world: int,
-) -> dict[tuple[str, str], int]:
+) -> SmallSlices:
     """The tensors of ``kinds`` (stem, layout; by (stem, name)) whose every rank's slice is small enough to
     be moved to or from the rank that writes or reads it rather than written or read where it lies
     (below ``costs.small_below`` bytes in the file's dtype: ``files``' tensor, by (stem, name); one it
-    lacks is not moved), with the slice's elements: the sliced groups (ZeRO-3, FSDP2) of the ``world``
-    ranks the exchange runs over (not HSDP's shard groups, whose replicas hold the same slices). The
-    same on every rank. Pure."""
-    out: dict[tuple[str, str], int] = {}
+    lacks is not moved), with where each lies and the slice's elements: the sliced groups (ZeRO-3,
+    FSDP2) of the ``world`` ranks the exchange runs over (not HSDP's shard groups, whose replicas hold
+    the same slices). The same on every rank. Pure."""
+    rows = []
     below = costs.small_below
     for stem, layout in kinds:
         for group in layout.groups:
@@ -1084,6 +1124,16 @@ def small_slices(
             for slot in group.params:
                 key, per = (stem, slot.name), slot.slice_numel
                 found = files.get(key)
-                if found is not None and per * found.dtype.itemsize < below:
-                    out[key] = per
-    return out
+                if found is None:
+                    continue
+                if isinstance(found, Placed):  # unpacked: 160,000 a 3.9B-parameter training state's at 1,024 ranks
+                    file, _, start, entry = found
+                    shape, dtype = entry.shape, entry.dtype
+                else:
+                    file, dtype, shape, start = found
+                if per * dtype.itemsize < below:
+                    rows.append((key, file, start, per, dtype.itemsize, math.prod(shape)))
+    if not rows:
+        return SmallSlices([], [], [], [], [], [])
+    keys, in_file, starts, slices, sizes, numel = zip(*rows)
+    return SmallSlices(list(keys), list(in_file), list(starts), list(slices), list(sizes), list(numel))

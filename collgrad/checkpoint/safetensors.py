@@ -248,6 +248,9 @@ def refused(where: str, reason: str) -> CheckpointError:
 _Columns = tuple[list[str], list[torch.dtype], list[tuple[int, ...]], list[int]]
 
 
+_stored = _compat.maker(Stored)
+
+
 class MetadataFiles:
     """Where a checkpoint's metadata is read from (its index, a training state's manifest, each file's
     header): the files themselves. A load's group reads it once (``agree.metadata_once``): its first rank
@@ -270,7 +273,7 @@ class MetadataFiles:
         if found is not None:
             (names, dtypes, shapes, starts), header = found
             at = zip(itertools.repeat(path), dtypes, shapes, starts)
-            return dict(zip(names, map(Stored._make, at))), header
+            return dict(zip(names, map(_stored, at))), header
         tensors, header = parse_header(path, text, size)
         values = tensors.values()
         dtypes, shapes, starts = (list(map(operator.itemgetter(k), values)) for k in (1, 2, 3))

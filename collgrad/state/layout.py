@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 
+from collgrad._compat import maker
 from collgrad.backends.ops import ValueEnum
 
 __all__ = [
@@ -175,6 +176,9 @@ class Fragment(NamedTuple):
     numel: int
 
 
+_fragment = maker(Fragment)
+
+
 def owned_fragments(group: LayoutGroup, rank_in_group: int) -> tuple[Fragment, ...]:
     """The parts of each parameter this rank holds (padding excluded), in parameter order. Over all
     ranks, every element of every parameter is held exactly once. Costs what the rank holds: a
@@ -187,7 +191,7 @@ def owned_fragments(group: LayoutGroup, rank_in_group: int) -> tuple[Fragment, .
         return tuple(f for f in found if f is not None)
     if group.kind is Partitioning.SLICED:  # fragment_of's slices, without a call a parameter (40,000 a kind)
         return tuple(
-            Fragment(k, start, p.offset, min(p.slice_numel, p.numel - start))
+            _fragment((k, start, p.offset, min(p.slice_numel, p.numel - start)))
             for k, p in enumerate(group.params)
             if p.slice_numel and (start := rank_in_group * p.slice_numel) < p.numel
         )

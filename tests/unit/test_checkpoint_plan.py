@@ -24,6 +24,7 @@ from collgrad.checkpoint.plan import (
     Holding,
     IoCosts,
     Ranges,
+    SmallSlices,
     exchanged_reads,
     exchanged_writes,
     holdings,
@@ -32,6 +33,7 @@ from collgrad.checkpoint.plan import (
     lay_out,
     read_items,
     shared_reads,
+    small_slices,
     split_reads,
     turn_runs,
     write_items,
@@ -411,6 +413,11 @@ EXCHANGED = (
 )
 
 
+def _below(threshold: int) -> IoCosts:
+    """Costs under which a slice of fewer than ``threshold`` bytes is small (``IoCosts.small_below``)."""
+    return IoCosts(call_seconds=float(threshold), network_bytes_per_second=1.0, piece_seconds=0.0)
+
+
 def _segmented(lengths, values: list[bytes]) -> bytes:
     """What a rank sends in an exchange: per destination, its status (``STATUS`` zero bytes) and then the
     values of its items for that destination (``values``, in order, filling each segment in turn)."""
@@ -443,13 +450,13 @@ def test_small_pieces_exchanged_every_byte_written_once_with_its_holders_values(
     exactly once, each with the value its holder holds; every run a contiguous range of one file."""
     layout = _layout([k for k, _ in groups], [s for _, s in groups], world)
     files = lay_out({"model": _entries(layout, [], dtype)}, shard)
-    size = dtype.itemsize
-    small = {
-        ("model", p.name): p.slice_numel
+    small = small_slices([("model", layout)], files.placed, _below(threshold), world)
+    assert set(small.keys) == {
+        ("model", p.name)
         for g in layout.groups
         if g.kind is Partitioning.SLICED
         for p in g.params
-        if p.slice_numel * size < threshold
+        if p.slice_numel * dtype.itemsize < threshold
     }
     planned = []
     for rank in range(world):
@@ -468,7 +475,7 @@ def test_small_pieces_exchanged_every_byte_written_once_with_its_holders_values(
             if item.held is None:
                 put(item.file, 0, files.headers()[item.file])
             else:
-                assert (item.kind, item.tensor) not in small
+                assert (item.kind, item.tensor) not in small.keys
                 put(item.file, item.offset, _values(item.tensor, item.ranges.start, item.ranges.numel, dtype))
     for w in range(len(planned[0][1])):
         windows = [exchanges[w] for _, exchanges in planned]
@@ -513,14 +520,7 @@ def test_small_pieces_read_by_one_rank_each_reach_exactly_their_holders(groups, 
     for (_, name), place in files.placed.items():
         data = _values(name, 0, place.entry.numel, dtype)
         content[place.file][place.offset : place.offset + len(data)] = data
-    small = {
-        (kind, p.name): p.slice_numel
-        for g in layout.groups
-        if g.kind is Partitioning.SLICED
-        for p in g.params
-        if p.slice_numel * dtype.itemsize < threshold
-        for kind in ("model", "fp32")
-    }
+    small = small_slices([("model", layout), ("fp32", layout)], stored, _below(threshold), world)
     own, planned = [], []
     for rank in range(world):
         ranks = [rank] * len(layout.groups)
@@ -553,8 +553,8 @@ def test_small_pieces_read_by_one_rank_each_reach_exactly_their_holders(groups, 
                 taken[d].append(item)
     for rank, (direct, _) in enumerate(planned):
         assert sorted(direct + taken[rank]) == sorted(own[rank])  # exactly its holdings, each once
-        assert not any((i.kind, i.tensor) in small for i in direct)
-    expected = {(s.file, b) for t, s in stored.items() if t in small for b in range(s.start, s.start + s.nbytes)}
+        assert not any((i.kind, i.tensor) in small.keys for i in direct)
+    expected = {(s.file, b) for t, s in stored.items() if t in small.keys for b in range(s.start, s.start + s.nbytes)}
     assert set(read_count) == expected and all(c == 1 for c in read_count.values())
 
 
@@ -568,7 +568,8 @@ def test_a_tensor_a_rank_reads_whole_anyway_is_not_exchanged_for_its_slices():
     weights = StateLayout("w", (_replicated_group(0, shapes[:1], world),), ("g0.p0",))
     files = lay_out({"model": _entries(masters, [], torch.float32)}, 10**6)
     stored = {(kind, n): s for n, s in _stored(files).items() for kind in ("model", "fp32")}
-    small = {("fp32", p.name): p.slice_numel for p in sliced.params}
+    small = small_slices([("fp32", masters)], stored, IoCosts(), world)  # every slice: a few bytes
+    assert small.keys == [("fp32", p.name) for p in sliced.params]
     for rank in range(world):
         held = holdings("model", 0, weights, [rank]) + holdings("fp32", 1, masters, [rank])
         split = split_reads(stored, held, rank, world, False, 0, small)
@@ -643,7 +644,10 @@ def test_a_tensor_of_no_elements_where_the_next_one_starts_leaves_its_bytes_exch
     world = 2
     layout = _layout(["sliced"], [[(0,), (8,), (3,)]], world)
     files = lay_out({"model": _entries(layout, [], torch.float32)}, 1 << 20)
-    small = {("model", p.name): p.slice_numel or 4 for p in layout.groups[0].params}  # 4: the empty one's
+    places = [(files.placed[("model", p.name)], p) for p in layout.groups[0].params]
+    small = SmallSlices(  # the empty one given 4 elements a rank
+        *map(list, zip(*((("model", p.name), at.file, at.offset, p.slice_numel or 4, 4, p.numel) for at, p in places)))
+    )
     counts = {file: [0] * shard.size for named in files.shards.values() for file, shard in named}
     for rank in range(world):
         items = write_items(files, holdings("model", 0, layout, [rank]), rank, world)
