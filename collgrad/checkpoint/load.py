@@ -155,13 +155,11 @@ def load_full_model(
                 differ = _differing(checked, planned, metadata.get()[1].get())
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
-    # what every rank must share: its arguments, and the checkpoint as it sees it (names, dtypes, shapes: all
-    # of them; an expert-parallel rank loads its own experts only)
-    seen = (
-        None if checked is None else sorted((n, str(s.dtype), s.shape) for n, s in checked.checkpoint.tensors.items())
-    )
+    # what every rank must share: its arguments, and the checkpoint as it sees it (every tensor's name, file,
+    # dtype, shape and place, all of them: an expert-parallel rank loads its own experts only)
+    seen = None if checked is None else checked.checkpoint.digest
     compared = (
-        "arguments or checkpoints (path, strict, params; or the files' names, dtypes and shapes; or the costs of "
+        "arguments or checkpoints (path, strict, params; or the files: their names and headers; or the costs of "
         "its I/O: the file system it lies on, COLLGRAD_IO_CALL_SECONDS, COLLGRAD_NETWORK_BYTES_PER_SECOND, "
         "COLLGRAD_SHARED_READ_BYTES)"
     )

@@ -30,6 +30,7 @@ import operator
 import os
 import re
 import struct
+import zlib
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -231,12 +232,17 @@ class Stored(NamedTuple):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Every tensor of a checkpoint by name, every file it spans, and the bytes of headers read."""
+    """Every tensor of a checkpoint by name, every file it spans, and the bytes of headers read; its
+    ``digest``: what the ranks compare to know they see the same checkpoint (every tensor's name, file,
+    dtype, shape and place), a CRC-32 of its map of names to files and of each file's name and checked
+    header, with no step a tensor (a 3.9B-parameter training state's 200,000 tensors listed, sorted
+    and hashed were 0.27 s of every rank's load)."""
 
     directory: str
     files: tuple[str, ...]
     tensors: Mapping[str, Stored]
     header_bytes: int
+    digest: int
 
 
 def refused(where: str, reason: str) -> CheckpointError:
@@ -399,6 +405,12 @@ def read_header(path: str) -> tuple[dict[str, Stored], int]:
     """The tensors of the safetensors file ``path`` and the size of its header (8 + N), every entry
     checked against the file (see the module's docstring); read through ``metadata_files()``.
     CheckpointError otherwise. Local."""
+    tensors, header, _ = _header(path)
+    return tensors, header
+
+
+def _header(path: str) -> tuple[dict[str, Stored], int, int]:
+    """``read_header``'s tensors and size, and the CRC-32 of the header's bytes."""
     files = metadata_files()
     try:
         size, first = files.header(path)
@@ -409,7 +421,14 @@ def read_header(path: str) -> tuple[dict[str, Stored], int]:
     (length,) = struct.unpack("<Q", first[:8])
     if length > MAX_HEADER_BYTES or 8 + length > size:
         raise refused(path, f"the header claims {length} bytes, the file has {size}")
-    return files.parsed(path, first[8:], size)
+    tensors, header = files.parsed(path, first[8:], size)
+    return tensors, header, zlib.crc32(first)
+
+
+def _digest(name: str, header: int, crc: int, digest: int = 0) -> int:
+    """``digest`` (a ``Checkpoint``'s) carried on over a file the checkpoint names ``name``: its header's
+    size and the CRC-32 of its bytes (checked against the file, they fix the file's size and tensors)."""
+    return zlib.crc32(f"{name}\0{header}\0{crc}\0".encode(), digest)
 
 
 @_compat.uncollected
@@ -438,7 +457,7 @@ def parse_header(path: str, text: bytes, size: int) -> tuple[dict[str, Stored], 
             raise refused(path, f"{name!r} lies at bytes [{begin}, {end}) of a data section of {data_size}")
         if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
             raise refused(path, f"{name!r}: {end - begin} bytes for shape {list(shape)} of {dtype}")
-        out[name] = Stored(path, dtype, shape, data_start + begin)
+        out[name] = _stored((path, dtype, shape, data_start + begin))  # in C (maker): 40,000 a header
         spans.append((begin, end, name))
         ordered, last = ordered and begin >= last, end
     at = 0
@@ -497,8 +516,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     write), or one ``.safetensors`` file; every header checked. CheckpointError otherwise. Local."""
     path = os.fspath(path)
     if os.path.isfile(path):
-        tensors, header = read_header(path)
-        return Checkpoint(os.path.dirname(os.path.abspath(path)), (path,), tensors, header)
+        return _single(os.path.dirname(os.path.abspath(path)), path)
     if not os.path.isdir(path):
         raise refused(path, "no such file or directory")
     index = os.path.join(path, INDEX_NAME)
@@ -506,9 +524,14 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         single = os.path.join(path, SINGLE_NAME)
         if not os.path.isfile(single):
             raise refused(path, f"holds neither {SINGLE_NAME} nor {INDEX_NAME}")
-        tensors, header = read_header(single)
-        return Checkpoint(path, (single,), tensors, header)
+        return _single(path, single)
     return open_mapped(path, _weight_map(index), index)
+
+
+def _single(directory: str, file: str) -> Checkpoint:
+    """The checkpoint of the one file ``file``: every tensor its header holds."""
+    tensors, header, crc = _header(file)
+    return Checkpoint(directory, (file,), tensors, header, _digest(os.path.basename(file), header, crc))
 
 
 def model_files(path: str) -> tuple[str, ...]:
@@ -529,16 +552,18 @@ def open_mapped(path: str, weight_map: Mapping[str, str], index: str) -> Checkpo
     otherwise. Local."""
     files = {shard: inside(path, shard, index) for shard in dict.fromkeys(weight_map.values())}
     headers, header_bytes = {}, 0
+    digest = zlib.crc32("\0".join(weight_map.values()).encode(), zlib.crc32("\0".join(weight_map).encode()))
     for shard, file in files.items():
-        headers[shard], size = read_header(file)
+        headers[shard], size, crc = _header(file)
         header_bytes += size
+        digest = _digest(shard, size, crc, digest)
     tensors = {}
     for name, shard in weight_map.items():
         found = headers[shard].get(name)
         if found is None:
             raise refused(index, f"names {name!r} in {shard}, whose header does not hold it")
         tensors[name] = found
-    return Checkpoint(path, tuple(files.values()), tensors, header_bytes)
+    return Checkpoint(path, tuple(files.values()), tensors, header_bytes, digest)
 
 
 def _weight_map(index: str) -> dict[str, str]:

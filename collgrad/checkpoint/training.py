@@ -695,7 +695,7 @@ def load_training_state(
     except (CollgradError, OSError, ValueError, TypeError, KeyError) as caught:
         error = caught
     compared = (
-        "arguments or checkpoints (directory, strict; or the files' names, dtypes and shapes; or the costs of its "
+        "arguments or checkpoints (directory, strict; or the files: their names and headers; or the costs of its "
         "I/O: the file system it lies on, COLLGRAD_IO_CALL_SECONDS, COLLGRAD_NETWORK_BYTES_PER_SECOND, "
         "COLLGRAD_SHARED_READ_BYTES)"
     )
@@ -851,13 +851,8 @@ def _match(
     _check_groups(where, manifest, view, _spread(weights))
     param_states = _param_states(where, manifest, view, {n: whole[n] for n in loaded})
     # what every rank must see alike: every tensor of the checkpoint (a rank loads only its own experts
-    # of a MoE layer spread over expert-parallel ranks), and what did not match
-    listing = ((k, n, s) for k, c in checkpoints.items() for n, s in c.tensors.items())
-    seen: list[object] = [
-        sorted((k, n, str(s.dtype), s.shape, os.path.basename(s.file)) for k, n, s in listing),
-        missing,
-        unexpected,
-    ]
+    # of a MoE layer spread over expert-parallel ranks: Checkpoint.digest), and what did not match
+    seen: list[object] = [sorted((k, c.digest) for k, c in checkpoints.items()), missing, unexpected]
     kept = [(n, b) for n, b in buffers.items() if n in stored_weights]
     tensors = len(taken) + len(kept)
     return _Matched(sources, stored, kept, tensors, param_states, seen, tuple(missing), tuple(unexpected))

@@ -282,6 +282,10 @@ def _refusals(eng, rank, world, root):
         path = directory if os.path.isdir(directory) or case == "no_such_path" else f"{directory}.safetensors"
         strict = case != "wrong_shape_not_strict"
         out[case] = attempt(lambda path=path, strict=strict: collgrad.load_full_model(eng, path, strict=strict))
+    # ranks that see other files (the same tensors, names, dtypes and shapes, laid out otherwise: a directory
+    # that is not shared): the places each would read for another differ, refused on every rank
+    single, sharded = os.path.join(root, f"single-{world}.safetensors"), os.path.join(root, f"sharded-{world}")
+    out["other_files"] = attempt(lambda: collgrad.load_full_model(eng, single if rank == 0 else sharded))
     after = _state(eng)
     out["unchanged"] = all(_same(a, b) for a, b in zip(before[:2], after[:2])) and torch.equal(before[2], after[2])
     # strict=False: what matches is loaded, the rest named
@@ -428,6 +432,16 @@ def test_a_bad_checkpoint_is_refused_on_every_rank(results, case):
         got = res["refusals"][case]
         assert got["error"] == "CheckpointError" and "ValueError" in got["is_a"], (rank, got)
         assert REFUSED[case] in got["message"] and got["seconds"] < 10, (rank, got)
+
+
+def test_ranks_that_see_other_files_are_refused_on_every_rank(results):
+    """``Checkpoint.digest``, what the ranks compare: the same tensors in one file on rank 0 and in shards on
+    the others are other checkpoints (a shared read would take bytes from places another rank lacks)."""
+    _, per_rank = results
+    for rank, res in enumerate(per_rank):
+        got = res["refusals"]["other_files"]
+        assert got["error"] == "ArgumentMismatchError", (rank, got)
+        assert "their names and headers" in got["message"] and got["seconds"] < 10, (rank, got)
 
 
 def test_the_model_is_unchanged_by_every_refusal(results):

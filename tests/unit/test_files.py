@@ -143,6 +143,47 @@ def test_a_directory_without_a_checkpoint_or_with_a_broken_index_is_refused(tmp_
         open_checkpoint(tmp_path)
 
 
+def test_a_checkpoints_digest_is_its_tensors_names_files_dtypes_shapes_and_places(tmp_path):
+    """``Checkpoint.digest``, what the ranks of a load compare: the same for a copy elsewhere (another mount
+    of the same files); another for a tensor of another shape, dtype or name, for the same tensors laid out
+    otherwise (sharded) and for an index that maps a name to another file."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.zeros(4), "b": torch.ones(2, 3)}
+
+    def saved(name: str, values: dict[str, torch.Tensor]) -> int:
+        (tmp_path / name).mkdir()
+        save_file(values, str(tmp_path / name / "model.safetensors"))
+        return open_checkpoint(tmp_path / name).digest
+
+    first = saved("first", tensors)
+    shutil.copytree(tmp_path / "first", tmp_path / "copy")
+    assert open_checkpoint(tmp_path / "copy").digest == first
+    assert open_checkpoint(tmp_path / "copy" / "model.safetensors").digest == first
+    others = {
+        "shape": {"a": torch.zeros(2, 2), "b": torch.ones(2, 3)},
+        "dtype": {"a": torch.zeros(4, dtype=torch.float64), "b": torch.ones(2, 3)},
+        "name": {"c": torch.zeros(4), "b": torch.ones(2, 3)},
+    }
+    digests = {first} | {saved(name, values) for name, values in others.items()}
+    assert len(digests) == 4
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"a": tensors["a"]}, str(sharded / "model-00001-of-00002.safetensors"))
+    save_file({"b": tensors["b"]}, str(sharded / "model-00002-of-00002.safetensors"))
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    split = open_checkpoint(sharded).digest
+    assert split not in digests
+    save_file({"a": tensors["a"], "b": tensors["b"]}, str(sharded / "model-00002-of-00002.safetensors"))
+    index["weight_map"]["b"] = "model-00002-of-00002.safetensors"
+    index["weight_map"]["a"] = "model-00002-of-00002.safetensors"  # the same tensors, mapped to another file
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert open_checkpoint(sharded).digest not in digests | {split}
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.integers(1, 40), st.lists(st.tuples(st.integers(0, 39), st.integers(1, 40)), min_size=1, max_size=6))
 def test_the_planned_reads_cover_every_target_once(numel, wanted):
