@@ -85,6 +85,7 @@ class LoadedModel:
     bytes_sent: int = 0
 
 
+@_compat.uncollected  # the whole job: its allocations set off full collections of the heap
 def load_full_model(
     model: object,
     path: str | os.PathLike[str],

@@ -147,16 +147,41 @@ def _deduplicated(states: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     of: dict[str, int] = {}
     by_text: dict[str, int] = {}
     by_id: dict[int, int] = {}
+    by_value: dict[tuple[Any, ...], int] = {}  # a state seen before, by its values: not encoded again
     for name, held in states.items():
         index = by_id.get(id(held))
         if index is None:
-            encoded = encode(dict(held), f"the optimizer's state of {name}")
-            index = by_text.setdefault(json.dumps(encoded, sort_keys=True), len(values))
-            if index == len(values):
-                values.append(encoded)
+            key = _values_key(held)
+            index = by_value.get(key) if key is not None else None
+            if index is None:
+                encoded = encode(dict(held), f"the optimizer's state of {name}")
+                index = by_text.setdefault(json.dumps(encoded, sort_keys=True), len(values))
+                if index == len(values):
+                    values.append(encoded)
+                if key is not None:
+                    by_value[key] = index
             by_id[id(held)] = index
         of[name] = index
     return {"values": values, "of": of}
+
+
+def _values_key(held: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """What ``encode`` gives ``held``, told apart cheaply where its values are numbers, strings and tensors
+    (Adam's step counts: a 0-d tensor a parameter, 40,000 of them for a 3.9B-parameter model, each
+    encoded and dumped took ~8 us): equal keys, equal encodings (a value's type, a tensor's dtype and
+    shape, ``repr`` of the values, which tells -0.0 from 0.0 where ``==`` does not). None for anything
+    else (encoded, then told apart by its JSON)."""
+    out: list[Any] = []
+    for k, v in held.items():
+        if isinstance(v, torch.Tensor):
+            if v.numel() > MAX_JSON_TENSOR:
+                return None
+            out.append((k, v.dtype, tuple(v.shape), repr(v.tolist())))
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            out.append((k, type(v), repr(v)))
+        else:
+            return None
+    return tuple(out)
 
 
 def encode(value: Any, what: str) -> Any:

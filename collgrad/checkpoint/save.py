@@ -93,6 +93,7 @@ class SavedModel:
         return bool(self.written_here) and self.written_here[0] == self.files[0]
 
 
+@_compat.uncollected  # the whole job: its allocations set off full collections of the heap
 def save_full_model(
     model: object,
     directory: str | os.PathLike[str],

@@ -288,6 +288,7 @@ def file_names(generation: str, stems: Iterable[str]) -> dict[str, str]:
 # -------------------------------------------------------------------------------------------------- save
 
 
+@_compat.uncollected  # the whole job: its allocations set off full collections of the heap
 def save_training_state(
     model: object,
     directory: str | os.PathLike[str],
@@ -630,6 +631,7 @@ def _manifest(model: adapters.Model, held: _Held, files: Files, generation: str,
 # -------------------------------------------------------------------------------------------------- load
 
 
+@_compat.uncollected  # the whole job: its allocations set off full collections of the heap
 def load_training_state(
     model: object,
     directory: str | os.PathLike[str],
