@@ -173,8 +173,10 @@ def _values_key(held: Mapping[str, Any]) -> tuple[Any, ...] | None:
     else (encoded, then told apart by its JSON)."""
     out: list[Any] = []
     for k, v in held.items():
+        if type(k) is not str:  # True, 1 and 1.0 are one key of a dict, three of the JSON
+            return None
         if isinstance(v, torch.Tensor):
-            if v.numel() > MAX_JSON_TENSOR:
+            if v.numel() > MAX_JSON_TENSOR or v.dtype not in SAFE_DTYPES:  # encode() refuses it, by name
                 return None
             out.append((k, v.dtype, tuple(v.shape), repr(v.tolist())))
         elif v is None or isinstance(v, (bool, int, float, str)):

@@ -181,7 +181,9 @@ def _group_holdings(kind: str, source: int, group: LayoutGroup, rank: int) -> li
             for k, slot in enumerate(params)
         ]
     return [  # made in C (maker): a tensor a kind, 160,000 a 3.9B-parameter training state's
-        _holding((kind, params[param].name, _ranges((at, numel, 1, 0)), _held((source, index, -1, local)), False, ""))
+        _holding(
+            (kind, params[param].name, _ranges((at, numel, 1, 0)), _held((source, index, -1, local)), False, EVERY_RANK)
+        )
         for param, at, local, numel in owned_fragments(group, rank)
         if numel
     ]
@@ -992,14 +994,14 @@ class ReadExchange(NamedTuple):
 
 @uncollected
 def exchanged_reads(
-    stored: Mapping[tuple[str, str], Stored],
     items: Sequence[ReadItem],
     small: SmallSlices,
     index: int,
     world: int,
     window_bytes: int | None = None,
 ) -> tuple[list[ReadItem], list[ReadExchange]]:
-    """``items`` (rank ``index``'s own reads) with the slices of the tensors ``small`` names read by the
+    """``items`` (rank ``index``'s own reads) with the slices of the tensors ``small`` names (``small_slices``
+    of the checkpoint's tensors: where each lies in its file) read by the
     ranks whose turn their bytes are and sent to their holders (``exchanged_writes`` the other way
     round; each stored tensor read and sent once, put into every kind that takes it with the same
     slices; windows as there). The same windows on every rank. Returns the items still read where they
@@ -1072,7 +1074,7 @@ def split_reads(
     whole = {(i.file, i.offset) for i in left if not _is_slice(i.held) and i.ranges.numel == math.prod(i.shape)}
     if whole:
         small = small.without(whole)
-    own, exchanged = exchanged_reads(stored, left, small, index, world)
+    own, exchanged = exchanged_reads(left, small, index, world)
     windows = shared_reads(shared, world) if shared else []
     own, from_turn = in_turn(own, windows, index)
     return SplitReads(own, windows, from_turn, exchanged)

@@ -551,12 +551,17 @@ def open_mapped(path: str, weight_map: Mapping[str, str], index: str) -> Checkpo
     inside ``path`` and every header checked, every name found in its file's header. CheckpointError
     otherwise. Local."""
     files = {shard: inside(path, shard, index) for shard in dict.fromkeys(weight_map.values())}
-    headers, header_bytes = {}, 0
-    digest = zlib.crc32("\0".join(weight_map.values()).encode(), zlib.crc32("\0".join(weight_map).encode()))
+    headers: dict[str, dict[str, Stored]] = {}
+    checked: dict[str, tuple[int, int]] = {}  # each file's header's size and CRC-32
     for shard, file in files.items():
         headers[shard], size, crc = _header(file)
-        header_bytes += size
+        checked[shard] = size, crc
+    # the same whatever order the index lists its map in
+    digest = zlib.crc32("\0".join(f"{name}\1{file}" for name, file in sorted(weight_map.items())).encode())
+    for shard in sorted(checked):
+        size, crc = checked[shard]
         digest = _digest(shard, size, crc, digest)
+    header_bytes = sum(size for size, _ in checked.values())
     tensors = {}
     for name, shard in weight_map.items():
         found = headers[shard].get(name)

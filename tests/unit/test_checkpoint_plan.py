@@ -526,7 +526,7 @@ def test_small_pieces_read_by_one_rank_each_reach_exactly_their_holders(groups, 
         ranks = [rank] * len(layout.groups)
         items = read_items(stored, holdings("model", 0, layout, ranks) + holdings("fp32", 1, layout, ranks))
         own.append(items)
-        planned.append(exchanged_reads(stored, items, small, rank, world, window))
+        planned.append(exchanged_reads(items, small, rank, world, window))
     read_count: dict[tuple[str, int], int] = {}
     taken: list[list] = [[] for _ in range(world)]
     for w in range(len(planned[0][1])):

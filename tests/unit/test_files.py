@@ -145,8 +145,9 @@ def test_a_directory_without_a_checkpoint_or_with_a_broken_index_is_refused(tmp_
 
 def test_a_checkpoints_digest_is_its_tensors_names_files_dtypes_shapes_and_places(tmp_path):
     """``Checkpoint.digest``, what the ranks of a load compare: the same for a copy elsewhere (another mount
-    of the same files); another for a tensor of another shape, dtype or name, for the same tensors laid out
-    otherwise (sharded) and for an index that maps a name to another file."""
+    of the same files, an index listing the same map in another order); another for a tensor of another
+    shape, dtype or name, for the same tensors laid out otherwise (sharded) and for an index that maps a
+    name to another file."""
     import shutil
 
     from safetensors.torch import save_file
@@ -177,6 +178,9 @@ def test_a_checkpoints_digest_is_its_tensors_names_files_dtypes_shapes_and_place
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     split = open_checkpoint(sharded).digest
     assert split not in digests
+    index["weight_map"] = dict(reversed(index["weight_map"].items()))  # the same map, listed otherwise
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert open_checkpoint(sharded).digest == split
     save_file({"a": tensors["a"], "b": tensors["b"]}, str(sharded / "model-00002-of-00002.safetensors"))
     index["weight_map"]["b"] = "model-00002-of-00002.safetensors"
     index["weight_map"]["a"] = "model-00002-of-00002.safetensors"  # the same tensors, mapped to another file

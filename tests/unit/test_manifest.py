@@ -41,6 +41,7 @@ def test_states_are_kept_once_per_value_and_read_back_as_they_were(tmp_path):
     back = read_manifest(str(tmp_path)).param_states
     assert set(back) == set(states)  # (the manifest lists them by name, sorted)
     for name, held in states.items():
+        assert [(type(k), k) for k in back[name]] == [(type(k), k) for k in held], name
         for key, value in held.items():
             got = back[name][key]
             if isinstance(value, torch.Tensor):
