@@ -225,11 +225,6 @@ class Placed(NamedTuple):
     offset: int
     entry: Entry
 
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype it is written in."""
-        return self.entry.dtype
-
 
 @dataclass(frozen=True)
 class Files:
@@ -1001,11 +996,11 @@ def exchanged_reads(
     window_bytes: int | None = None,
 ) -> tuple[list[ReadItem], list[ReadExchange]]:
     """``items`` (rank ``index``'s own reads) with the slices of the tensors ``small`` names (``small_slices``
-    of the checkpoint's tensors: where each lies in its file) read by the
-    ranks whose turn their bytes are and sent to their holders (``exchanged_writes`` the other way
-    round; each stored tensor read and sent once, put into every kind that takes it with the same
-    slices; windows as there). The same windows on every rank. Returns the items still read where they
-    lie and the windows. Each rank ends with exactly its holdings. Pure."""
+    of the checkpoint's tensors: where each lies in its file) read by the ranks whose turn their bytes
+    are and sent to their holders (``exchanged_writes`` the other way round; each stored tensor read and
+    sent once, put into every kind that takes it with the same slices; windows as there). The same
+    windows on every rank. Returns the items still read where they lie and the windows. Each rank ends
+    with exactly its holdings. Pure."""
     if world == 1 or not small.keys:
         return list(items), []
     files = {file: k for k, file in enumerate(sorted(set(small.file)))}
